@@ -1,0 +1,1 @@
+"""v41plan.planner."""
