@@ -1,0 +1,237 @@
+"""Exact V4.1 quantizers, storage-format packing and weight dequantization.
+
+Every fake quantizer returns values on its grid in the input's dtype (bf16, float32 or float64);
+the grids are exactly representable in bf16, so caches may hold them in bf16 buffers. Block
+scales are always computed in float32, as the published kernels do. Rounding is done by
+explicit arithmetic (``frexp``/``ldexp`` and round-half-even), so float32 and float64 inputs
+round identically and no dtype cast can round twice.
+
+``set_fake_quant(False)`` / ``fake_quant(False)`` turn the activation and cache quantizers off
+(for float64 parity tests); weight storage formats are unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FP8_AMAX_FLOOR = 1e-4
+FP4_E8M0_AMAX_FLOOR = 6.0 * 2.0**-126
+FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""E2M1 magnitudes by code (bit 3 is the sign)."""
+
+_ENABLED = True
+
+
+def set_fake_quant(enabled: bool) -> None:
+    """Turn the fake (activation/cache) quantizers on or off globally."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def fake_quant_enabled() -> bool:
+    """True when the fake quantizers round (the default)."""
+    return _ENABLED
+
+
+@contextlib.contextmanager
+def fake_quant(enabled: bool) -> Iterator[None]:
+    """Context manager form of ``set_fake_quant``; restores the previous setting."""
+    prev = _ENABLED
+    set_fake_quant(enabled)
+    try:
+        yield
+    finally:
+        set_fake_quant(prev)
+
+
+# --- primitives ----------------------------------------------------------------------------
+
+
+def pow2ceil(a: torch.Tensor) -> torch.Tensor:
+    """``2**ceil(log2(a))`` for positive normal float32 ``a``, from the fp32 bit pattern."""
+    bits = a.to(torch.float32).contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp << 23).view(torch.float32)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype quantizer arithmetic runs in: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _round_minifloat(y: torch.Tensor, mant_bits: int, min_exp: int, max_val: float) -> torch.Tensor:
+    """Round to a sign-magnitude minifloat grid, nearest, ties to even; saturates at ``max_val``.
+
+    Runs in float32 (float64 for float64 input) and returns that dtype.
+    """
+    y = y.to(_acc(y.dtype)).clamp(-max_val, max_val)
+    _, e = torch.frexp(y)  # |y| = m * 2**e with m in [0.5, 1): floor(log2|y|) = e - 1
+    e = torch.clamp(e - 1, min=min_exp)
+    step_exp = (e - mant_bits).to(torch.int32)
+    q = torch.round(torch.ldexp(y, -step_exp))  # exact scaling by a power of two
+    return torch.ldexp(q, step_exp).clamp(-max_val, max_val)
+
+
+def round_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """Round to the E4M3 (fn) grid: round-to-nearest-even, saturating at +-448."""
+    return _round_minifloat(y, 3, -6, E4M3_MAX)
+
+
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Round to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}: nearest, ties to the even code."""
+    return _round_minifloat(y, 1, 0, E2M1_MAX)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block {block}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _amax(xb: torch.Tensor, floor: float) -> torch.Tensor:
+    return xb.abs().amax(-1, keepdim=True).to(torch.float32).clamp_min(floor)
+
+
+# --- fake quantizers (activations and caches) ---------------------------------------------
+
+
+def fake_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 E4M3 with one pow2 (ue8m0) scale per ``block`` lanes, dequantized (``act_quant``)."""
+    if not _ENABLED:
+        return x
+    xb = _blocks(x, block).to(_acc(x.dtype))
+    s = pow2ceil(_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX).to(xb.dtype)
+    return (round_e4m3(xb / s) * s).reshape(x.shape).to(x.dtype)
+
+
+def fake_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4 E2M1 with one E8M0 (pow2) scale per ``block`` lanes (index q and k), dequantized."""
+    if not _ENABLED:
+        return x
+    xb = _blocks(x, block).to(_acc(x.dtype))
+    s = pow2ceil(_amax(xb, FP4_E8M0_AMAX_FLOOR) / E2M1_MAX).to(xb.dtype)
+    return (round_e2m1(xb / s) * s).reshape(x.shape).to(x.dtype)
+
+
+def fake_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """FP4 E2M1 with one E4M3 scale per ``block`` lanes (compressed main KV), dequantized."""
+    if not _ENABLED:
+        return x
+    xb = _blocks(x, block)
+    s = round_e4m3(_amax(xb, FP4_E4M3_AMAX_FLOOR) / E2M1_MAX)  # float32 E4M3 value
+    q = round_e2m1(xb.to(_acc(x.dtype)) / s)
+    return (q * s).to(x.dtype).reshape(x.shape)
+
+
+def quant_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 index plane's row format: E4M3 codes with one fp32 scale per last-dim row.
+
+    ``scale = max(amax, 1e-4) / 448`` in float32 (not rounded to a power of two). Returns the
+    code values (on the E4M3 grid, in ``x``'s dtype) and the scale ``[..., 1]`` (float32).
+    With the fake quantizers off the values are ``x`` and the scale is 1.
+    """
+    if not _ENABLED:
+        return x, torch.ones(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    scale = _amax(x, FP8_AMAX_FLOOR) / E4M3_MAX
+    return round_e4m3(x.to(_acc(x.dtype)) / scale).to(x.dtype), scale
+
+
+# --- storage formats ----------------------------------------------------------------------
+
+
+def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float scales -> E8M0 bytes (``torch.float8_e8m0fnu``)."""
+    bits = scale.to(torch.float32).contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (``float8_e8m0fnu`` or uint8) -> float32 powers of two."""
+    b = scale.contiguous().view(torch.uint8).to(torch.int32)
+    return (b << 23).view(torch.float32)
+
+
+def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
+    """Values already on the E4M3 grid -> ``torch.float8_e4m3fn`` bytes (exact)."""
+    return values.to(torch.float32).to(torch.float8_e4m3fn)
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """Values on the E2M1 grid ``[..., K]`` -> uint8 ``[..., K/2]``, even index in the low nibble."""
+    v = values.to(torch.float32)
+    mag = v.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for i, m in enumerate(E2M1_VALUES):
+        code = torch.where(mag == m, torch.tensor(i, dtype=torch.uint8), code)
+    code = code | (torch.signbit(v).to(torch.uint8) << 3)
+    code = code.reshape(*code.shape[:-1], code.shape[-1] // 2, 2)
+    return code[..., 0] | (code[..., 1] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8/int8 ``[..., K/2]`` -> float32 E2M1 values ``[..., K]`` (even index = low nibble)."""
+    p = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    table = torch.tensor(E2M1_VALUES + tuple(-m for m in E2M1_VALUES), dtype=torch.float32, device=p.device)
+    return table[codes.to(torch.long)]
+
+
+def quantize_fp8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows quantized to E4M3 with one E8M0 scale per ``block`` lanes (Engram tables).
+
+    Returns (``float8_e4m3fn`` ``[..., K]``, ``float8_e8m0fnu`` ``[..., K/block]``).
+    """
+    xb = _blocks(x.to(torch.float32), block)
+    s = pow2ceil(_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
+    q = round_e4m3(xb / s).reshape(x.shape)
+    return e4m3_encode(q), e8m0_encode(s.squeeze(-1))
+
+
+def dequant_fp8_blocks(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_fp8_blocks``."""
+    k = codes.shape[-1]
+    block = k // scale.shape[-1]
+    s = e8m0_decode(scale).repeat_interleave(block, dim=-1)
+    return (codes.to(torch.float32) * s).to(dtype)
+
+
+def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight ``[out, in]`` -> E4M3 + E8M0 scales ``[ceil(out/32), ceil(in/32)]`` (ue8m0)."""
+    out_f, in_f = w.shape
+    ro, ri = -(-out_f // block), -(-in_f // block)
+    pad = torch.zeros(ro * block, ri * block, dtype=torch.float32)
+    pad[:out_f, :in_f] = w.to(torch.float32)
+    tiles = pad.reshape(ro, block, ri, block).permute(0, 2, 1, 3)
+    s = pow2ceil(tiles.abs().amax(dim=(-1, -2)).clamp_min(FP8_AMAX_FLOOR) / E4M3_MAX)
+    q = round_e4m3(tiles / s[..., None, None]).permute(0, 2, 1, 3).reshape(ro * block, ri * block)
+    return e4m3_encode(q[:out_f, :in_f].contiguous()), e8m0_encode(s)
+
+
+def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 32) -> torch.Tensor:
+    """E4M3 weight ``[out, in]`` with ``block`` x ``block`` E8M0 scales -> ``dtype``."""
+    out_f, in_f = w.shape
+    s = e8m0_decode(scale).repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
+    return (w.to(torch.float32) * s).to(dtype)
+
+
+def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routed-expert weight ``[out, in]`` -> packed E2M1 int8 ``[out, in/2]`` + E8M0 ``[out, in/32]``."""
+    wb = _blocks(w.to(torch.float32), block)
+    s = pow2ceil(_amax(wb, FP4_E8M0_AMAX_FLOOR) / E2M1_MAX)
+    q = round_e2m1(wb / s).reshape(w.shape)
+    return pack_e2m1(q).view(torch.int8), e8m0_encode(s.squeeze(-1))
+
+
+def dequant_fp4_weight(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed E2M1 ``[out, in/2]`` with E8M0 per-32 scales ``[out, in/32]`` -> ``dtype`` ``[out, in]``."""
+    v = unpack_e2m1(packed)
+    block = v.shape[-1] // scale.shape[-1]
+    s = e8m0_decode(scale).repeat_interleave(block, dim=-1)
+    return (v * s).to(dtype)
