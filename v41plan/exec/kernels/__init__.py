@@ -1,0 +1,1 @@
+"""Kernel backends: the interface (``backend``) and its torch implementation (``torch_ref``)."""

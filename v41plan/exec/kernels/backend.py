@@ -1,0 +1,101 @@
+"""The kernel backend interface: one small op per pool-touching operation.
+
+Every op takes tensors and ints only (no Python objects that carry data, no callbacks), never
+calls ``.item()``, never syncs with the host and never produces a data-dependent shape, so a
+decode forward built from these ops can be captured. Every scatter bails on sentinels itself:
+a row with batch id / slot -1, a negative plan row or a position below its write bound is
+redirected to the pool's sink row and writes back what that row already holds.
+
+``torch_ref.TorchBackend`` implements the interface with plain torch (CPU, and the GPU
+baseline); Triton kernels and a ROCm backend implement the same methods.
+
+Shapes: ``T`` rows of the flat token batch (the graph key's ``running_tokens``), ``B``
+requests (``running_bs``), ``P`` block-table columns, ``K`` top-k width, ``W`` window.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class RingWrite(Protocol):
+    def ring_write(self, ring: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor, position: torch.Tensor,
+                   write_from: torch.Tensor, sink_slot: int) -> None:
+        """Write window-KV rows ``kv [T, head_dim]`` into one layer's rings ``ring [slots+1, R, width]``
+        at ``(slot[T], position mod R)``; rows with ``slot < 0`` or ``position < write_from[T]``
+        write nothing. Packs to the ring's format (bf16, or E4M3 + E8M0/32 bytes)."""
+
+
+class CompressGroups(Protocol):
+    def compress_groups(self, values: torch.Tensor, scores: torch.Tensor, position: torch.Tensor,
+                        slot: torch.Tensor, first_row: torch.Tensor, last_row: torch.Tensor,
+                        tail_values: torch.Tensor, tail_scores: torch.Tensor, sink_slot: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio-2 compressor tails: every row's fp32 projections ``values/scores [T, d]`` are
+        paired with the group's first token, taken from the forward (row - 1) or, at a
+        request's first row, from the slot's tail. Returns ``(pair_values, pair_scores)
+        [T, 2, d]`` (meaningful on rows whose position is odd), then stores each request's
+        last row into its tail when its group is incomplete. ``first_row``/``last_row [T]``
+        flag a request's first and last rows in this forward."""
+
+
+class MainScatter(Protocol):
+    def main_scatter(self, plane: torch.Tensor, latent: torch.Tensor, page: torch.Tensor,
+                     row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
+        """Store compressed latents ``latent [T, d]`` (already on the model's grid) at
+        ``(page, row)`` of a main plane; rows with ``keep`` false (not a group boundary, a group
+        ending below ``write_from``, a sentinel) write nothing. bf16 or FP4 E2M1 + E4M3/16."""
+
+
+class IndexKeyStore(Protocol):
+    def index_key_store(self, planes: tuple[torch.Tensor, ...], key: torch.Tensor, page: torch.Tensor,
+                        row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
+        """Quantize normalized, rotated index keys ``key [T, d_ih]`` to the plane format and store
+        them (fp8: E4M3 + fp32 row scale; fp4: E2M1 values and E8M0/32 scales, two planes)."""
+
+
+class Scorer(Protocol):
+    def score_topk(self, planes: tuple[torch.Tensor, ...], q: torch.Tensor, weights: torch.Tensor,
+                   bound: torch.Tensor, pages: torch.Tensor, topk: int,
+                   candidates: torch.Tensor | None) -> torch.Tensor:
+        """Score every query row ``q [T, H, d_ih]`` (rotated, not rounded: the scorer quantizes
+        it to the plane's grid) against the index rows of its own page list ``pages [T, P]``
+        read in place, with its own visibility bound ``bound [T]`` (``(pos+1)//ratio``) and an
+        optional candidate mask ``[T, P*rows_per_page]``. Returns top-``topk`` ids ``[T, K]``:
+        ties to the smaller position, ascending, -1 padded."""
+
+    def candidate_blocks(self, scores: torch.Tensor, bound: torch.Tensor, block_rows: int,
+                         topk_blocks: int) -> torch.Tensor:
+        """Candidate mask ``[T, N]`` from scores ``[T, N]``: top ``topk_blocks`` blocks by their max
+        score, the block of the newest visible row forced in, ties to the smaller block."""
+
+
+class AttentionGather(Protocol):
+    def gather_window(self, ring: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor, position: torch.Tensor,
+                      window_lo: torch.Tensor, ring_until: torch.Tensor, window: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window keys of every row: positions ``[max(window_lo, pos-W+1), pos]``, those below
+        ``ring_until[T]`` read from the ring, the rest from this forward's rows ``kv [T, d]``.
+        Returns ``(keys [T, W, d], valid [T, W])``."""
+
+    def gather_selected(self, plane: torch.Tensor, ids: torch.Tensor, pages: torch.Tensor,
+                        rows_per_page: int, head_dim: int, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Selected compressed rows ``ids [T, K]`` (-1 = none) of each row's page list
+        ``pages [T, P]``, dequantized: ``(rows [T, K, d], valid [T, K])``. Reads only the
+        selected rows, never the whole history."""
+
+
+class CheckpointCopy(Protocol):
+    def copy_image(self, backing: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy bytes ``backing[src] -> backing[dst]`` for byte-index tensors built from the
+        checkpoint schedule's spans (STATE fields <-> PAGE units)."""
+
+
+class KernelBackend(RingWrite, CompressGroups, MainScatter, IndexKeyStore, Scorer, AttentionGather,
+                    CheckpointCopy, Protocol):
+    """Everything the runtime model asks of a kernel backend."""
+
+    name: str

@@ -1,0 +1,203 @@
+"""PAGE and STATE pools carved from one backing allocation, sized by a ``PoolGeometry`` only.
+
+Layout (region-major, every region start aligned to ``max(256, alignment_bytes)``)::
+
+    [ PAGE region: (num_pages + 1) x page_bytes            ]  main rows of every Full owner
+    [ index plane region per plane: (num_pages + 1) x bytes_per_page ]
+    [ STATE region: (num_slots + 1) x state_bytes          ]  rings, tails, cursor
+
+Nothing here derives a size: every byte count comes from the geometry. The one extra page and
+the one extra slot are sinks: a scatter redirects a sentinel row there and writes back the bytes
+the sink already holds, so a padded row changes no byte anywhere (not even in the sink). The
+scheduler never hands them out. Every tensor-parallel rank holds an identical copy (nothing is
+sharded: the model has one KV head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from v41plan.geometry.runtime import PoolGeometry
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "float32": torch.float32,
+    "int64": torch.int64,
+}
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _typed(flat: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
+           outer: int, outer_stride_bytes: int) -> torch.Tensor:
+    """A typed strided view ``[outer, *shape]`` of ``flat`` (uint8) starting at byte ``offset``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert offset % itemsize == 0 and outer_stride_bytes % itemsize == 0
+    base = flat.view(dtype)
+    inner = []
+    s = 1
+    for d in reversed(shape):
+        inner.append(s)
+        s *= d
+    strides = (outer_stride_bytes // itemsize, *reversed(inner))
+    return base.as_strided((outer, *shape), strides, offset // itemsize)
+
+
+@dataclass(frozen=True)
+class PageAddress:
+    """Where compressed row ``c`` of a request lives: ``(page, row_in_page)``."""
+
+    page: torch.Tensor
+    row: torch.Tensor
+
+
+def compressed_row_address(block_table: torch.Tensor, batch_id: torch.Tensor, row: torch.Tensor,
+                           rows_per_page: int, sink_page: int) -> PageAddress:
+    """Address of compressed row ``row`` of request ``batch_id`` through its block table.
+
+    Pure function of (block table, compressed row). A negative batch id, a negative row or a
+    negative block-table entry lands on ``sink_page`` (row 0) instead of wrapping around.
+    """
+    b = batch_id.clamp(min=0)
+    c = row.clamp(min=0)
+    col = (c // rows_per_page).clamp(max=block_table.shape[1] - 1)
+    page = block_table[b, col]
+    ok = (batch_id >= 0) & (row >= 0) & (page >= 0) & (row // rows_per_page < block_table.shape[1])
+    return PageAddress(torch.where(ok, page, sink_page), torch.where(ok, c % rows_per_page, 0))
+
+
+def ring_row_address(slot: torch.Tensor, position: torch.Tensor, ring_rows: int,
+                     sink_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot, ring row)`` of position ``position``: ``position mod ring_rows``; a negative slot
+    or position goes to the sink slot."""
+    ok = (slot >= 0) & (position >= 0)
+    return torch.where(ok, slot, sink_slot), torch.where(ok, position.clamp(min=0) % ring_rows, 0)
+
+
+class Pools:
+    """The PAGE region, the index planes and the STATE entries of one format pair.
+
+    Typed views (all aliases of ``backing``):
+
+    - ``page`` ``[pages+1, page_bytes]`` uint8; ``main[owner]`` ``[pages+1, rows, head_dim]`` bf16
+      or ``[pages+1, rows, main_row_bytes]`` uint8 (fp4: E2M1 values then E4M3 group-16 scales).
+    - ``index[owner]`` (fp8) ``[pages+1, rows, index_row_bytes]`` uint8 with ``index_values``
+      (E4M3 bytes) and ``index_scale`` (fp32) sub-views; fp4: ``index_values[owner]``
+      ``[pages+1, rows, index_head_dim//2]`` and ``index_scales[owner]`` ``[pages+1, rows,
+      index_head_dim//32]`` E8M0 bytes, each also viewable in page-8 row groups via
+      ``row_groups``.
+    - ``state`` ``[slots+1, state_bytes]``; ``rings`` ``[slots+1, layers, ring_rows, width]``,
+      ``tail_values``/``tail_scores`` ``[slots+1, tail_owners, head_dim]`` fp32, ``cursor``
+      ``[slots+1, 1 + history]`` int64.
+    """
+
+    def __init__(self, geometry: PoolGeometry, num_pages: int, num_slots: int,
+                 device: str | torch.device = "cpu"):
+        g = geometry
+        self.geometry = g
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.sink_page = num_pages
+        self.sink_slot = num_slots
+        pages = num_pages + 1
+        slots = num_slots + 1
+        align = max(256, g.alignment_bytes)
+        off = 0
+        self.page_region = (off, pages * g.page_bytes)
+        off = _align(off + pages * g.page_bytes, align)
+        plane_regions = {}
+        for p in g.planes:
+            if p.kind == "main":
+                continue
+            plane_regions[p.name] = off
+            off = _align(off + pages * p.bytes_per_page, align)
+        self.state_region = (off, slots * g.state_bytes)
+        total = _align(off + slots * g.state_bytes, align)
+        self.backing = torch.zeros(total, dtype=torch.uint8, device=device)
+        flat = self.backing
+
+        self.page = _typed(flat, 0, (g.page_bytes,), torch.uint8, pages, g.page_bytes)
+        self.main: dict[int, torch.Tensor] = {}
+        self.index: dict[int, torch.Tensor] = {}
+        self.index_values: dict[int, torch.Tensor] = {}
+        self.index_scale: dict[int, torch.Tensor] = {}
+        self.index_scales: dict[int, torch.Tensor] = {}
+        self.rows_per_page: dict[int, int] = {}
+        self.ratio: dict[int, int] = {}
+        for p in g.planes:
+            if p.kind == "main":
+                self.rows_per_page[p.owner] = p.rows_per_page
+                self.ratio[p.owner] = p.ratio
+                if g.kv_cache_dtype == "bf16":
+                    self.main[p.owner] = _typed(flat, p.region_offset, (p.rows_per_page, p.row_bytes // 2),
+                                                torch.bfloat16, pages, g.page_bytes)
+                else:
+                    self.main[p.owner] = _typed(flat, p.region_offset, (p.rows_per_page, p.row_bytes),
+                                                torch.uint8, pages, g.page_bytes)
+                continue
+            base = plane_regions[p.name]
+            if p.kind == "index":
+                rb = p.row_bytes
+                self.index[p.owner] = _typed(flat, base, (p.rows_per_page, rb), torch.uint8, pages,
+                                             p.bytes_per_page)
+                self.index_values[p.owner] = self.index[p.owner][..., : rb - 4]
+                # one fp32 scale per row, in the row's last 4 bytes
+                self.index_scale[p.owner] = flat.view(torch.float32).as_strided(
+                    (pages, p.rows_per_page), (p.bytes_per_page // 4, rb // 4), (base + rb - 4) // 4
+                )
+            elif p.kind == "index_values":
+                self.index_values[p.owner] = _typed(flat, base, (p.rows_per_page, p.row_bytes), torch.uint8,
+                                                    pages, p.bytes_per_page)
+            else:
+                self.index_scales[p.owner] = _typed(flat, base, (p.rows_per_page, p.row_bytes), torch.uint8,
+                                                    pages, p.bytes_per_page)
+
+        s0 = self.state_region[0]
+        self.state = _typed(flat, s0, (g.state_bytes,), torch.uint8, slots, g.state_bytes)
+        views = {}
+        for f in g.state_fields:
+            views[f.name] = _typed(flat, s0 + f.offset, tuple(f.shape), _DTYPES[f.dtype], slots, g.state_bytes)
+        self.rings = views["swa_rings"]
+        self.tail_values = views["tail_values"]
+        self.tail_scores = views["tail_scores"]
+        self.cursor = views["cursor"]
+        # ratio-2 owners in layer order own tail rows 0, 1, 2
+        self.tail_index = {o: i for i, o in enumerate(
+            sorted(o for o, r in self.ratio.items() if r == 2))}
+
+    # -- addressing -------------------------------------------------------------------------
+    def ring(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s rings across slots: ``[slots+1, ring_rows, width]``."""
+        return self.rings[:, layer]
+
+    def ring_address(self, slot: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot, ring row)`` of a position (sentinels go to the sink slot)."""
+        return ring_row_address(slot, position, self.geometry.ring_rows, self.sink_slot)
+
+    def row_address(self, owner: int, block_table: torch.Tensor, batch_id: torch.Tensor,
+                    row: torch.Tensor) -> PageAddress:
+        """Address of compressed row ``row`` of ``owner`` for request ``batch_id``."""
+        return compressed_row_address(block_table, batch_id, row, self.rows_per_page[owner], self.sink_page)
+
+    @staticmethod
+    def row_groups(plane: torch.Tensor, group_rows: int = 8) -> torch.Tensor:
+        """View an fp4 index plane ``[pages, rows, bytes]`` as page-8 row groups
+        ``[pages, rows // 8, 8, bytes]`` (the row-group scorer's unit)."""
+        p, r, b = plane.shape
+        return plane.view(p, r // group_rows, group_rows, b) if plane.is_contiguous() else \
+            plane.unflatten(1, (r // group_rows, group_rows))
+
+    # -- slot lifetime ----------------------------------------------------------------------
+    def reset_slot(self, slot: int) -> None:
+        """Zero a fresh request's STATE entry and mark its Engram history DEAD (-1)."""
+        self.state[slot].zero_()
+        self.cursor[slot, 1:] = -1
+
+    def nbytes(self) -> int:
+        """Bytes of the backing allocation."""
+        return self.backing.numel()
