@@ -117,8 +117,10 @@ class StageTable:
             while layer < self.num_layers:
                 rs = self.rows[p][layer][s]
                 end = layer
-                while end + 1 < self.num_layers and self.rows[p][end + 1][s] == rs and (
-                    sub != "compress" or (end + 1 in self.owners) == (layer in self.owners)
+                while (
+                    end + 1 < self.num_layers
+                    and self.rows[p][end + 1][s] == rs
+                    and (sub != "compress" or (end + 1 in self.owners) == (layer in self.owners))
                 ):
                     end += 1
                 if rs != "none":
@@ -141,7 +143,7 @@ def _window(rows: str, floored_at_tail: bool) -> str:
     return "all"
 
 
-def layer_graph(layers, candidate_source: int = -1) -> "object":
+def layer_graph(layers, candidate_source: int = -1) -> object:
     """The networkx DiGraph of (layer, sub_step) nodes; edges point from producer to reader.
 
     Edge attribute ``read`` says how the reader's rows map to the producer's: ``same`` (the same
@@ -248,9 +250,7 @@ def derive_stage_table(
         if not changed:
             break
     rows = tuple(
-        tuple(
-            tuple(demand[p].get((i, sub), "none") for sub in SUB_STEPS) for i in range(n)
-        )
+        tuple(tuple(demand[p].get((i, sub), "none") for sub in SUB_STEPS) for i in range(n))
         for p in PHASES
     )
     owners = tuple(layer.index for layer in layers if layer.role == "full")
@@ -298,8 +298,9 @@ def graph_stages(rows, owners) -> tuple[GraphStage, ...]:
         if len(run) == 1:
             name = f"layer{run[0]}"
         else:
-            everything = all(rows[p][i][s] == "all" for p in range(len(PHASES)) for i in run
-                             for s in (0, 2, 3))
+            everything = all(
+                rows[p][i][s] == "all" for p in range(len(PHASES)) for i in run for s in (0, 2, 3)
+            )
             name = "early" if everything else "late"
             used[name] = used.get(name, 0) + 1
             if used[name] > 1:

@@ -70,6 +70,66 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class StepArrays:
+    """A step in columnar form (what a scheduler keeping numpy state passes; the fast input).
+
+    Every per-request array has one entry per scheduled request, in batch order.
+    """
+
+    slots: np.ndarray
+    """int STATE slot per request."""
+    block_tables: np.ndarray
+    """int [n, pages] PAGE ids per request, -1 past each request's table."""
+    prompt_lens: np.ndarray
+    """int prompt length per request."""
+    starts: np.ndarray
+    """int resume point per request (before back-off)."""
+    chunk_lens: np.ndarray
+    """int new tokens per request."""
+    is_decode: np.ndarray
+    """bool decode phase per request."""
+    prefix_hits: np.ndarray
+    """int reported prefix hit per request (0 if none)."""
+    fresh_slot: np.ndarray
+    """bool fresh (zeroed) slot per request."""
+    token_ids: tuple | None = None
+    """Per request an id sequence (or None) for Engram history, as ``RequestInput.token_ids``."""
+    running_bs: int | None = None
+    """Request width; None: the number of requests."""
+    running_tokens: int | None = None
+    """Token width; None: the scheduled rows."""
+    block_table_width: int | None = None
+    """Columns of the planned block tables; None: ``block_tables.shape[1]``."""
+
+
+def step_arrays(step: StepInput) -> StepArrays:
+    """Columnar form of a ``StepInput`` (one Python pass over its requests)."""
+    reqs = step.requests
+    n = len(reqs)
+    width = max((len(r.block_table) for r in reqs), default=0)
+    bt = np.full((n, width), -1, dtype=np.int64)
+    for i, r in enumerate(reqs):
+        bt[i, : len(r.block_table)] = r.block_table
+    for r in reqs:
+        if r.phase not in ("prefill", "decode"):
+            raise PlanError(f"phase {r.phase!r} is not prefill or decode")
+    return StepArrays(
+        slots=np.fromiter((r.slot for r in reqs), np.int64, n),
+        block_tables=bt,
+        prompt_lens=np.fromiter((r.prompt_len for r in reqs), np.int64, n),
+        starts=np.fromiter((r.start for r in reqs), np.int64, n),
+        chunk_lens=np.fromiter((r.chunk_len for r in reqs), np.int64, n),
+        is_decode=np.fromiter((r.phase == "decode" for r in reqs), bool, n),
+        prefix_hits=np.fromiter((r.prefix_hit for r in reqs), np.int64, n),
+        fresh_slot=np.fromiter((r.fresh_slot for r in reqs), bool, n),
+        token_ids=tuple(r.token_ids for r in reqs),
+        running_bs=step.running_bs,
+        running_tokens=step.running_tokens,
+        block_table_width=step.block_table_width,
+    )
+
+
+@dataclass(frozen=True)
 class CompressPlan:
     """The compressed groups of one ratio that close in this forward and are written.
 
@@ -187,24 +247,76 @@ class StepPlan:
 
     # --- gathers and row sets ---
     tail_rows: np.ndarray = field(compare=False)
-    """int32 flat rows of every tail (the QueryRows: one gather for all requests), request order.
-    A request without a tail contributes its whole forward when its rows run everything."""
+    """int32 flat rows of every tail (the QueryRows: one gather for all requests), in request
+    order, plus every decode request's rows (decode runs every row)."""
     tail_batch_ids: np.ndarray = field(compare=False)
     """int32 request row of each ``tail_rows`` entry."""
     layer_rows: dict[tuple[int, str], np.ndarray] = field(compare=False)
-    """(layer, sub_step) -> int32 sorted flat rows running it (empty arrays for none)."""
+    """(layer, sub_step) -> int32 sorted flat rows running it (empty arrays for none; ``compress``
+    keys only for Full owners). Layers with equal row sets share one array."""
     stages: tuple[StageRows, ...]
     """Graph stages in layer order, with their rows."""
     compress: dict[int, CompressPlan] = field(compare=False)
     """ratio -> the groups of that ratio closing (and written) in this forward."""
+    table: object = field(compare=False)
+    """The ``StageTable`` the row sets came from."""
 
 
 class PlanError(ValueError):
-    """An invalid step description (bad numbers, overlapping widths); the message says which."""
+    """An invalid step description (bad numbers, widths too small); the message says which."""
+
+
+_PHASE_NONFINAL, _PHASE_FINAL, _PHASE_DECODE = 0, 1, 2
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
+    """Refuse an invalid step with a message naming the first bad request."""
+    n = len(arrs.slots)
+    B = spec.replay.hash_block_tokens
+    P = spec.geometries[next(iter(spec.geometries))].page_tokens if spec.geometries else B
+    pl, st, cl, hit = arrs.prompt_lens, arrs.starts, arrs.chunk_lens, arrs.prefix_hits
+    dec, fresh = arrs.is_decode, arrs.fresh_slot
+    end = st + cl
+    pages = (arrs.block_tables >= 0).sum(axis=1) if arrs.block_tables.size else np.zeros(n, int)
+    checks = (
+        (pl < 1, "prompt_len {pl} must be >= 1"),
+        (st < 0, "start {st} must be >= 0"),
+        (cl < 1, "chunk_len {cl} must be >= 1"),
+        (hit < 0, "prefix_hit {hit} must be >= 0"),
+        (arrs.slots < 0, "slot {slot} must be >= 0"),
+        (~dec & (st >= pl), "start {st} is not inside the prompt [0, {pl})"),
+        (~dec & (end > pl), "chunk [{st}, {end}) runs past the prompt end {pl}"),
+        (dec & (st < pl), "decode start {st} is inside the prompt (prompt_len {pl})"),
+        (hit > st, "prefix_hit {hit} is past the resume point {st}"),
+        (hit % B != 0, "prefix_hit {hit} is not on the hash-block grid ({B} tokens)"),
+        (
+            ~dec & fresh & (st > 0) & (not encoder_replay),
+            "a fresh slot resuming at {st} needs a restored image (encoder replay is off)",
+        ),
+        (pages * P < end, "block table holds {pages} pages ({P} tokens each), short of {end}"),
+    )
+    for bad, msg in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            vals = {
+                "pl": int(pl[i]),
+                "st": int(st[i]),
+                "cl": int(cl[i]),
+                "hit": int(hit[i]),
+                "end": int(end[i]),
+                "slot": int(arrs.slots[i]),
+                "pages": int(pages[i]),
+                "P": P,
+                "B": B,
+            }
+            raise PlanError(f"request {i}: " + msg.format(**vals))
+    if len(np.unique(arrs.slots)) != n:
+        raise PlanError("two requests share a STATE slot")
 
 
 def plan_step(
-    step: StepInput,
+    step: StepInput | StepArrays,
     spec,
     *,
     decoder_replay: bool | None = None,
@@ -214,6 +326,217 @@ def plan_step(
     """Plan one forward of ``step`` under ``spec`` (a ``CacheSpec``).
 
     ``decoder_replay``/``encoder_replay`` override the spec's replay rules (the runtime flags);
-    ``table`` is a ``StageTable`` to use instead of the generated one.
+    ``table`` is a ``StageTable`` to use instead of the generated (or derived) one. Raises
+    ``PlanError`` for an invalid step.
     """
-    raise NotImplementedError("plan_step is being written")
+    from v41plan.planner.replay import replay_arrays
+    from v41plan.planner.stages import PHASES, stage_table
+
+    rules = spec.replay
+    dec_on = rules.decoder_swa_bounded_replay if decoder_replay is None else decoder_replay
+    enc_on = rules.encoder_swa_bounded_replay if encoder_replay is None else encoder_replay
+    if table is None:
+        table = stage_table(spec, decoder_replay=dec_on, encoder_replay=enc_on)
+    a = step if isinstance(step, StepArrays) else step_arrays(step)
+    n = len(a.slots)
+    _check(a, spec, enc_on)
+    W = spec.dims.sliding_window
+
+    end = a.starts + a.chunk_lens
+    rp = replay_arrays(
+        a.starts, end, a.prompt_lens, a.is_decode, a.fresh_slot,
+        hash_block=rules.hash_block_tokens, min_final_rows=rules.min_final_prefill_rows,
+        encoder_replay=enc_on, decoder_replay=dec_on,
+    )  # fmt: skip
+    fs = rp["forward_start"]
+    lens = end - fs
+    total = int(lens.sum())
+    bs = n if a.running_bs is None else int(a.running_bs)
+    width = total if a.running_tokens is None else int(a.running_tokens)
+    if bs < n:
+        raise PlanError(f"running_bs {bs} is smaller than the {n} scheduled requests")
+    if width < total:
+        raise PlanError(f"running_tokens {width} is smaller than the {total} scheduled rows")
+
+    final = ~a.is_decode & (end == a.prompt_lens)
+    phase = np.where(a.is_decode, _PHASE_DECODE, np.where(final, _PHASE_FINAL, _PHASE_NONFINAL))
+    has_tail = final & dec_on
+    tail_lo = np.maximum(fs, end - W)
+
+    # Per token.
+    cu = np.zeros(bs + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu[1 : n + 1])
+    cu[n + 1 :] = total
+    req = np.repeat(np.arange(n, dtype=np.int32), lens)
+    batch_ids = np.full(width, -1, dtype=np.int32)
+    batch_ids[:total] = req
+    positions = np.zeros(width, dtype=np.int64)
+    pos = np.arange(total, dtype=np.int64) + np.repeat(fs - cu[:n], lens)
+    positions[:total] = pos
+    ratios = sorted({layer.ratio for layer in spec.layers if layer.ratio > 0})
+    visible = {}
+    for r in ratios:
+        v = np.zeros(width, dtype=np.int64)
+        v[:total] = (pos + 1) // r
+        visible[r] = v
+
+    # Row sets: one mask per (phase, set), one array per distinct signature of the table.
+    tok_phase = phase[req]
+    last_rows_real = (cu[1 : n + 1] - 1).astype(np.int32)
+    in_set = {
+        "all": None,
+        "tail": pos >= tail_lo[req],
+        "last": np.zeros(total, dtype=bool),
+        "none": False,
+    }
+    in_set["last"][last_rows_real] = True
+    phase_masks = [tok_phase == p for p in range(len(PHASES))]
+    present = [bool(m.any()) for m in phase_masks]
+    sig_rows: dict = {}
+
+    def rows_of(sig: tuple) -> np.ndarray:
+        got = sig_rows.get(sig)
+        if got is not None:
+            return got
+        if all(sig[p] == "all" or not present[p] for p in range(len(PHASES))):
+            out = np.arange(total, dtype=np.int32)
+        else:
+            mask = np.zeros(total, dtype=bool)
+            for p, name in enumerate(sig):
+                if present[p] and name != "none":
+                    sel = in_set[name]
+                    mask |= phase_masks[p] if sel is None else (phase_masks[p] & sel)
+            out = np.flatnonzero(mask).astype(np.int32)
+        sig_rows[sig] = out
+        return out
+
+    rows = table.rows
+    owners = set(table.owners)
+    layer_rows: dict[tuple[int, str], np.ndarray] = {}
+    for layer in range(table.num_layers):
+        for s, sub in enumerate(SUB_STEPS):
+            if sub == "compress" and layer not in owners:
+                continue
+            layer_rows[(layer, sub)] = rows_of(
+                (rows[0][layer][s], rows[1][layer][s], rows[2][layer][s])
+            )
+    stages = []
+    for g in table.stages:
+        stage_rows = {
+            sub: layer_rows[(g.first_layer, sub)] for sub in ("ring_write", "attention", "ffn")
+        }
+        own = [o for o in table.owners if g.first_layer <= o <= g.last_layer]
+        comp = [layer_rows[(o, "compress")] for o in own]
+        stage_rows["compress"] = (
+            (
+                comp[0]
+                if len(comp) == 1 or all(c is comp[0] for c in comp)
+                else np.unique(np.concatenate(comp)).astype(np.int32)
+            )
+            if comp
+            else _EMPTY
+        )
+        stages.append(StageRows(g.name, g.first_layer, g.last_layer, stage_rows))
+
+    # Tail gather (QueryRows): tails of finishing requests plus decode rows.
+    tail_mask = (tok_phase == _PHASE_DECODE) | (has_tail[req] & in_set["tail"])
+    tail_rows = np.flatnonzero(tail_mask).astype(np.int32)
+
+    # Compress plans per ratio.
+    compress = {}
+    write_from_tok = rp["write_from"][req]
+    fs_tok = fs[req]
+    end_tok = end[req]
+    for r in sorted({spec.layers[o].ratio for o in table.owners}):
+        crow = pos // r
+        comp_rows = [layer_rows[(o, "compress")] for o in table.owners if spec.layers[o].ratio == r]
+        closes = ((pos + 1) % r == 0) & (pos >= write_from_tok)
+        if not all(c is comp_rows[0] for c in comp_rows) or len(comp_rows[0]) != total:
+            allowed = np.zeros(total, dtype=bool)
+            for c in comp_rows:
+                allowed[c] = True
+            closes &= allowed
+        idx = np.flatnonzero(closes).astype(np.int32)
+        first = crow[idx] * r
+        store = (
+            np.flatnonzero((r > 1) & (pos >= (end_tok // r) * r)).astype(np.int32)
+            if r > 1
+            else _EMPTY
+        )
+        compress[r] = CompressPlan(
+            ratio=r,
+            rows=idx,
+            batch_ids=req[idx],
+            compressed_rows=crow[idx],
+            rope_positions=first,
+            first_from_tail=first < fs_tok[idx],
+            tail_store_rows=store,
+            tail_store_batch_ids=req[store],
+        )
+
+    # Per request, padded to running_bs.
+    def per_req(x, fill, dtype):
+        out = np.full(bs, fill, dtype=dtype)
+        out[:n] = x
+        return out
+
+    bt_width = a.block_tables.shape[1] if a.block_table_width is None else int(a.block_table_width)
+    if bt_width < a.block_tables.shape[1] and (a.block_tables[:, bt_width:] >= 0).any():
+        raise PlanError(f"block_table_width {bt_width} is narrower than a request's block table")
+    block_tables = np.full((bs, bt_width), -1, dtype=np.int32)
+    k = min(bt_width, a.block_tables.shape[1])
+    block_tables[:n, :k] = a.block_tables[:, :k]
+
+    h = rules.replay_history_tokens
+    from_plan = ~a.is_decode & (a.fresh_slot | rp["backed_off"])
+    history = np.full((bs, h), -1, dtype=np.int64)
+    if a.token_ids is not None and h > 0:
+        for i in np.flatnonzero(from_plan & (fs > 0)):
+            ids = a.token_ids[i]
+            if ids is None:
+                continue
+            ids = np.asarray(ids, dtype=np.int64)
+            want = np.arange(int(fs[i]) - h, int(fs[i]))
+            ok = (want >= 0) & (want < len(ids))
+            history[i, ok] = ids[want[ok]]
+
+    enc_floor = rp["encoder_window_floor"]
+    swa_replay_start = np.where(has_tail, tail_lo, np.where(a.is_decode, 0, enc_floor))
+    decode_only = bool(n) and bool(a.is_decode.all())
+    kind = "decode" if decode_only else ("prefill_replay" if len(table.stages) > 1 else "prefill")
+    return StepPlan(
+        running_bs=bs,
+        running_tokens=width,
+        scheduled_bs=n,
+        scheduled_tokens=total,
+        graph_key=(kind, bs, width),
+        decoder_replay=bool(dec_on and (~a.is_decode).any()),
+        positions=positions,
+        batch_ids=batch_ids,
+        visible=visible,
+        cu_seqlens_q=cu,
+        slots=per_req(a.slots, -1, np.int32),
+        block_tables=block_tables,
+        is_final_chunk=per_req(final | a.is_decode, False, bool),
+        is_decode=per_req(a.is_decode, False, bool),
+        prompt_lens=per_req(a.prompt_lens, 0, np.int64),
+        resume_points=per_req(a.starts, 0, np.int64),
+        prefix_hits=per_req(a.prefix_hits, 0, np.int64),
+        forward_start=per_req(fs, 0, np.int64),
+        forward_end=per_req(end, 0, np.int64),
+        write_from=per_req(rp["write_from"], 0, np.int64),
+        cached_until=per_req(rp["cached_until"], 0, np.int64),
+        swa_cached_until=per_req(rp["swa_cached_until"], 0, np.int64),
+        swa_replay_start=per_req(swa_replay_start, 0, np.int64),
+        encoder_window_floor=per_req(np.where(a.is_decode, 0, enc_floor), 0, np.int64),
+        tail_start=per_req(np.where(has_tail, tail_lo, -1), -1, np.int64),
+        last_rows=per_req(last_rows_real, -1, np.int32),
+        history_ids=history,
+        history_from_plan=per_req(from_plan, False, bool),
+        tail_rows=tail_rows,
+        tail_batch_ids=req[tail_rows],
+        layer_rows=layer_rows,
+        stages=tuple(stages),
+        compress=compress,
+        table=table,
+    )
