@@ -91,3 +91,32 @@ def test_reset_slot_marks_history_dead(tiny):
     p.reset_slot(1)
     assert p.cursor[1].tolist() == [0, -1, -1, -1]
     assert int(p.rings[1].float().abs().sum()) == 0 and int(p.state[0].min()) == 3
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_checkpoint_image_moves_rings_and_cursor_but_not_tails(tiny, pair):
+    from v41plan.exec.kernels.torch_ref import TorchBackend
+
+    g = tiny.geometry(*pair)
+    p = Pools(g, num_pages=6, num_slots=3)
+    torch.manual_seed(0)
+    p.backing.copy_(torch.randint(0, 256, p.backing.shape, dtype=torch.uint8))
+    pages = torch.tensor([5, 2, 0][: g.units_per_image])
+    src_state, units = p.image_addresses(1, pages)
+    assert units.unique().numel() == units.numel() == g.image_bytes
+    other = p.backing.clone()
+    k = TorchBackend()
+    k.copy_image(p.backing, src_state, units)  # store slot 1 into PAGE units
+    rings, cursor = p.rings[1].clone(), p.cursor[1].clone()
+    tails = p.tail_values[2].clone(), p.tail_scores[2].clone()
+    dst_state, units2 = p.image_addresses(2, pages)
+    k.copy_image(p.backing, units2, dst_state)  # restore into slot 2
+    assert torch.equal(p.rings[2].view(torch.uint8), rings.view(torch.uint8))
+    assert torch.equal(p.cursor[2], cursor)
+    assert torch.equal(p.tail_values[2].view(torch.uint8), tails[0].view(torch.uint8))
+    assert torch.equal(p.tail_scores[2].view(torch.uint8), tails[1].view(torch.uint8))
+    # the store touched only the image's units, nothing of another page or slot
+    touched = torch.zeros_like(p.backing, dtype=torch.bool)
+    touched[units] = True
+    touched[dst_state] = True
+    assert torch.equal(p.backing[~touched], other[~touched])

@@ -116,6 +116,7 @@ class Pools:
                 continue
             plane_regions[p.name] = off
             off = _align(off + pages * p.bytes_per_page, align)
+        self._plane_regions = plane_regions
         self.state_region = (off, slots * g.state_bytes)
         total = _align(off + slots * g.state_bytes, align)
         self.backing = torch.zeros(total, dtype=torch.uint8, device=device)
@@ -191,6 +192,38 @@ class Pools:
         p, r, b = plane.shape
         return plane.view(p, r // group_rows, group_rows, b) if plane.is_contiguous() else \
             plane.unflatten(1, (r // group_rows, group_rows))
+
+    # -- checkpoint images ---------------------------------------------------------------
+    def image_addresses(self, slot: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Byte addresses of a checkpoint image: ``(state_bytes_of_slot, unit_bytes)``.
+
+        The image is the STATE fields marked ``in_checkpoint`` (each with its padding), laid
+        end to end over ``units_per_image`` PAGE units ``pages``; a unit's bytes are its main
+        PAGE followed by its slice of every index plane (``PlaneInfo.offset`` order). The tails
+        are not in the image, so a restore leaves the destination slot's own tails.
+        """
+        g = self.geometry
+        dev = self.backing.device
+        state_off = torch.cat([
+            torch.arange(f.offset, f.offset + f.field_bytes, device=dev)
+            for f in g.state_fields if f.in_checkpoint
+        ])
+        n = state_off.numel()
+        i = torch.arange(n, device=dev)
+        unit, within = i // g.page_unit_bytes, i % g.page_unit_bytes
+        base = torch.zeros(g.page_unit_bytes, dtype=torch.long, device=dev)
+        stride = torch.full((g.page_unit_bytes,), g.page_bytes, dtype=torch.long, device=dev)
+        base[: g.page_bytes] = torch.arange(g.page_bytes, device=dev) + self.page_region[0]
+        for pl in g.planes:
+            if pl.kind == "main":
+                continue
+            region = self._plane_regions[pl.name]
+            seg = slice(pl.offset, pl.offset + pl.bytes_per_page)
+            base[seg] = region + torch.arange(pl.bytes_per_page, device=dev)
+            stride[seg] = pl.bytes_per_page
+        unit_addr = base[within] + stride[within] * pages.to(dev)[unit]
+        state_addr = self.state_region[0] + slot * g.state_bytes + state_off
+        return state_addr, unit_addr
 
     # -- slot lifetime ----------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
