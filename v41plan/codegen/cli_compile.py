@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 
 from v41plan.codegen.check import check_tree
-from v41plan.codegen.emit import GENERATED_ROOT, GeneratedFile, render_spec, spec_packages, write_tree
+from v41plan.codegen.emit import (
+    GENERATED_ROOT,
+    GeneratedFile,
+    render_spec,
+    spec_packages,
+    write_tree,
+)
 from v41plan.geometry.errors import SpecError
 
 

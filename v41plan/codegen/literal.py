@@ -23,9 +23,7 @@ def py_literal(value: Any, indent: str = "", prefix: str = "", suffix: str = "")
     whether a flat layout fits.
     """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [
-            (f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)
-        ]
+        items = [(f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)]
         return _exploded(f"{type(value).__name__}(", ")", items, indent)
     if isinstance(value, dict):
         items = [(py_literal(k) + ": ", v) for k, v in value.items()]

@@ -329,7 +329,9 @@ def load_spec(path: str | Path) -> LoadedSpec:
     from v41plan.planner.graph import build_layer_graph, layers_from_graph
 
     dims = dims_from_model(raw["model"])
-    graph = build_layer_graph(dims, locator=loc, decoder_replay=model.replay.decoder_swa_bounded_replay)
+    graph = build_layer_graph(
+        dims, locator=loc, decoder_replay=model.replay.decoder_swa_bounded_replay
+    )
     layers = layers_from_graph(graph)
     if model.roles is not None:
         _check_roles(model.roles, layers, loc)
@@ -464,13 +466,17 @@ def _tree_path(err_loc: tuple, raw: Any) -> tuple:
     out: list = []
     node = raw
     for step in err_loc:
-        if isinstance(node, dict) and step in node:
+        in_map = isinstance(node, dict) and step in node
+        in_seq = isinstance(node, tuple) and isinstance(step, int) and 0 <= step < len(node)
+        if in_map or in_seq:
             out.append(step)
             node = node[step]
-        elif isinstance(node, tuple) and isinstance(step, int) and 0 <= step < len(node):
-            out.append(step)
-            node = node[step]
-        elif isinstance(node, dict) and step not in node and isinstance(step, str) and _is_field_name(step):
+        elif (
+            isinstance(node, dict)
+            and step not in node
+            and isinstance(step, str)
+            and _is_field_name(step)
+        ):
             out.append(step)  # a missing or unknown key: the last segment
             break
     return tuple(out)
@@ -620,9 +626,14 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
     _check_id_list(m.engram_layer_ids, (*M, "engram_layer_ids"), n, "Engram layer", loc)
     if not m.kv_source_layer_ids:
         raise loc.error(
-            (*M, "kv_source_layer_ids"), "kv_source_layer_ids is empty", "list at least one Full owner"
+            (*M, "kv_source_layer_ids"),
+            "kv_source_layer_ids is empty",
+            "list at least one Full owner",
         )
-    for key, what in (("kv_source_layer_ids", "KV source"), ("index_source_layer_ids", "index source")):
+    for key, what in (
+        ("kv_source_layer_ids", "KV source"),
+        ("index_source_layer_ids", "index source"),
+    ):
         for i, x in enumerate(getattr(m, key)):
             if ratios[x] == 0:
                 raise loc.error(
@@ -677,6 +688,14 @@ def _check_pool(spec: SpecModel, loc: Locator) -> None:
                 raise loc.error((*P, key, i), f"{what} {v!r} is listed twice", "list each once")
     page = pool.page_tokens
     at = (*P, "page_tokens")
+    owner_ratios = sorted({m.compress_ratios[o] for o in m.kv_source_layer_ids})
+    for r in owner_ratios:
+        if page % r:
+            raise loc.error(
+                at,
+                f"page_tokens {page} is not a multiple of ratio {r}",
+                "a compressed group must not straddle a PAGE; use a multiple of every ratio",
+            )
     if page % 2:
         raise loc.error(at, f"page_tokens {page} is odd", f"use an even count, e.g. {page + 1}")
     if page < PAGE_TOKENS_FLOOR:
@@ -685,12 +704,7 @@ def _check_pool(spec: SpecModel, loc: Locator) -> None:
             f"page_tokens {page} is below {PAGE_TOKENS_FLOOR}",
             "a block id names 16 index rows and ratio 2 halves the PAGE; use at least 32",
         )
-    owner_ratios = sorted({m.compress_ratios[o] for o in m.kv_source_layer_ids})
     for r in owner_ratios:
-        if page % r:
-            raise loc.error(
-                at, f"page_tokens {page} is not a multiple of ratio {r}", "use a multiple of every ratio"
-            )
         rows = page // r
         if rows % INDEX_BLOCK_ROWS:
             raise loc.error(
@@ -793,9 +807,13 @@ def _check_roles(roles: RolesSection, layers: tuple, loc: Locator) -> None:
                 )
             declared[x] = (role, ("roles", role, i))
     for layer in layers:
-        role, at = declared.get(layer.index, ("reuse" if roles.reuse is None else None, ("roles",)))
+        implicit = "reuse" if roles.reuse is None else None
+        role, at = declared.get(layer.index, (implicit, ("roles",)))
         if role != layer.role:
-            what = f"declared {role}" if role else "not declared"
+            if layer.index in declared:
+                what = f"declared {role}"
+            else:
+                what = "not listed (so reuse)" if implicit else "not declared"
             raise loc.error(
                 at,
                 f"layer {layer.index} is {what} but resolves to {layer.role} "
