@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.runtime.helpers import TINY, fake_factory, fake_llm, prompt
@@ -100,9 +102,11 @@ def test_wait_rule_when_budget_cannot_pass_resume():
     seq = Sequence(0, prompt(70), 70, GREEDY)
     seq.prefill_end = 70
     sch = llm.scheduler
-    assert sch._chunk(seq, 64, None, 30) is None  # would end at 62 <= 64: recomputes cached rows only
-    assert sch._chunk(seq, 64, None, 33) == (32, 65)  # carries past the resume point
-    assert sch._chunk(seq, 64, None, 100) == (32, 70)
+    assert sch._chunk(seq, 64, None, 100) == (32, 70)  # the finishing forward backs off
+    assert sch._chunk(seq, 64, None, 30) == (64, 69)  # no room for it: a non-final chunk instead
+    # A rebuild in a fresh slot that the budget cannot carry past its resume point waits.
+    assert sch._chunk(seq, 64, 32, 32) is None
+    assert sch._chunk(seq, 64, 32, 33) == (32, 65)
 
 
 @pytest.mark.parametrize("enc", TRANSFERS)
@@ -242,22 +246,23 @@ def test_cancel_middle_chunk_and_deferred_step(enc):
 
 
 def test_cancel_first_deferred_step():
-    # Two 100-token prompts, cap 32, budget 64: the second's final forward backs off to 64 and
-    # cannot pass 96 with the budget left, so it is deferred; cancel it there.
-    a, b = prompt(100, 1), prompt(100, 2)
-    seen = {}
-
-    def cancel(llm, seqs, batch):
-        sb = seqs[1]
-        if sb.slot is not None and sb.is_prefilling and all(r.seq_id != sb.seq_id for r in batch.requests):
-            seen["step"] = batch.step
-            llm.abort(sb)
-
-    llm = fake_llm(long_prefill_token_threshold=32, max_num_batched_tokens=64)
-    seqs = run(llm, [a, b], hook=cancel)
-    assert "step" in seen
-    assert seqs[1].finish_reason == "aborted" and seqs[1].output_ids == []
-    assert seqs[0].output_ids == gold([a])[0]
+    # Both requests hold a slot mid-prefill; then the first takes the whole budget, so the second
+    # is deferred (no row at all this step). Cancel it there: it must finish and free everything.
+    a, b = prompt(200, 1), prompt(100, 2)
+    llm = fake_llm(long_prefill_token_threshold=32)
+    sa = llm.add_request(a, GREEDY)
+    sb = llm.add_request(b, GREEDY)
+    llm.step()
+    assert sa.num_cached_tokens == sb.num_cached_tokens == 32
+    llm.scheduler.config = dataclasses.replace(llm.scheduler.config, max_num_batched_tokens=64,
+                                               long_prefill_token_threshold=0)
+    batch = llm.scheduler.schedule()
+    assert [r.seq_id for r in batch.requests] == [sa.seq_id]  # sb deferred
+    llm.abort(sb)
+    llm.scheduler.postprocess(batch, llm.runner.execute(batch))
+    assert sb.finish_reason == "aborted" and sb.output_ids == [] and sb.slot is None
+    llm.run_until_done()
+    assert sa.output_ids == gold([a])[0]
     assert_idle(llm)
 
 

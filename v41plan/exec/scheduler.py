@@ -29,6 +29,7 @@ from v41plan.exec.batch import RunnerOutput, ScheduledBatch, ScheduledRequest
 from v41plan.exec.block_manager import BlockManager, replay_start
 from v41plan.exec.sampling import sample
 from v41plan.exec.sequence import Sequence, SeqStatus
+from v41plan.planner.replay import choose_prefill_chunk
 
 
 @dataclass(frozen=True)
@@ -112,18 +113,25 @@ class Scheduler:
         return -(-tokens // self.config.page_tokens)
 
     def _chunk(self, seq: Sequence, resume: int, fresh_start: int | None, budget: int):
-        """``(start, end)`` of the next forward, or None when it waits for a later step."""
+        """``(start, end)`` of the next forward, or None when it waits for a later step.
+
+        The back-off and the cap/budget rules are the planner's (``choose_prefill_chunk``), so the
+        rows counted here are the rows ``plan_step`` lays out.
+        """
         cfg = self.config
-        n = seq.prefill_end
-        cap_end = n if cfg.long_prefill_token_threshold <= 0 else min(n, resume + cfg.long_prefill_token_threshold)
-        start = resume if fresh_start is None else fresh_start
-        if (cap_end == n and cfg.decoder_swa_bounded_replay and not seq.params.prompt_logprobs
-                and n - start < cfg.min_final_prefill_rows):
-            start = min(start, replay_start(resume, cfg.page_tokens))
-        end = min(cap_end, start + budget)
-        if end <= resume:
+        choice = choose_prefill_chunk(
+            resume, seq.prefill_end, budget,
+            hash_block=cfg.page_tokens,
+            min_final_rows=cfg.min_final_prefill_rows,
+            long_prefill_cap=cfg.long_prefill_token_threshold or None,
+            fresh_slot=fresh_start is not None,
+            encoder_replay=cfg.encoder_swa_bounded_replay,
+            decoder_replay=cfg.decoder_swa_bounded_replay and not seq.params.prompt_logprobs,
+        )  # fmt: skip
+        if choice is None:
             return None
-        if end < n and cfg.transfer == "copy":
+        start, end = choice.forward_start, resume + choice.chunk_len
+        if not choice.is_final_chunk and cfg.transfer == "copy":
             # Non-final chunks end on the hash-block grid so an image exists to resume from.
             grid = end - end % cfg.page_tokens
             if grid > resume:
