@@ -361,7 +361,7 @@ def _parse_yaml(data: bytes, shown: str) -> Any:
         mark = exc.problem_mark
         key = re.search(r'duplicate key "([^"]*)"', exc.problem or "")
         first = exc.context_mark
-        where = f" (first at line {first.line + 1})" if first is not None else ""
+        where = f"; the first is at line {first.line + 1}" if first is not None else ""
         raise SpecError(
             _mark(shown, mark),
             f"duplicate key {key.group(1) if key else '?'!r}",
@@ -370,11 +370,12 @@ def _parse_yaml(data: bytes, shown: str) -> Any:
     except MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "invalid YAML"
-        raise SpecError(
-            _mark(shown, mark),
-            f"YAML syntax error: {problem}",
-            f"fix the YAML{' ' + exc.context if exc.context and exc.problem else ''}",
-        ) from None
+        hint = "fix the YAML here"
+        if "'\\t'" in problem:
+            hint = "indent with spaces, not tabs"
+        elif exc.context and exc.problem and exc.context_mark is not None:
+            hint = f"{exc.context} at line {exc.context_mark.line + 1}"
+        raise SpecError(_mark(shown, mark), f"YAML syntax error: {problem}", hint) from None
 
 
 def _mark(shown: str, mark: Any) -> Any:
@@ -416,7 +417,9 @@ _TYPE_WORDS = {
 
 def _from_pydantic(exc: ValidationError, loc: Locator, raw: dict) -> SpecError:
     """The first pydantic error as a located ``SpecError`` with a hint."""
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # An unknown key is usually a misspelt one, which pydantic also reports as missing.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     path = _tree_path(err["loc"], raw)
     dotted = _dotted(path)
     kind = err["type"]
@@ -430,22 +433,20 @@ def _from_pydantic(exc: ValidationError, loc: Locator, raw: dict) -> SpecError:
             f"remove it or fix its spelling; accepted keys: {accepted}",
         )
     if kind == "missing":
-        field_doc = ""
-        parent = _model_at(path[:-1])
-        if parent is not None and path[-1] in parent.model_fields:
-            field_doc = (parent.model_fields[path[-1]].description or "").split("\n")[0]
         where = _dotted(path[:-1]) or "the spec"
         return SpecError(
             loc.at(*path[:-1]),
             f"missing key {path[-1]!r} in {where}",
-            f"add `{path[-1]}:` ({field_doc.rstrip('.')})" if field_doc else f"add `{path[-1]}:`",
+            f"add `{path[-1]}: ...`; {README_HINT}",
         )
     got = err.get("input")
     if kind in _TYPE_WORDS:
         return SpecError(
             loc.at(*path),
             f"{dotted} must be {_TYPE_WORDS[kind]}, not {_show(got)}",
-            "write the value without quotes" if isinstance(got, str) else README_HINT,
+            "write the value without quotes"
+            if isinstance(got, str) and kind != "string_type"
+            else f"write {_TYPE_WORDS[kind]}",
         )
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
@@ -541,7 +542,7 @@ def _check_header(spec: SpecModel, path: Path, loc: Locator) -> None:
         raise loc.error(
             ("name",),
             f"name {spec.name!r} is not a lowercase identifier",
-            "use lowercase letters, digits and underscores (it names a Python package)",
+            "use lowercase letters, digits and underscores; it names a Python package",
         )
     if spec.name != path.stem:
         raise loc.error(
@@ -558,7 +559,7 @@ def _check_id_list(ids: tuple[int, ...], path: tuple, limit: int, what: str, loc
             raise loc.error(
                 (*path, i),
                 f"{what} {x} is out of range",
-                f"layer ids run from 0 to {limit - 1} (num_hidden_layers {limit})",
+                f"layer ids run from 0 to {limit - 1} for num_hidden_layers {limit}",
             )
         if i and x == ids[i - 1]:
             raise loc.error((*path, i), f"{what} {x} is listed twice", "list each layer once")
@@ -603,8 +604,8 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
     if len(ratios) != n + draft:
         raise loc.error(
             (*M, "compress_ratios"),
-            f"compress_ratios has {len(ratios)} entries, expected {n + draft} "
-            f"(num_hidden_layers {n} + num_nextn_predict_layers {draft})",
+            f"compress_ratios has {len(ratios)} entries, expected {n + draft} = "
+            f"num_hidden_layers {n} + num_nextn_predict_layers {draft}",
             "give one ratio per backbone layer, then one per draft layer",
         )
     for i, r in enumerate(ratios):
@@ -612,14 +613,14 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
             raise loc.error(
                 (*M, "compress_ratios", i),
                 f"layer {i} has compress ratio {r}",
-                "ratios are 0 (window only), 1 or 2",
+                "ratios are 0 for window-only layers, 1 or 2",
             )
     for i in range(n, n + draft):
         if ratios[i]:
             raise loc.error(
                 (*M, "compress_ratios", i),
                 f"draft layer {i} has compress ratio {ratios[i]}",
-                "draft (nextn) layers are window-only; set it to 0",
+                "draft layers are window-only; set it to 0",
             )
     _check_id_list(m.kv_source_layer_ids, (*M, "kv_source_layer_ids"), n, "KV source", loc)
     _check_id_list(m.index_source_layer_ids, (*M, "index_source_layer_ids"), n, "index source", loc)
@@ -647,7 +648,7 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
             raise loc.error(
                 (*M, "kv_source_layer_ids", i),
                 f"KV source {x} is not an index source",
-                f"add {x} to index_source_layer_ids (a Full owner scores its own keys)",
+                f"add {x} to index_source_layer_ids; a Full owner scores its own keys",
             )
     cand = m.candidate_source_layer_id
     if cand >= 0:
@@ -711,7 +712,7 @@ def _check_pool(spec: SpecModel, loc: Locator) -> None:
                 at,
                 f"page_tokens {page} gives {rows} index rows per PAGE at ratio {r}, "
                 f"not a multiple of {INDEX_BLOCK_ROWS}",
-                f"use a multiple of {INDEX_BLOCK_ROWS * r} (a block id names 16 index rows)",
+                f"use a multiple of {INDEX_BLOCK_ROWS * r}; a block id names 16 index rows",
             )
     window = m.sliding_window
     if spec.replay.encoder_swa_bounded_replay and page < window - 1:
@@ -744,7 +745,7 @@ def _check_replay(spec: SpecModel, loc: Locator) -> None:
     if not 1 <= rows <= page:
         raise loc.error(
             (*R, "min_final_prefill_rows"),
-            f"min_final_prefill_rows {rows} is outside 1..page_tokens ({page})",
+            f"min_final_prefill_rows {rows} is outside 1..page_tokens = 1..{page}",
             "a final forward backs off at most one hash block; pick a value in range",
         )
     if rp.decoder_swa_bounded_replay and rows < m.sliding_window:
@@ -813,11 +814,11 @@ def _check_roles(roles: RolesSection, layers: tuple, loc: Locator) -> None:
             if layer.index in declared:
                 what = f"declared {role}"
             else:
-                what = "not listed (so reuse)" if implicit else "not declared"
+                what = "not listed, so reuse," if implicit else "not declared"
             raise loc.error(
                 at,
-                f"layer {layer.index} is {what} but resolves to {layer.role} "
-                f"(kv_owner {layer.kv_owner}, topk_owner {layer.topk_owner})",
+                f"layer {layer.index} is {what} but resolves to {layer.role} with "
+                f"kv_owner {layer.kv_owner}, topk_owner {layer.topk_owner}",
                 "fix roles: or the source layer ids",
             )
     if roles.decoder_start is not None:

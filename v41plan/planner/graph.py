@@ -79,15 +79,14 @@ def build_layer_graph(
             raise loc.error(
                 (*M, "compress_ratios", i),
                 f"layer {i} has ratio {r} but no preceding KV owner",
-                f"add layer {i} (or an earlier ratio-{r} layer) to kv_source_layer_ids",
+                f"make layer {i} or an earlier ratio-{r} layer a KV source",
             )
         if ratios[kv_owner] != r:
             raise loc.error(
                 (*M, "compress_ratios", i),
                 f"layer {i} has ratio {r} but its preceding KV owner {kv_owner} has ratio "
                 f"{ratios[kv_owner]}",
-                f"add layer {i} (or an earlier ratio-{r} layer after {kv_owner}) to "
-                "kv_source_layer_ids",
+                f"make layer {i} or an earlier ratio-{r} layer after {kv_owner} a KV source",
             )
         if i in index_sources:
             topk_owner = i
@@ -96,8 +95,8 @@ def build_layer_graph(
             raise loc.error(
                 (*M, "index_source_layer_ids"),
                 f"layer {i} would read top-k of {before}, before its KV owner {kv_owner}",
-                f"add {kv_owner} to index_source_layer_ids (the top-k owner must be at or "
-                "after the KV owner)",
+                f"add {kv_owner} to index_source_layer_ids; the top-k owner must be at or "
+                "after the KV owner",
             )
         if i == cand:
             cand_owner = kv_owner
@@ -124,7 +123,7 @@ def build_layer_graph(
             if e >= decoder_start:
                 raise loc.error(
                     (*M, "engram_layer_ids", j),
-                    f"Engram layer {e} is in the decoder (layers {decoder_start} on)",
+                    f"Engram layer {e} is in the decoder, which starts at layer {decoder_start}",
                     f"decoder replay runs the decoder on the tail only; move it before layer "
                     f"{decoder_start} or turn decoder_swa_bounded_replay off",
                 )
