@@ -16,10 +16,14 @@ Conventions used by every array below:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
+from v41plan.planner.replay import replay_arrays
+from v41plan.planner.stages import stage_table
 
 Phase = Literal["prefill", "decode"]
 """A request's phase in a step: a prefill chunk (prompt rows) or decode (sampled rows)."""
@@ -157,6 +161,26 @@ class CompressPlan:
     """int32 request row of each ``tail_store_rows`` entry."""
 
 
+class LayerRows(Mapping):
+    """Read-only mapping ``(layer, sub_step) -> int32 flat rows``; layers with the same row sets
+    share one array (built once per step, looked up by key)."""
+
+    __slots__ = ("_arrays", "_index")
+
+    def __init__(self, index: dict, arrays: tuple):
+        self._index = index
+        self._arrays = arrays
+
+    def __getitem__(self, key):
+        return self._arrays[self._index[key]]
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self):
+        return len(self._index)
+
+
 @dataclass(frozen=True)
 class StageRows:
     """The flat rows one graph stage runs, per sub-step (layers in a stage share them)."""
@@ -251,7 +275,7 @@ class StepPlan:
     order, plus every decode request's rows (decode runs every row)."""
     tail_batch_ids: np.ndarray = field(compare=False)
     """int32 request row of each ``tail_rows`` entry."""
-    layer_rows: dict[tuple[int, str], np.ndarray] = field(compare=False)
+    layer_rows: Mapping[tuple[int, str], np.ndarray] = field(compare=False)
     """(layer, sub_step) -> int32 sorted flat rows running it (empty arrays for none; ``compress``
     keys only for Full owners). Layers with equal row sets share one array."""
     stages: tuple[StageRows, ...]
@@ -271,48 +295,190 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
-    """Refuse an invalid step with a message naming the first bad request."""
+    """Refuse an invalid step with a message naming the first bad request.
+
+    One combined vectorized test on the common path; the messages are built only on failure.
+    """
     n = len(arrs.slots)
     B = spec.replay.hash_block_tokens
-    P = spec.geometries[next(iter(spec.geometries))].page_tokens if spec.geometries else B
+    P = _page_tokens(spec)
     pl, st, cl, hit = arrs.prompt_lens, arrs.starts, arrs.chunk_lens, arrs.prefix_hits
     dec, fresh = arrs.is_decode, arrs.fresh_slot
     end = st + cl
-    pages = (arrs.block_tables >= 0).sum(axis=1) if arrs.block_tables.size else np.zeros(n, int)
-    checks = (
-        (pl < 1, "prompt_len {pl} must be >= 1"),
-        (st < 0, "start {st} must be >= 0"),
-        (cl < 1, "chunk_len {cl} must be >= 1"),
-        (hit < 0, "prefix_hit {hit} must be >= 0"),
-        (arrs.slots < 0, "slot {slot} must be >= 0"),
-        (~dec & (st >= pl), "start {st} is not inside the prompt [0, {pl})"),
-        (~dec & (end > pl), "chunk [{st}, {end}) runs past the prompt end {pl}"),
-        (dec & (st < pl), "decode start {st} is inside the prompt (prompt_len {pl})"),
-        (hit > st, "prefix_hit {hit} is past the resume point {st}"),
-        (hit % B != 0, "prefix_hit {hit} is not on the hash-block grid ({B} tokens)"),
-        (
-            ~dec & fresh & (st > 0) & (not encoder_replay),
-            "a fresh slot resuming at {st} needs a restored image (encoder replay is off)",
-        ),
-        (pages * P < end, "block table holds {pages} pages ({P} tokens each), short of {end}"),
+    bt = arrs.block_tables
+    need = _div(end + (P - 1), P)  # pages the forward's positions live in
+    width = bt.shape[1] if bt.ndim == 2 else 0
+    if n and int(need.max()) <= width:
+        short = bt[np.arange(n), np.maximum(need - 1, 0)] < 0
+    else:
+        short = need > width
+    prefill = ~dec
+    # Cheap whole-batch reductions first; per-request masks only when one fails.
+    ok = (
+        min(pl.min(), cl.min()) >= 1
+        and min(st.min(), hit.min(), arrs.slots.min()) >= 0
+        and not (hit > st).any()
+        and not short.any()
+        and not _mod(hit, B).any()
+        and not (np.where(prefill, end > pl, st < pl) if prefill.any() else st < pl).any()
+        and (encoder_replay or not (prefill & fresh & (st > 0)).any())
+    ) if n else True  # fmt: skip
+    bad = not ok
+    if bad:
+        pages = (bt >= 0).sum(axis=1) if bt.size else np.zeros(n, dtype=np.int64)
+        checks = (
+            (pl < 1, "prompt_len {pl} must be >= 1"),
+            (st < 0, "start {st} must be >= 0"),
+            (cl < 1, "chunk_len {cl} must be >= 1"),
+            (hit < 0, "prefix_hit {hit} must be >= 0"),
+            (arrs.slots < 0, "slot {slot} must be >= 0"),
+            (prefill & (st >= pl), "start {st} is not inside the prompt [0, {pl})"),
+            (prefill & (end > pl), "chunk [{st}, {end}) runs past the prompt end {pl}"),
+            (dec & (st < pl), "decode start {st} is inside the prompt (prompt_len {pl})"),
+            (hit > st, "prefix_hit {hit} is past the resume point {st}"),
+            (hit % B != 0, "prefix_hit {hit} is not on the hash-block grid ({B} tokens)"),
+            (
+                prefill & fresh & (st > 0),
+                "a fresh slot resuming at {st} needs a restored image (encoder replay is off)",
+            ),
+            (short, "block table holds {pages} pages ({P} tokens each), short of position {end}"),
+        )
+        for mask, msg in checks:
+            if mask.any():
+                i = int(np.flatnonzero(mask)[0])
+                vals = {
+                    "pl": int(pl[i]),
+                    "st": int(st[i]),
+                    "cl": int(cl[i]),
+                    "hit": int(hit[i]),
+                    "end": int(end[i]),
+                    "slot": int(arrs.slots[i]),
+                    "pages": int(pages[i]),
+                    "P": P,
+                    "B": B,
+                }
+                raise PlanError(f"request {i}: " + msg.format(**vals))
+    if n and np.bincount(arrs.slots).max() > 1:
+        dup = int(np.argmax(np.bincount(arrs.slots)))
+        raise PlanError(f"two requests share STATE slot {dup}")
+
+
+def _page_tokens(spec) -> int:
+    """Tokens of one PAGE (every geometry of a spec shares it)."""
+    for g in spec.geometries.values():
+        return g.page_tokens
+    return spec.replay.hash_block_tokens
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What plan_step needs from a (spec, table) pair that does not change between steps."""
+
+    ratios: tuple[int, ...]
+    key_index: dict
+    sigs: tuple[tuple[str, str, str], ...]
+    stages: tuple
+    owner_ratios: tuple
+
+
+_STATIC: dict = {}
+_TABLES: dict = {}
+
+
+def _static(spec, table) -> _Static:
+    key = (id(spec), id(table))
+    got = _STATIC.get(key)
+    if got is not None and got[0] is spec and got[1] is table:
+        return got[2]
+    rows = table.rows
+
+    def sig(layer: int, sub: str) -> tuple[str, str, str]:
+        s = SUB_STEPS.index(sub)
+        return (rows[0][layer][s], rows[1][layer][s], rows[2][layer][s])
+
+    keys = tuple(
+        (layer, sub)
+        for layer in range(table.num_layers)
+        for sub in SUB_STEPS
+        if sub != "compress" or layer in table.owners
     )
-    for bad, msg in checks:
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            vals = {
-                "pl": int(pl[i]),
-                "st": int(st[i]),
-                "cl": int(cl[i]),
-                "hit": int(hit[i]),
-                "end": int(end[i]),
-                "slot": int(arrs.slots[i]),
-                "pages": int(pages[i]),
-                "P": P,
-                "B": B,
-            }
-            raise PlanError(f"request {i}: " + msg.format(**vals))
-    if len(np.unique(arrs.slots)) != n:
-        raise PlanError("two requests share a STATE slot")
+    key_sigs = tuple(sig(*k) for k in keys)
+    sigs = tuple(dict.fromkeys(key_sigs))
+    stages = tuple(
+        (
+            g.name,
+            g.first_layer,
+            g.last_layer,
+            tuple((sub, sig(g.first_layer, sub)) for sub in ("ring_write", "attention", "ffn")),
+            tuple(sig(o, "compress") for o in table.owners if g.first_layer <= o <= g.last_layer),
+        )
+        for g in table.stages
+    )
+    owner_ratios = tuple(
+        (r, tuple(sig(o, "compress") for o in table.owners if spec.layers[o].ratio == r))
+        for r in sorted({spec.layers[o].ratio for o in table.owners})
+    )
+    st = _Static(
+        ratios=tuple(sorted({layer.ratio for layer in spec.layers if layer.ratio > 0})),
+        key_index={k: sigs.index(g) for k, g in zip(keys, key_sigs, strict=True)},
+        sigs=sigs,
+        stages=stages,
+        owner_ratios=owner_ratios,
+    )
+    _STATIC[key] = (spec, table, st)
+    return st
+
+
+def _div(x: np.ndarray, r: int) -> np.ndarray:
+    """``x // r`` (a shift for powers of two: integer division is slow in numpy)."""
+    if r == 1:
+        return x
+    return x >> (r.bit_length() - 1) if r & (r - 1) == 0 else x // r
+
+
+def _mod(x: np.ndarray, r: int) -> np.ndarray:
+    """``x % r`` (a mask for powers of two)."""
+    return x & (r - 1) if r & (r - 1) == 0 else x % r
+
+
+def _ragged_ranges(starts: np.ndarray, counts: np.ndarray, dtype=np.int32) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, loop-free."""
+    total = int(counts.sum())
+    before = np.cumsum(counts) - counts
+    return (np.repeat(starts - before, counts) + np.arange(total)).astype(dtype, copy=False)
+
+
+def _compress_one_row(pos: np.ndarray, r: int) -> CompressPlan:
+    """The compress plan of a step where request ``i`` is flat row ``i`` (one-row decode): a
+    group closes on its last member; otherwise the row opens or continues a group and goes to
+    the FP32 tail. Decode never backs off, so nothing is below ``write_from``."""
+    if r == 1:  # every row is a group of its own
+        rows = np.arange(len(pos), dtype=np.int32)
+        return CompressPlan(1, rows, rows, pos, pos, np.zeros(len(pos), dtype=bool), _EMPTY, _EMPTY)
+    closes = _mod(pos + 1, r) == 0
+    rows = np.flatnonzero(closes).astype(np.int32)
+    crow = _div(pos[rows], r)
+    first = crow * r
+    store = np.flatnonzero(~closes).astype(np.int32)
+    return CompressPlan(
+        ratio=r,
+        rows=rows,
+        batch_ids=rows,
+        compressed_rows=crow,
+        rope_positions=first,
+        first_from_tail=first < pos[rows],
+        tail_store_rows=store,
+        tail_store_batch_ids=store,
+    )
+
+
+def _union(arrays: list[np.ndarray]) -> np.ndarray:
+    """Sorted union of sorted row arrays (the first one itself when they are all one array)."""
+    if not arrays:
+        return _EMPTY
+    if all(x is arrays[0] for x in arrays):
+        return arrays[0]
+    return np.unique(np.concatenate(arrays)).astype(np.int32)
 
 
 def plan_step(
@@ -329,25 +495,36 @@ def plan_step(
     ``table`` is a ``StageTable`` to use instead of the generated (or derived) one. Raises
     ``PlanError`` for an invalid step.
     """
-    from v41plan.planner.replay import replay_arrays
-    from v41plan.planner.stages import PHASES, stage_table
-
     rules = spec.replay
     dec_on = rules.decoder_swa_bounded_replay if decoder_replay is None else decoder_replay
     enc_on = rules.encoder_swa_bounded_replay if encoder_replay is None else encoder_replay
     if table is None:
-        table = stage_table(spec, decoder_replay=dec_on, encoder_replay=enc_on)
+        key = (id(spec), dec_on, enc_on)
+        hit = _TABLES.get(key)
+        if hit is None or hit[0] is not spec:
+            hit = (spec, stage_table(spec, decoder_replay=dec_on, encoder_replay=enc_on))
+            _TABLES[key] = hit
+        table = hit[1]
+    st = _static(spec, table)
     a = step if isinstance(step, StepArrays) else step_arrays(step)
     n = len(a.slots)
     _check(a, spec, enc_on)
     W = spec.dims.sliding_window
 
     end = a.starts + a.chunk_lens
-    rp = replay_arrays(
-        a.starts, end, a.prompt_lens, a.is_decode, a.fresh_slot,
-        hash_block=rules.hash_block_tokens, min_final_rows=rules.min_final_prefill_rows,
-        encoder_replay=enc_on, decoder_replay=dec_on,
-    )  # fmt: skip
+    all_decode = bool(a.is_decode.all())
+    if all_decode:  # decode never backs off: skip the replay arithmetic on the hot path
+        zeros = np.zeros(n, dtype=np.int64)
+        no = np.zeros(n, dtype=bool)
+        rp = {"forward_start": a.starts, "write_from": a.starts, "cached_until": a.starts,
+              "swa_cached_until": a.starts, "encoder_window_floor": zeros, "rebuild": no,
+              "backed_off": no}  # fmt: skip
+    else:
+        rp = replay_arrays(
+            a.starts, end, a.prompt_lens, a.is_decode, a.fresh_slot,
+            hash_block=rules.hash_block_tokens, min_final_rows=rules.min_final_prefill_rows,
+            encoder_replay=enc_on, decoder_replay=dec_on,
+        )  # fmt: skip
     fs = rp["forward_start"]
     lens = end - fs
     total = int(lens.sum())
@@ -358,124 +535,128 @@ def plan_step(
     if width < total:
         raise PlanError(f"running_tokens {width} is smaller than the {total} scheduled rows")
 
-    final = ~a.is_decode & (end == a.prompt_lens)
-    phase = np.where(a.is_decode, _PHASE_DECODE, np.where(final, _PHASE_FINAL, _PHASE_NONFINAL))
+    one_row = all_decode and total == n  # every request decodes one row: row i is request i
+    if all_decode:
+        final = np.zeros(n, dtype=bool)
+        phase = np.full(n, _PHASE_DECODE, dtype=np.int64)
+    else:
+        final = ~a.is_decode & (end == a.prompt_lens)
+        phase = np.where(a.is_decode, _PHASE_DECODE, np.where(final, _PHASE_FINAL, _PHASE_NONFINAL))
     has_tail = final & dec_on
     tail_lo = np.maximum(fs, end - W)
 
     # Per token.
-    cu = np.zeros(bs + 1, dtype=np.int32)
-    np.cumsum(lens, out=cu[1 : n + 1])
+    cu = np.empty(bs + 1, dtype=np.int32)
+    cu[0] = 0
+    if one_row:
+        cu[: n + 1] = np.arange(n + 1)
+        req = cu[:n].copy()
+        pos = fs.astype(np.int64)
+    else:
+        np.cumsum(lens, out=cu[1 : n + 1])
+        req = np.repeat(np.arange(n, dtype=np.int32), lens)
+        pos = np.arange(total, dtype=np.int64) + np.repeat(fs - cu[:n], lens)
     cu[n + 1 :] = total
-    req = np.repeat(np.arange(n, dtype=np.int32), lens)
     batch_ids = np.full(width, -1, dtype=np.int32)
     batch_ids[:total] = req
-    positions = np.zeros(width, dtype=np.int64)
-    pos = np.arange(total, dtype=np.int64) + np.repeat(fs - cu[:n], lens)
-    positions[:total] = pos
-    ratios = sorted({layer.ratio for layer in spec.layers if layer.ratio > 0})
+    if width == total:
+        positions = pos
+    else:
+        positions = np.zeros(width, dtype=np.int64)
+        positions[:total] = pos
     visible = {}
-    for r in ratios:
-        v = np.zeros(width, dtype=np.int64)
-        v[:total] = (pos + 1) // r
-        visible[r] = v
+    for r in st.ratios:
+        if width == total:
+            visible[r] = _div(pos + 1, r)
+        else:
+            v = np.zeros(width, dtype=np.int64)
+            v[:total] = _div(pos + 1, r)
+            visible[r] = v
 
-    # Row sets: one mask per (phase, set), one array per distinct signature of the table.
-    tok_phase = phase[req]
-    last_rows_real = (cu[1 : n + 1] - 1).astype(np.int32)
-    in_set = {
-        "all": None,
-        "tail": pos >= tail_lo[req],
-        "last": np.zeros(total, dtype=bool),
-        "none": False,
+    # Row sets, per request a suffix of its rows: every set of a request starts at an offset
+    # into its rows (all 0, tail tail_lo - fs, last lens - 1, none lens), so the rows of a
+    # table signature (one set per phase) are one ragged range build over requests.
+    last_rows_real = cu[1 : n + 1] - 1
+    offsets = {
+        "all": np.zeros(n, dtype=np.int64),
+        "tail": tail_lo - fs,
+        "last": lens - 1,
+        "none": lens,
     }
-    in_set["last"][last_rows_real] = True
-    phase_masks = [tok_phase == p for p in range(len(PHASES))]
-    present = [bool(m.any()) for m in phase_masks]
-    sig_rows: dict = {}
+    present = tuple(c > 0 for c in np.bincount(phase, minlength=3).tolist())
+    everything = np.arange(total, dtype=np.int32)
 
     def rows_of(sig: tuple) -> np.ndarray:
-        got = sig_rows.get(sig)
-        if got is not None:
-            return got
-        if all(sig[p] == "all" or not present[p] for p in range(len(PHASES))):
-            out = np.arange(total, dtype=np.int32)
+        used = {name for name, here in zip(sig, present, strict=True) if here}
+        if used <= {"all"}:
+            return everything if used else _EMPTY
+        if len(used) == 1:
+            off = offsets[used.pop()]
         else:
-            mask = np.zeros(total, dtype=bool)
-            for p, name in enumerate(sig):
-                if present[p] and name != "none":
-                    sel = in_set[name]
-                    mask |= phase_masks[p] if sel is None else (phase_masks[p] & sel)
-            out = np.flatnonzero(mask).astype(np.int32)
-        sig_rows[sig] = out
-        return out
+            off = np.choose(phase, [offsets[name] for name in sig])
+        return _ragged_ranges(cu[:n] + off, lens - off)
 
-    rows = table.rows
-    owners = set(table.owners)
-    layer_rows: dict[tuple[int, str], np.ndarray] = {}
-    for layer in range(table.num_layers):
-        for s, sub in enumerate(SUB_STEPS):
-            if sub == "compress" and layer not in owners:
-                continue
-            layer_rows[(layer, sub)] = rows_of(
-                (rows[0][layer][s], rows[1][layer][s], rows[2][layer][s])
-            )
+    sig_arrays = {sig: rows_of(sig) for sig in st.sigs}
+    layer_rows = LayerRows(st.key_index, tuple(sig_arrays[sig] for sig in st.sigs))
     stages = []
-    for g in table.stages:
-        stage_rows = {
-            sub: layer_rows[(g.first_layer, sub)] for sub in ("ring_write", "attention", "ffn")
-        }
-        own = [o for o in table.owners if g.first_layer <= o <= g.last_layer]
-        comp = [layer_rows[(o, "compress")] for o in own]
-        stage_rows["compress"] = (
-            (
-                comp[0]
-                if len(comp) == 1 or all(c is comp[0] for c in comp)
-                else np.unique(np.concatenate(comp)).astype(np.int32)
-            )
-            if comp
-            else _EMPTY
-        )
-        stages.append(StageRows(g.name, g.first_layer, g.last_layer, stage_rows))
+    for name, first, last, sub_sigs, comp_sigs in st.stages:
+        stage_rows = {sub: sig_arrays[sig] for sub, sig in sub_sigs}
+        stage_rows["compress"] = _union([sig_arrays[sig] for sig in comp_sigs])
+        stages.append(StageRows(name, first, last, stage_rows))
 
     # Tail gather (QueryRows): tails of finishing requests plus decode rows.
-    tail_mask = (tok_phase == _PHASE_DECODE) | (has_tail[req] & in_set["tail"])
-    tail_rows = np.flatnonzero(tail_mask).astype(np.int32)
+    if all_decode:
+        tail_rows, tail_batch_ids = everything, batch_ids[:total]
+    else:
+        tail_off = np.where(has_tail, tail_lo - fs, np.where(a.is_decode, 0, lens))
+        tail_rows = _ragged_ranges(cu[:n] + tail_off, lens - tail_off)
+        tail_batch_ids = np.repeat(np.arange(n, dtype=np.int32), lens - tail_off)
 
-    # Compress plans per ratio.
+    # Compress plans per ratio: per request the closing groups j in [lo // r, end // r) with
+    # lo = max(forward_start, write_from), built from counts without a per-token scan.
     compress = {}
-    write_from_tok = rp["write_from"][req]
-    fs_tok = fs[req]
-    end_tok = end[req]
-    for r in sorted({spec.layers[o].ratio for o in table.owners}):
-        crow = pos // r
-        comp_rows = [layer_rows[(o, "compress")] for o in table.owners if spec.layers[o].ratio == r]
-        closes = ((pos + 1) % r == 0) & (pos >= write_from_tok)
-        if not all(c is comp_rows[0] for c in comp_rows) or len(comp_rows[0]) != total:
-            allowed = np.zeros(total, dtype=bool)
-            for c in comp_rows:
-                allowed[c] = True
-            closes &= allowed
-        idx = np.flatnonzero(closes).astype(np.int32)
-        first = crow[idx] * r
-        store = (
-            np.flatnonzero((r > 1) & (pos >= (end_tok // r) * r)).astype(np.int32)
-            if r > 1
-            else _EMPTY
-        )
+    lo = np.maximum(fs, rp["write_from"])
+    row0 = cu[:n] - fs  # flat row of position p of request i is row0[i] + p
+    for r, comp_sigs in st.owner_ratios:
+        if one_row and len(_union([sig_arrays[sig] for sig in comp_sigs])) == total:
+            compress[r] = _compress_one_row(pos, r)
+            continue
+        j_lo = _div(lo, r)
+        count = np.maximum(_div(end, r) - j_lo, 0)
+        crow = _ragged_ranges(j_lo, count, np.int64)
+        rows_r = (np.repeat(row0, count) + crow * r + (r - 1)).astype(np.int32)
+        bids = np.repeat(np.arange(n, dtype=np.int32), count)
+        first = crow * r
+        allowed = _union([sig_arrays[sig] for sig in comp_sigs])
+        if len(allowed) != total:  # a table that compresses only some rows
+            keep = np.zeros(total, dtype=bool)
+            keep[allowed] = True
+            k = keep[rows_r]
+            rows_r, bids, crow, first = rows_r[k], bids[k], crow[k], first[k]
+        # Members of the group still open at the forward's end go to the FP32 tail.
+        if r > 1:
+            open_n = np.minimum(_mod(end, r), lens)
+            store = _ragged_ranges(last_rows_real + 1 - open_n, open_n)
+            store_bids = np.repeat(np.arange(n, dtype=np.int32), open_n)
+        else:
+            store, store_bids = _EMPTY, _EMPTY
         compress[r] = CompressPlan(
             ratio=r,
-            rows=idx,
-            batch_ids=req[idx],
-            compressed_rows=crow[idx],
+            rows=rows_r,
+            batch_ids=bids,
+            compressed_rows=crow,
             rope_positions=first,
-            first_from_tail=first < fs_tok[idx],
+            first_from_tail=first < np.repeat(fs, count)
+            if len(allowed) == total
+            else first < fs[bids],
             tail_store_rows=store,
-            tail_store_batch_ids=req[store],
+            tail_store_batch_ids=store_bids,
         )
 
     # Per request, padded to running_bs.
     def per_req(x, fill, dtype):
+        if bs == n:
+            return np.array(x, dtype=dtype)
         out = np.full(bs, fill, dtype=dtype)
         out[:n] = x
         return out
@@ -483,14 +664,25 @@ def plan_step(
     bt_width = a.block_tables.shape[1] if a.block_table_width is None else int(a.block_table_width)
     if bt_width < a.block_tables.shape[1] and (a.block_tables[:, bt_width:] >= 0).any():
         raise PlanError(f"block_table_width {bt_width} is narrower than a request's block table")
-    block_tables = np.full((bs, bt_width), -1, dtype=np.int32)
-    k = min(bt_width, a.block_tables.shape[1])
-    block_tables[:n, :k] = a.block_tables[:, :k]
+    if bs == n and bt_width == a.block_tables.shape[1]:
+        block_tables = a.block_tables.astype(np.int32)
+    else:
+        block_tables = np.full((bs, bt_width), -1, dtype=np.int32)
+        k = min(bt_width, a.block_tables.shape[1])
+        block_tables[:n, :k] = a.block_tables[:, :k]
 
     h = rules.replay_history_tokens
-    from_plan = ~a.is_decode & (a.fresh_slot | rp["backed_off"])
     history = np.full((bs, h), -1, dtype=np.int64)
-    if a.token_ids is not None and h > 0:
+    if all_decode:  # decode reads its history from the cursor and never floors windows
+        from_plan = np.zeros(n, dtype=bool)
+        swa_replay_start = enc_floor = np.zeros(n, dtype=np.int64)
+        tail_start = np.full(n, -1, dtype=np.int64)
+    else:
+        from_plan = ~a.is_decode & (a.fresh_slot | rp["backed_off"])
+        enc_floor = np.where(a.is_decode, 0, rp["encoder_window_floor"])
+        swa_replay_start = np.where(has_tail, tail_lo, enc_floor)
+        tail_start = np.where(has_tail, tail_lo, -1)
+    if a.token_ids is not None and h > 0 and not all_decode:
         for i in np.flatnonzero(from_plan & (fs > 0)):
             ids = a.token_ids[i]
             if ids is None:
@@ -500,10 +692,9 @@ def plan_step(
             ok = (want >= 0) & (want < len(ids))
             history[i, ok] = ids[want[ok]]
 
-    enc_floor = rp["encoder_window_floor"]
-    swa_replay_start = np.where(has_tail, tail_lo, np.where(a.is_decode, 0, enc_floor))
-    decode_only = bool(n) and bool(a.is_decode.all())
-    kind = "decode" if decode_only else ("prefill_replay" if len(table.stages) > 1 else "prefill")
+    kind = (
+        "decode" if all_decode and n else ("prefill_replay" if len(table.stages) > 1 else "prefill")
+    )
     return StepPlan(
         running_bs=bs,
         running_tokens=width,
@@ -528,13 +719,13 @@ def plan_step(
         cached_until=per_req(rp["cached_until"], 0, np.int64),
         swa_cached_until=per_req(rp["swa_cached_until"], 0, np.int64),
         swa_replay_start=per_req(swa_replay_start, 0, np.int64),
-        encoder_window_floor=per_req(np.where(a.is_decode, 0, enc_floor), 0, np.int64),
-        tail_start=per_req(np.where(has_tail, tail_lo, -1), -1, np.int64),
+        encoder_window_floor=per_req(enc_floor, 0, np.int64),
+        tail_start=per_req(tail_start, -1, np.int64),
         last_rows=per_req(last_rows_real, -1, np.int32),
         history_ids=history,
         history_from_plan=per_req(from_plan, False, bool),
         tail_rows=tail_rows,
-        tail_batch_ids=req[tail_rows],
+        tail_batch_ids=tail_batch_ids,
         layer_rows=layer_rows,
         stages=tuple(stages),
         compress=compress,
