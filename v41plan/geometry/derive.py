@@ -88,14 +88,28 @@ def ring_row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
     return 2 * head_dim if kv_cache_dtype == "bf16" else head_dim + head_dim // 32
 
 
-def layout_id(dims: ModelDims, page_tokens: int, kv: str, index: str, history: int) -> str:
+STATE_FIELD_ORDER = ("swa_rings", "tail_values", "tail_scores", "cursor")
+DEFAULT_IMAGE_FIELDS = ("swa_rings", "cursor")
+
+
+def layout_id(
+    dims: ModelDims,
+    page_tokens: int,
+    kv: str,
+    index: str,
+    history: int,
+    image_fields: tuple[str, ...] = DEFAULT_IMAGE_FIELDS,
+) -> str:
     """Identity of every byte meaning of a pool: changes when formats, PAGE, layers, dims,
-    window or history change."""
+    window, history or the image's fields change (the default image adds no term)."""
     owners = ",".join(f"{o}:{dims.compress_ratios[o]}" for o in dims.kv_source_layer_ids)
+    carried = tuple(f for f in STATE_FIELD_ORDER if f in image_fields)
+    image = "" if carried == DEFAULT_IMAGE_FIELDS else ":image=" + "+".join(carried)
     return (
         f"v41plan-main-{kv}-index-{index}-{STATE_LAYOUT_VERSION}:layers={dims.num_hidden_layers}"
         f":owners={owners}:page={page_tokens}:window={dims.sliding_window}"
         f":dims={dims.head_dim},{dims.qk_rope_head_dim},{dims.index_head_dim}:history={history}"
+        f"{image}"
     )
 
 
@@ -179,7 +193,9 @@ def derive_geometry(
         image_bytes=image_bytes,
         units_per_image=math.ceil(image_bytes / page_unit_bytes),
         global_kv_bytes_per_token=per_token,
-        layout_id=layout_id(dims, page_tokens, kv_cache_dtype, index_cache_dtype, history),
+        layout_id=layout_id(
+            dims, page_tokens, kv_cache_dtype, index_cache_dtype, history, tuple(image_fields)
+        ),
     )
 
 
