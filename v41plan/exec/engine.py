@@ -227,14 +227,17 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(seqs), desc="requests", unit="req")
+            total = sum(s.params.max_tokens for s in seqs if s.error is None)
+            bar = tqdm(total=total, desc="generate", unit="tok")
         done_before = 0
 
         def _tick() -> None:
             nonlocal done_before
-            done = sum(s.is_finished for s in seqs)
-            bar.update(done - done_before)
-            done_before = done
+            done = sum(len(s.output_ids) if not s.is_finished else s.params.max_tokens
+                       for s in seqs if s.error is None)
+            if done != done_before:
+                bar.update(done - done_before)
+                done_before = done
 
         self.run_until_done(on_step=_tick if bar is not None else None)
         if bar is not None:
@@ -273,21 +276,14 @@ class ByteTokenizer:
 
 
 def _default_tokenizer(spec: CacheSpec, checkpoint: str | None):
+    """``tokenizer.json`` beside the checkpoint, else byte-level ids (the tiny specs' vocabulary)."""
     try:
-        from v41plan.exec import tokenizer as tok_mod
+        from v41plan.exec.config import config_from_cache_spec
+        from v41plan.exec.tokenizer import load_tokenizer
     except ImportError:
-        tok_mod = None
-    if tok_mod is not None:
-        for name in ("load_tokenizer", "get_tokenizer"):
-            fn = getattr(tok_mod, name, None)
-            if fn is not None:
-                try:
-                    return fn(spec=spec, checkpoint=checkpoint)
-                except TypeError:
-                    try:
-                        return fn(checkpoint)
-                    except Exception:  # noqa: BLE001 - fall back to bytes for the tiny specs
-                        pass
+        load_tokenizer = None
+    if load_tokenizer is not None:
+        return load_tokenizer(checkpoint, config_from_cache_spec(spec))
     if int(spec.model_config.get("vocab_size", 0)) >= 256:
         return ByteTokenizer()
     return None
