@@ -5,8 +5,11 @@ Two rules move a prefill forward's first row below where the scheduler resumed (
 - Encoder SWA bounded replay: a hit at a hash-block boundary ``H > 0`` resumed in a fresh slot
   starts a whole hash block below it, ``max(0, H - B)``, and rebuilds the rings from there.
 - Decoder SWA bounded replay: the forward that finishes a prompt must hold
-  ``min_final_prefill_rows`` rows; one resuming closer to the end starts a whole hash block
-  earlier, in the same slot.
+  ``min_final_prefill_rows`` rows; a prefill forward resuming closer than that to the prompt's
+  end starts a whole hash block earlier, in the same slot. The decision is taken on the resume
+  point, so a chunk the budget cuts short of the end still starts there (and the next pass
+  backs off again; see ``choose_prefill_chunk``, which makes such a request wait instead when
+  the budget cannot carry it past the resume point).
 
 Both back-offs land on the hash-block grid: ``max(0, (resume // B - 1) * B)``. Recomputed rows
 never rewrite what the cache holds: compressed groups ending below ``resume`` are not written
@@ -53,7 +56,6 @@ class ReplayPoint:
 
 def replay_arrays(
     resume,
-    end,
     prompt_len,
     is_decode,
     fresh_slot,
@@ -65,13 +67,12 @@ def replay_arrays(
 ) -> dict[str, np.ndarray]:
     """Vectorized replay rules over requests; returns int64/bool arrays keyed like ``ReplayPoint``."""
     r = np.asarray(resume, dtype=np.int64)
-    e = np.asarray(end, dtype=np.int64)
     dec = np.asarray(is_decode, dtype=bool)
     fresh = np.asarray(fresh_slot, dtype=bool)
     prefill = ~dec
     rebuild = prefill & fresh & (r > 0) & bool(encoder_replay)
-    final = prefill & (e == np.asarray(prompt_len, dtype=np.int64))
-    short = final & ((e - r) < min_final_rows) & bool(decoder_replay)
+    short = prefill & ((np.asarray(prompt_len, dtype=np.int64) - r) < min_final_rows)
+    short &= bool(decoder_replay)
     back = rebuild | short
     fs = np.where(back, grid_back_off(r, hash_block), r)
     cached = np.where(rebuild, fs, r)
@@ -88,7 +89,6 @@ def replay_arrays(
 
 def replay_start(
     resume: int,
-    end: int,
     prompt_len: int,
     *,
     hash_block: int,
@@ -98,10 +98,9 @@ def replay_start(
     encoder_replay: bool = True,
     decoder_replay: bool = True,
 ) -> ReplayPoint:
-    """Where a forward over ``[resume, end)`` of a ``prompt_len`` prompt starts, and its bounds."""
+    """Where a forward resuming at ``resume`` of a ``prompt_len`` prompt starts, and its bounds."""
     a = replay_arrays(
         [resume],
-        [end],
         [prompt_len],
         [is_decode],
         [fresh_slot],
@@ -113,7 +112,7 @@ def replay_start(
     return ReplayPoint(**{k: (bool(v[0]) if v.dtype == bool else int(v[0])) for k, v in a.items()})
 
 
-def replay_start_for_spec(spec, resume: int, end: int, prompt_len: int, **flags) -> ReplayPoint:
+def replay_start_for_spec(spec, resume: int, prompt_len: int, **flags) -> ReplayPoint:
     """``replay_start`` with the spec's hash block, ``min_final_prefill_rows`` and switches
     (``encoder_replay``/``decoder_replay``/``fresh_slot``/``is_decode`` may be given)."""
     rules = spec.replay
@@ -121,7 +120,6 @@ def replay_start_for_spec(spec, resume: int, end: int, prompt_len: int, **flags)
     flags.setdefault("decoder_replay", rules.decoder_swa_bounded_replay)
     return replay_start(
         resume,
-        end,
         prompt_len,
         hash_block=rules.hash_block_tokens,
         min_final_rows=rules.min_final_prefill_rows,
@@ -157,35 +155,29 @@ def choose_prefill_chunk(
 ) -> ChunkChoice | None:
     """The chunk a request resuming at ``resume`` runs under ``token_budget`` rows, or None: wait.
 
-    The long-prefill cap counts new tokens from ``resume`` (not from the backed-off start); the
-    budget counts every row the forward computes. A forward the budget cannot carry past
-    ``resume`` waits: a chunk ending there would recompute cached rows alone and hand the next
-    pass the same back-off. If the finishing chunk (with its back-off) does not fit, a shorter
-    non-final chunk (which needs no decoder back-off) is taken when the budget allows one.
+    The forward starts at ``replay_start`` (a hash block lower for a rebuild or a resume closer
+    than ``min_final_rows`` to the end). The long-prefill cap counts new tokens from ``resume``,
+    not from the backed-off start; the budget counts every row the forward computes. A forward
+    the budget cannot carry past ``resume`` waits: a chunk ending there would recompute cached
+    rows alone and hand the next pass the same back-off.
     """
     if not 0 <= resume < prompt_len:
         raise ValueError(f"resume {resume} is outside the prompt [0, {prompt_len})")
     if token_budget < 0 or (long_prefill_cap is not None and long_prefill_cap < 1):
         raise ValueError("token_budget must be >= 0 and long_prefill_cap >= 1")
+    p = replay_start(
+        resume,
+        prompt_len,
+        hash_block=hash_block,
+        min_final_rows=min_final_rows,
+        fresh_slot=fresh_slot,
+        encoder_replay=encoder_replay,
+        decoder_replay=decoder_replay,
+    )
     remaining = prompt_len - resume
-    cap = remaining if long_prefill_cap is None else min(remaining, long_prefill_cap)
-    kw = {
-        "hash_block": hash_block,
-        "min_final_rows": min_final_rows,
-        "fresh_slot": fresh_slot,
-        "encoder_replay": encoder_replay,
-        "decoder_replay": decoder_replay,
-    }
-    if cap == remaining:
-        p = replay_start(resume, prompt_len, prompt_len, **kw)
-        if prompt_len - p.forward_start <= token_budget:
-            return ChunkChoice(p.forward_start, remaining, prompt_len - p.forward_start, True)
-        cap = remaining - 1  # try a non-final chunk instead
-    if cap < 1:
-        return None
-    # A non-final chunk backs off only for a rebuild; its start does not depend on its length.
-    p = replay_start(resume, resume + 1, prompt_len, **{**kw, "decoder_replay": False})
-    new = min(cap, token_budget - (resume - p.forward_start))
+    new = min(remaining, token_budget - (resume - p.forward_start))
+    if long_prefill_cap is not None:
+        new = min(new, long_prefill_cap)
     if new < 1:
         return None
-    return ChunkChoice(p.forward_start, new, resume + new - p.forward_start, False)
+    return ChunkChoice(p.forward_start, new, resume + new - p.forward_start, new == remaining)

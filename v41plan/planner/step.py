@@ -521,7 +521,7 @@ def plan_step(
               "backed_off": no}  # fmt: skip
     else:
         rp = replay_arrays(
-            a.starts, end, a.prompt_lens, a.is_decode, a.fresh_slot,
+            a.starts, a.prompt_lens, a.is_decode, a.fresh_slot,
             hash_block=rules.hash_block_tokens, min_final_rows=rules.min_final_prefill_rows,
             encoder_replay=enc_on, decoder_replay=dec_on,
         )  # fmt: skip
