@@ -212,3 +212,21 @@ def test_cli_broken_spec_exits_with_located_message(tmp_path, command):
     )
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not out.exists()
+
+
+def test_empty_value_points_at_its_key(spec_error):
+    """``head_dim:`` with no value is null, located at the key."""
+    assert spec_error(edit("  head_dim: 64", "  head_dim:")) == (
+        "specs/spec.yaml:7:3: model.head_dim must be an integer, not null (write an integer)"
+    )
+
+
+def test_section_of_wrong_kind(spec_error):
+    """An optional section given as a list."""
+    text = edit(
+        "roles:\n  full: [2, 4, 6, 8]\n  reindex: [10, 12]\n  window: [0, 1]\n", "roles: [1]\n"
+    )
+    assert (
+        spec_error(text)
+        == "specs/spec.yaml:56:1: roles must be a mapping, not a list (write a mapping)"
+    )

@@ -63,7 +63,9 @@ class Locator:
             if lc is None:
                 break
             if isinstance(node, dict) and step in node:
-                line, col = lc.value(step) if _is_scalar(node[step]) else lc.key(step)
+                # An empty value has no position of its own: point at its key.
+                scalar = _is_scalar(node[step]) and node[step] is not None
+                line, col = lc.value(step) if scalar else lc.key(step)
             elif isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
                 line, col = lc.item(step)
             else:
