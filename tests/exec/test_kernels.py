@@ -76,8 +76,8 @@ def test_every_scatter_bails_on_sentinels(tiny):
                           p.tail_values[:, 0], p.tail_scores[:, 0], p.sink_slot)
         addr = p.row_address(8, torch.tensor([[0, 1]]), none, pos)
         K.main_scatter(p.main[8], x, addr.page, addr.row, torch.zeros(n, dtype=torch.bool), p.sink_page)
-        K.index_key_store(_planes(p, 8), x[:, :32], addr.page, addr.row, torch.zeros(n, dtype=torch.bool),
-                          p.sink_page)
+        K.index_key_store(_planes(p, 8), x[:, :32], torch.ones(n, 1), addr.page, addr.row,
+                          torch.zeros(n, dtype=torch.bool), p.sink_page)
         assert torch.equal(p.backing, before), pair
 
 
@@ -124,7 +124,9 @@ def _dense_topk(score: torch.Tensor, bound: int, k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("index_dtype", ["fp8", "fp4"])
-def test_scorer_matches_dense_scores_and_tie_rule(tiny, index_dtype):
+def test_scorer_matches_the_models_dense_scores_and_tie_rule(tiny, index_dtype):
+    from v41plan.exec.layers import Attention, topk_ids
+
     torch.manual_seed(1)
     p = Pools(tiny.geometry("bf16", index_dtype), num_pages=6, num_slots=1)
     table = torch.tensor([[4, 0, 2], [5, 1, -1]])
@@ -133,12 +135,14 @@ def test_scorer_matches_dense_scores_and_tie_rule(tiny, index_dtype):
     for b, n in enumerate(n_rows):
         k = torch.randn(n, 32, dtype=torch.float64)
         k[5:9] = 0.0  # exact ties (all-zero keys score 0)
-        keys.append(k)
+        keys.append(Q.quant_fp8_rows(k) if index_dtype == "fp8" else (Q.fake_fp4(k, 32), None))
         batch += [b] * n
         rows += list(range(n))
-    key = torch.cat(keys)
+    key = torch.cat([k for k, _ in keys])
+    scale = torch.cat([s for _, s in keys]) if index_dtype == "fp8" else None
     addr = p.row_address(2, table, torch.tensor(batch), torch.tensor(rows))
-    K.index_key_store(_planes(p, 2), key, addr.page, addr.row, torch.ones(len(batch), dtype=torch.bool), p.sink_page)
+    K.index_key_store(_planes(p, 2), key, scale, addr.page, addr.row, torch.ones(len(batch), dtype=torch.bool),
+                      p.sink_page)
     # query rows: request 0 at bounds 48, 7, 0 and request 1 at 20, one padding row
     qb = torch.tensor([0, 0, 0, 1, -1])
     bound = torch.tensor([48, 7, 0, 20, 0])
@@ -151,10 +155,15 @@ def test_scorer_matches_dense_scores_and_tie_rule(tiny, index_dtype):
         if b < 0:
             assert ids[t].tolist() == [-1] * 4
             continue
-        kq = R.round_query(q[t], index_dtype)
-        kk = R.round_query(keys[b], index_dtype)
-        score = ((kq @ kk.T).relu() * w[t].unsqueeze(1)).sum(0)
-        assert ids[t].tolist() == _dense_topk(score, int(bound[t]), 4)
+        if index_dtype == "fp8":
+            qc, qs = Q.quant_fp8_rows(q[t : t + 1])
+        else:
+            qc, qs = Q.fake_fp4(q[t : t + 1], 32), None
+        kc, ks = keys[b]
+        score = Attention.index_scores(qc, qs, w[t : t + 1], kc, ks)
+        score[:, int(bound[t]):] = float("-inf")
+        assert ids[t].tolist() == topk_ids(score, 4)[0].tolist()
+        assert ids[t].tolist() == _dense_topk(score[0], int(bound[t]), 4)
 
 
 def test_candidate_blocks_match_a_dense_loop():
@@ -184,7 +193,7 @@ def test_window_gather_reads_ring_below_the_cut_and_forward_rows_above(tiny, kv_
     fwd = Q.fake_fp8(torch.randn(5, 64, dtype=torch.float64))  # positions 10..14
     pos = torch.tensor([10, 11, 12, 13, 14])
     slot = torch.full((5,), 1)
-    keys, valid = K.gather_window(ring, fwd, slot, pos, torch.zeros(5, dtype=torch.long),
+    keys, valid = K.gather_window(ring, fwd, torch.arange(5), slot, pos, torch.zeros(5, dtype=torch.long),
                                   torch.full((5,), 10), 8)
     for t in range(5):
         for j in range(8):

@@ -50,10 +50,11 @@ class MainScatter(Protocol):
 
 
 class IndexKeyStore(Protocol):
-    def index_key_store(self, planes: tuple[torch.Tensor, ...], key: torch.Tensor, page: torch.Tensor,
-                        row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
-        """Quantize normalized, rotated index keys ``key [T, d_ih]`` to the plane format and store
-        them (fp8: E4M3 + fp32 row scale; fp4: E2M1 values and E8M0/32 scales, two planes)."""
+    def index_key_store(self, planes: tuple[torch.Tensor, ...], key: torch.Tensor, key_scale: torch.Tensor | None,
+                        page: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
+        """Store index keys ``key [T, d_ih]`` produced by the shared key chain (norm, RoPE) and
+        its plane rounding: fp8 E4M3 code values with the fp32 row scale ``key_scale [T, 1]``
+        (one plane), fp4 values on the E2M1/E8M0-32 grid (values and scales planes)."""
 
 
 class Scorer(Protocol):
@@ -66,6 +67,11 @@ class Scorer(Protocol):
         optional candidate mask ``[T, P*rows_per_page]``. Returns top-``topk`` ids ``[T, K]``:
         ties to the smaller position, ascending, -1 padded."""
 
+    def score_candidates_topk(self, planes: tuple[torch.Tensor, ...], q: torch.Tensor, weights: torch.Tensor,
+                              bound: torch.Tensor, pages: torch.Tensor, topk: int, block_rows: int,
+                              topk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidate source: its own (unrestricted) top-k and the candidate mask, one scoring."""
+
     def candidate_blocks(self, scores: torch.Tensor, bound: torch.Tensor, block_rows: int,
                          topk_blocks: int) -> torch.Tensor:
         """Candidate mask ``[T, N]`` from scores ``[T, N]``: top ``topk_blocks`` blocks by their max
@@ -73,12 +79,13 @@ class Scorer(Protocol):
 
 
 class AttentionGather(Protocol):
-    def gather_window(self, ring: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor, position: torch.Tensor,
-                      window_lo: torch.Tensor, ring_until: torch.Tensor, window: int
+    def gather_window(self, ring: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor,
+                      position: torch.Tensor, window_lo: torch.Tensor, ring_until: torch.Tensor, window: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window keys of every row: positions ``[max(window_lo, pos-W+1), pos]``, those below
-        ``ring_until[T]`` read from the ring, the rest from this forward's rows ``kv [T, d]``.
-        Returns ``(keys [T, W, d], valid [T, W])``."""
+        """Window keys of query rows ``rows [Tq]`` (flat rows): positions ``[max(window_lo,
+        pos-W+1), pos]``, those below ``ring_until`` read from the ring, the rest from this
+        forward's rows ``kv [T, d]`` (a request's rows are contiguous). Returns ``(keys
+        [Tq, W, d], valid [Tq, W])``."""
 
     def gather_selected(self, plane: torch.Tensor, ids: torch.Tensor, pages: torch.Tensor,
                         rows_per_page: int, head_dim: int, dtype: torch.dtype
@@ -88,6 +95,11 @@ class AttentionGather(Protocol):
         selected rows, never the whole history."""
 
 
+class CursorWrite(Protocol):
+    def cursor_write(self, cursor: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, sink_slot: int) -> None:
+        """Commit ``[position, Engram history...]`` per request after the forward; slot -1 skipped."""
+
+
 class CheckpointCopy(Protocol):
     def copy_image(self, backing: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy bytes ``backing[src] -> backing[dst]`` for byte-index tensors built from the
@@ -95,7 +107,7 @@ class CheckpointCopy(Protocol):
 
 
 class KernelBackend(RingWrite, CompressGroups, MainScatter, IndexKeyStore, Scorer, AttentionGather,
-                    CheckpointCopy, Protocol):
+                    CursorWrite, CheckpointCopy, Protocol):
     """Everything the runtime model asks of a kernel backend."""
 
     name: str

@@ -102,6 +102,11 @@ def _put_rows(dest: torch.Tensor, idx: tuple[torch.Tensor, ...], rows: torch.Ten
     dest.index_put_(idx, torch.where(keep.view(shape), rows, held))
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for float64, else float32 (as ``layers.acc_dtype``)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def plane_format(planes: tuple[torch.Tensor, ...]) -> str:
     """``fp8`` for one index plane of bytes+fp32 scale, ``fp4`` for a values/scales pair."""
     return "fp4" if len(planes) == 2 else "fp8"
@@ -128,19 +133,16 @@ class TorchBackend:
             return decode_fp8_e8m0(ring_rows, d, dtype, 32)
         return ring_rows.to(dtype)
 
-    def gather_window(self, ring, kv, slot, position, window_lo, ring_until, window):
-        t = kv.shape[0]
+    def gather_window(self, ring, kv, rows, slot, position, window_lo, ring_until, window):
+        t = rows.shape[0]
         j = torch.arange(window, device=kv.device)
-        keypos = position.unsqueeze(1) - (window - 1) + j  # [T, W], oldest first
+        keypos = position.unsqueeze(1) - (window - 1) + j  # [Tq, W], oldest first
         valid = (keypos >= window_lo.unsqueeze(1)) & (keypos >= 0) & (slot >= 0).unsqueeze(1)
         from_ring = keypos < ring_until.unsqueeze(1)
-        rows = ring.shape[1]
         rs = torch.where(slot >= 0, slot, ring.shape[0] - 1).unsqueeze(1).expand(t, window)
-        ring_keys = self.ring_values(ring[rs, keypos.clamp(min=0) % rows], kv.shape[1], kv.dtype)
-        fwd_idx = (torch.arange(t, device=kv.device).unsqueeze(1) - (position.unsqueeze(1) - keypos))
-        fwd_keys = kv[fwd_idx.clamp(0, t - 1)]
-        keys = torch.where(from_ring.unsqueeze(-1), ring_keys, fwd_keys)
-        return keys, valid
+        ring_keys = self.ring_values(ring[rs, keypos.clamp(min=0) % ring.shape[1]], kv.shape[1], kv.dtype)
+        fwd_keys = kv[(rows.unsqueeze(1) - (position.unsqueeze(1) - keypos)).clamp(0, kv.shape[0] - 1)]
+        return torch.where(from_ring.unsqueeze(-1), ring_keys, fwd_keys), valid
 
     # -- compressor ---------------------------------------------------------------------------
     def compress_groups(self, values, scores, position, slot, first_row, last_row,
@@ -172,10 +174,11 @@ class TorchBackend:
         return rows.to(dtype)
 
     # -- index plane --------------------------------------------------------------------------
-    def index_key_store(self, planes, key, page, row, keep, sink_page):
+    def index_key_store(self, planes, key, key_scale, page, row, keep, sink_page):
         if plane_format(planes) == "fp8":
             (plane,) = planes
-            data = encode_fp8_row(key)
+            data = torch.cat((Q.e4m3_encode(key).view(torch.uint8),
+                              key_scale.to(torch.float32).reshape(-1, 1).contiguous().view(torch.uint8)), -1)
             _put_rows(plane, (page, row), data, keep, (sink_page, 0))
         else:
             vals, scales = planes
@@ -183,25 +186,37 @@ class TorchBackend:
             _put_rows(vals, (page, row), v, keep, (sink_page, 0))
             _put_rows(scales, (page, row), sc, keep, (sink_page, 0))
 
-    def index_keys(self, planes, pages: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
-        """Index keys of every row of each query row's page list ``[T, P*rows, d]`` (the scorer's
-        tile reads; the plane is small: ``d_ih`` bytes a row)."""
+    def index_keys(self, planes, pages: torch.Tensor, d: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Index keys of each query row's page list, ``([T, P*rows, d], fp32 row scales [T, P*rows]
+        or None)``: fp8 gives E4M3 code values and the row scale, fp4 dequantized values. These are
+        the scorer's tile reads; the plane is small (``d_ih`` bytes a row)."""
+        pg = pages.clamp(min=0)
         if plane_format(planes) == "fp8":
             (plane,) = planes
-            keys = decode_fp8_row(plane[pages.clamp(min=0)], d, dtype)
-        else:
-            vals, scales = planes
-            keys = decode_fp4_e8m0(vals[pages.clamp(min=0)], scales[pages.clamp(min=0)], dtype, 32)
-        return keys.flatten(1, 2)
+            raw = plane[pg]  # [T, P, rows, d + 4]
+            codes = raw[..., :d].contiguous().view(torch.float8_e4m3fn).to(dtype)
+            scale = raw[..., d:].contiguous().view(torch.float32)[..., 0]
+            return codes.flatten(1, 2), scale.flatten(1, 2)
+        vals, scales = planes
+        return decode_fp4_e8m0(vals[pg], scales[pg], dtype, 32).flatten(1, 2), None
 
     def scores(self, planes, q, weights, bound, pages):
         """Index scores ``[T, P*rows]`` of every query row over its own pages, ``-inf`` past its
-        bound or on a missing page. The query is rounded to the plane's grid first."""
+        bound or on a missing page. The query is rounded to the plane's grid here (fp8: E4M3 per
+        (row, head) with an fp32 scale; fp4: E2M1 with E8M0 per 32 lanes), and the score is
+        ``sum_h relu(q_h . k) * w_h`` in the same operation order as ``layers.Attention.index_scores``."""
         d = q.shape[-1]
-        keys = self.index_keys(planes, pages, d, q.dtype)
-        qq = round_query(q, plane_format(planes))
-        logits = torch.einsum("thd,tnd->thn", qq, keys).relu()
-        score = (logits * weights.unsqueeze(-1)).sum(1)
+        keys, k_scale = self.index_keys(planes, pages, d, q.dtype)
+        if k_scale is None:
+            qq = Q.fake_fp4(q, 32)
+            logits = torch.einsum("thc,tmc->thm", qq, keys.to(qq.dtype))
+            score = (torch.relu(logits) * weights[:, :, None].to(qq.dtype)).sum(1)
+        else:
+            a = acc_dtype(q.dtype)
+            codes, qs = Q.quant_fp8_rows(q)
+            logits = torch.einsum("thc,tmc->thm", codes.to(a), keys.to(a)) * k_scale.to(a)[:, None, :]
+            score = (torch.relu(logits) * (weights.to(a) * qs[..., 0].to(a))[:, :, None]).sum(1)
         rows = keys.shape[1] // pages.shape[1]
         n = torch.arange(keys.shape[1], device=q.device)
         ok = (n.unsqueeze(0) < bound.unsqueeze(1)) & (pages >= 0).repeat_interleave(rows, 1)
@@ -223,6 +238,12 @@ class TorchBackend:
         if candidates is not None:
             score = score.masked_fill(~candidates, float("-inf"))
         return self.topk_ids(score, topk)
+
+    def score_candidates_topk(self, planes, q, weights, bound, pages, topk, block_rows, topk_blocks):
+        """The candidate source's call: its own top-k (not restricted) and the candidate mask
+        ``[T, P*rows]`` later Reindex layers score inside, from one score matrix."""
+        score = self.scores(planes, q, weights, bound, pages)
+        return self.topk_ids(score, topk), self.candidate_blocks(score, bound, block_rows, topk_blocks)
 
     def candidate_blocks(self, scores, bound, block_rows, topk_blocks):
         t, n = scores.shape
@@ -248,6 +269,11 @@ class TorchBackend:
         valid = valid & (page >= 0)
         page = torch.where(valid, page, plane.shape[0] - 1)
         return self.main_values(plane[page, c % rows_per_page], head_dim, dtype), valid
+
+    # -- cursor -------------------------------------------------------------------------------
+    def cursor_write(self, cursor, slot, values, sink_slot):
+        """Commit ``[position, history...]`` rows ``values [B, 1+h]`` into the slots' cursors."""
+        _put_rows(cursor, (slot,), values.to(cursor.dtype), slot >= 0, (sink_slot,))
 
     # -- checkpoints --------------------------------------------------------------------------
     def copy_image(self, backing, src, dst):
