@@ -75,6 +75,8 @@ def test_chunked_budget_and_cap(enc):
         assert rows <= 64
         for r, e in zip(ev["resumes"], ev["ends"]):
             assert e - r <= 16 or ev["phase"] == "decode"
+    # Every batch was also laid out by plan_step, with the same forward starts.
+    assert llm.runner.plans == len(llm.scheduler.events)
     # Ragged multi-request prefill batches happened, and prefill and decode never mixed.
     assert any(ev["phase"] == "prefill" and len(ev["ids"]) > 1 for ev in llm.scheduler.events)
     assert_idle(llm)
@@ -103,7 +105,8 @@ def test_wait_rule_when_budget_cannot_pass_resume():
     seq.prefill_end = 70
     sch = llm.scheduler
     assert sch._chunk(seq, 64, None, 100) == (32, 70)  # the finishing forward backs off
-    assert sch._chunk(seq, 64, None, 30) == (64, 69)  # no room for it: a non-final chunk instead
+    assert sch._chunk(seq, 64, None, 30) is None  # would end at 62 <= 64: recomputes cached rows only
+    assert sch._chunk(seq, 64, None, 33) == (32, 65)  # carries past the resume point
     # A rebuild in a fresh slot that the budget cannot carry past its resume point waits.
     assert sch._chunk(seq, 64, 32, 32) is None
     assert sch._chunk(seq, 64, 32, 33) == (32, 65)

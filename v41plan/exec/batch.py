@@ -37,6 +37,8 @@ class ScheduledRequest:
     """One past the last position the forward runs."""
     prompt_len: int
     """Tokens this admission prefills (prompt plus re-forwarded output after a preemption)."""
+    prefix_hit: int
+    """Reported prefix hit (tokens, on the hash-block grid) of this admission; 0 if none."""
     fresh_slot: bool
     """The slot's state is rebuilt from ``start`` rather than continued."""
     is_final_chunk: bool
@@ -80,6 +82,45 @@ class RunnerOutput:
     """seq_id -> ``[vocab]`` float logits of the last row (final chunks and decodes)."""
     row_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
+
+
+def to_step_input(batch: ScheduledBatch, compress=None, running_bs: int | None = None,
+                  running_tokens: int | None = None):
+    """The planner's ``StepInput`` for ``batch``.
+
+    ``compress`` maps raw token ids to Engram-compressed ids (``EngramHost.compress``); without
+    it the raw ids are passed. ``start`` is the resume point: ``plan_step`` applies the same
+    back-off the scheduler counted (``choose_prefill_chunk``), which ``check_plan`` asserts.
+    """
+    import numpy as np
+
+    from v41plan.planner.step import RequestInput, StepInput
+
+    reqs = []
+    for r in batch.requests:
+        ids = np.asarray(r.token_ids, dtype=np.int64)
+        if compress is not None:
+            ids = np.asarray(compress(ids), dtype=np.int64)
+        reqs.append(RequestInput(
+            slot=r.slot,
+            block_table=tuple(r.block_table),
+            prompt_len=r.prompt_len,
+            start=r.resume,
+            chunk_len=r.end - r.resume,
+            phase="decode" if batch.phase == "decode" else "prefill",
+            prefix_hit=r.prefix_hit,
+            fresh_slot=r.fresh_slot,
+            token_ids=ids,
+        ))
+    return StepInput(tuple(reqs), running_bs=running_bs, running_tokens=running_tokens)
+
+
+def check_plan(batch: ScheduledBatch, plan) -> None:
+    """Raise if the planner's forward starts differ from the scheduler's (a contract check)."""
+    starts = [int(x) for x in plan.forward_start[: plan.scheduled_bs]]
+    want = [r.start for r in batch.requests]
+    if starts != want:
+        raise RuntimeError(f"step {batch.step}: planner starts {starts} != scheduler starts {want}")
 
 
 class ModelRunner(Protocol):

@@ -32,7 +32,7 @@ class FakeRunner:
     """Executes scheduled batches over host-side pages and slots."""
 
     def __init__(self, *, num_pages: int, page_tokens: int, num_slots: int, vocab_size: int,
-                 window: int) -> None:
+                 window: int, plan_spec=None, encoder_replay: bool = True, decoder_replay: bool = True) -> None:
         self.page_tokens = page_tokens
         self.vocab_size = vocab_size
         self.window = window
@@ -44,6 +44,10 @@ class FakeRunner:
         self.stores = 0
         self.restores = 0
         self._image_serial = 0
+        # With a spec, every batch is also planned by ``plan_step`` and its starts checked.
+        self.plan_spec = plan_spec
+        self.flags = {"encoder_replay": encoder_replay, "decoder_replay": decoder_replay}
+        self.plans = 0
 
     # ---- state copies --------------------------------------------------------------------
     def _store(self, op) -> None:
@@ -121,6 +125,12 @@ class FakeRunner:
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Stores, restores, then every request's forward."""
+        if self.plan_spec is not None and batch.requests:
+            from v41plan.exec.batch import check_plan, to_step_input
+            from v41plan.planner.step import plan_step
+
+            check_plan(batch, plan_step(to_step_input(batch), self.plan_spec, **self.flags))
+            self.plans += 1
         for op in batch.stores:
             self._store(op)
         for op in batch.restores:

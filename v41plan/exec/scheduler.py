@@ -149,6 +149,7 @@ class Scheduler:
             resume=seq.num_cached_tokens,
             end=end,
             prompt_len=seq.prefill_end,
+            prefix_hit=seq.hits[-1] if seq.hits else 0,
             fresh_slot=fresh,
             is_final_chunk=end >= seq.prefill_end,
             all_logits=seq.params.prompt_logprobs,
@@ -323,6 +324,7 @@ class Scheduler:
                 resume=pos,
                 end=pos + 1,
                 prompt_len=seq.prefill_end,
+                prefix_hit=seq.hits[-1] if seq.hits else 0,
                 fresh_slot=False,
                 is_final_chunk=True,
             ))
