@@ -70,7 +70,11 @@ def test_check_reports_missing_and_extra(tree, capsys):
     (tree / "generated" / "tiny" / "notes.py").write_text("x = 1\n")
     orphan = tree / "generated" / "gone"
     orphan.mkdir()
-    (orphan / "MANIFEST.json").write_text("{}\n")
+    (orphan / "MANIFEST.json").write_text('{"spec": "specs/gone.yaml"}\n')
+    # A package compiled from another folder is not this folder's to report or remove.
+    foreign = tree / "generated" / "mine"
+    foreign.mkdir()
+    (foreign / "MANIFEST.json").write_text('{"spec": "myspecs/mine.yaml"}\n')
     rc, out = compile_cli(tree, "--check", capsys=capsys)
     gen = (tree / "generated").as_posix()
     assert rc == 1
@@ -83,6 +87,7 @@ def test_check_reports_missing_and_extra(tree, capsys):
     rc, out = compile_cli(tree, capsys=capsys)
     assert rc == 0
     assert not orphan.exists() and not (tree / "generated" / "tiny" / "notes.py").exists()
+    assert (foreign / "MANIFEST.json").exists()
     assert compile_cli(tree, "--check", capsys=capsys)[0] == 0
 
 

@@ -1,7 +1,7 @@
 """``v41plan compile SPECS [--check] [--out DIR]``: validate specs and regenerate their code.
 
-``SPECS`` is a folder (every ``*.yaml`` in it; spec packages under the generated root whose spec
-is gone are removed) or one spec file. ``--check`` writes nothing and exits 1 naming every
+``SPECS`` is a folder (every ``*.yaml`` in it; packages under the generated root compiled from a
+folder of that name whose spec is gone are removed) or one spec file. ``--check`` writes nothing and exits 1 naming every
 missing, stale or extra file, with a unified diff and the command that fixes it.
 """
 
@@ -74,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if not names:
         print(f"v41plan compile: no *.yaml spec in {specs}", file=sys.stderr)
         return 2
-    # A folder owns every spec package under the root, so orphans are found; a file only its own.
-    packages = sorted(set(names) | set(spec_packages(root))) if specs.is_dir() else names
+    # A folder owns the packages compiled from it (so orphans are found); a file only its own.
+    if specs.is_dir():
+        packages = sorted(set(names) | set(spec_packages(root, specs.resolve().name)))
+    else:
+        packages = names
     fix = "v41plan compile " + str(args.specs) + (f" --out {args.out}" if args.out else "")
     shown = _shown_root(root)
     if args.check:

@@ -81,11 +81,22 @@ def render_spec(cs: CacheSpec) -> list[GeneratedFile]:
     return [*files, GeneratedFile(f"{cs.name}/{MANIFEST}", text)]
 
 
-def spec_packages(root: Path) -> list[str]:
-    """Names of the spec packages under a generated root (folders holding a manifest)."""
+def spec_packages(root: Path, folder: str | None = None) -> list[str]:
+    """Names of the spec packages under a generated root (folders holding a manifest); with
+    ``folder``, only those compiled from a spec in a folder of that name (``specs``)."""
     if not root.is_dir():
         return []
-    return sorted(p.parent.name for p in root.glob(f"*/{MANIFEST}"))
+    names = []
+    for manifest in sorted(root.glob(f"*/{MANIFEST}")):
+        if folder is not None:
+            try:
+                spec = json.loads(manifest.read_text()).get("spec", "")
+            except (ValueError, AttributeError):
+                spec = ""
+            if not isinstance(spec, str) or spec.split("/")[0] != folder:
+                continue
+        names.append(manifest.parent.name)
+    return names
 
 
 def existing_files(root: Path, package: str) -> list[str]:
