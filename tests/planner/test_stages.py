@@ -49,7 +49,9 @@ def test_flash_table_reads_as_the_specification():
     assert t.last_kv_source == 20 and t.owners == (2, 8, 14, 20)
     assert_table(t, expected_replay_table(40, 20, {2, 8, 14, 20}))
     # Spot checks in the specification's words.
-    assert t.row_set("prefill_final", 20, "compress") == "all"  # layer 20's compressed KV: every row
+    assert (
+        t.row_set("prefill_final", 20, "compress") == "all"
+    )  # layer 20's compressed KV: every row
     assert t.row_set("prefill_final", 39, "ring_write") == "tail"  # layer 39's KV: the tail
     assert t.row_set("prefill_final", 39, "attention") == "last"
     assert all(t.row_set("prefill_nonfinal", 20, sub) == "none" for sub in ("attention", "ffn"))

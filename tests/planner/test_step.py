@@ -33,7 +33,12 @@ def test_single_whole_prompt():
     assert p.positions.tolist() == list(range(20))
     assert p.cu_seqlens_q.tolist() == [0, 20]
     assert p.is_final_chunk.tolist() == [True]
-    assert (p.forward_start[0], p.forward_end[0], p.write_from[0], p.cached_until[0]) == (0, 20, 0, 0)
+    assert (p.forward_start[0], p.forward_end[0], p.write_from[0], p.cached_until[0]) == (
+        0,
+        20,
+        0,
+        0,
+    )
     assert p.tail_start.tolist() == [12] and p.swa_replay_start.tolist() == [12]
     assert p.tail_rows.tolist() == list(range(12, 20))
     assert p.last_rows.tolist() == [19]

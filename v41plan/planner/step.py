@@ -248,10 +248,14 @@ class StepPlan:
     write_from: np.ndarray = field(compare=False)
     """int64 compressed groups ending below it are not written (the resume point / hit)."""
     cached_until: np.ndarray = field(compare=False)
-    """int64 ring writes skip rows below it (the slot's rings keep the rows they hold)."""
+    """int64 ring writes skip rows below it (the slot's rings keep the rows they hold). Applies to
+    layers whose window floor is not ``tail``: a layer floored at the tail writes its whole tail
+    (decode reads it, and no earlier forward wrote that ring)."""
     swa_cached_until: np.ndarray = field(compare=False)
     """int64 rows at or past it read the slot's ring rows below it; rows below it read only this
-    forward's rows from ``forward_start`` on."""
+    forward's rows from ``forward_start`` on. Applies to layers whose window floor is not
+    ``tail`` (``StageTable.floors``): a layer floored at the tail reads only this forward's rows
+    (its ring was never written by a forward that ran no decoder)."""
     swa_replay_start: np.ndarray = field(compare=False)
     """int64 decoder window floor: a decoder row at ``i`` reads ``[max(s, i - W + 1), i]``. The tail
     start on a replayed final forward, ``encoder_window_floor`` otherwise; 0 in decode."""
@@ -284,6 +288,22 @@ class StepPlan:
     """ratio -> the groups of that ratio closing (and written) in this forward."""
     table: object = field(compare=False)
     """The ``StageTable`` the row sets came from."""
+
+    def ring_limits(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(cached_until, swa_cached_until)`` per request for ``layer``'s ring writes and reads.
+
+        A layer floored at the tail in a request's phase neither keeps nor reads ring rows from
+        earlier forwards, so both limits are ``forward_start`` there; other layers use the
+        request's ``cached_until``/``swa_cached_until``.
+        """
+        from v41plan.planner.stages import PHASES
+
+        phase = np.where(self.is_decode, 2, np.where(self.is_final_chunk, 1, 0))
+        tail = np.array([self.table.floor(p, layer) == "tail" for p in PHASES])[phase]
+        return (
+            np.where(tail, self.forward_start, self.cached_until),
+            np.where(tail, self.forward_start, self.swa_cached_until),
+        )
 
 
 class PlanError(ValueError):
