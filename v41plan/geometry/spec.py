@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from v41plan.geometry.derive import build_cache_spec, dims_from_model
-from v41plan.geometry.errors import Locator, SpecError
+from v41plan.geometry.errors import Location, Locator, SpecError
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 
 SPEC_VERSION = 1
@@ -378,9 +378,7 @@ def _parse_yaml(data: bytes, shown: str) -> Any:
         raise SpecError(_mark(shown, mark), f"YAML syntax error: {problem}", hint) from None
 
 
-def _mark(shown: str, mark: Any) -> Any:
-    from v41plan.geometry.errors import Location
-
+def _mark(shown: str, mark: Any) -> Location:
     if mark is None:
         return Location(shown, 1, 1)
     return Location(shown, mark.line + 1, mark.column + 1)
