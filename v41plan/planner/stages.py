@@ -104,11 +104,12 @@ class StageTable:
         """Window floor of ``layer`` in ``phase``."""
         return self.floors[PHASES.index(phase)][layer]
 
-    def ranges(self, phase: str) -> list[dict]:
+    def ranges(self, phase: str, include_none: bool = False) -> list[dict]:
         """Compact view: runs of consecutive layers with one row set per sub-step.
 
         Each entry is ``{"layers": [first, last], "sub_step": name, "rows": set}``, ordered by
-        layer then sub-step, skipping ``none`` (and ``compress`` of non-owners).
+        layer then sub-step; ``none`` runs are left out unless ``include_none`` (``compress``
+        of non-owners always is).
         """
         p = PHASES.index(phase)
         out: list[dict] = []
@@ -123,7 +124,7 @@ class StageTable:
                     and (sub != "compress" or (end + 1 in self.owners) == (layer in self.owners))
                 ):
                     end += 1
-                if rs != "none":
+                if rs != "none" or (include_none and sub != "compress"):
                     if sub == "compress":
                         for o in (x for x in self.owners if layer <= x <= end):
                             out.append({"layers": [o, o], "sub_step": sub, "rows": rs})
