@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from v41plan.codegen.emit import header, render_template
 from v41plan.codegen.literal import py_literal
+from v41plan.codegen.planner_targets import render_checkpoint, render_stages
 from v41plan.geometry.runtime import CacheSpec
 
 RUNTIME_TYPES = (
@@ -75,4 +76,6 @@ def render_init(cs: CacheSpec) -> str:
 TARGETS: list[Target] = [
     Target("__init__.py", render_init),
     Target("geometry.py", render_geometry),
+    Target("stages.py", render_stages),
+    Target("checkpoint.py", render_checkpoint),
 ]

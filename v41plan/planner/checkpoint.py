@@ -19,6 +19,7 @@ read an image stored in the same batch). ``lmcache_mp`` publishes PAGE planes in
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,6 +102,47 @@ def image_layout(geometry) -> ImageLayout:
         )
     cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
     return ImageLayout(g.layout_id, image_bytes, units, g.page_unit_bytes, *cols)
+
+
+def layout_rows(layout: ImageLayout) -> tuple[tuple[int, int, int, int, int, int], ...]:
+    """The layout as plain rows ``(state_offset, unit, region, segment_offset, page_stride,
+    nbytes)`` (what ``generated/<spec>/checkpoint.py`` stores)."""
+    cols = (layout.state_offset, layout.unit, layout.region, layout.segment_offset,
+            layout.page_stride, layout.nbytes)  # fmt: skip
+    return tuple(tuple(int(x) for x in row) for row in zip(*cols, strict=True))
+
+
+def load_image_layout(geometry, spec_name: str | None = None) -> ImageLayout:
+    """The image layout of ``geometry``: from ``generated/<spec_name>/checkpoint.py`` when it
+    holds this layout id (checked against the geometry's sizes), else computed."""
+    if spec_name is not None:
+        try:
+            mod = importlib.import_module(f"v41plan.generated.{spec_name}.checkpoint")
+        except ModuleNotFoundError:
+            mod = None
+        rows = getattr(mod, "IMAGE_SPANS", {}).get(geometry.layout_id) if mod else None
+        if rows is not None:
+            if mod.REGIONS[geometry.layout_id] != regions(geometry):
+                raise CopyError(
+                    f"{geometry.layout_id}: generated regions differ from the geometry's"
+                )
+            cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
+            lay = ImageLayout(
+                geometry.layout_id,
+                int(cols[5].sum()),
+                mod.UNITS_PER_IMAGE[geometry.layout_id],
+                geometry.page_unit_bytes,
+                *cols,
+            )
+            if (
+                lay.image_bytes != geometry.image_bytes
+                or lay.units_per_image != geometry.units_per_image
+            ):
+                raise CopyError(
+                    f"{geometry.layout_id}: generated span table does not match the geometry"
+                )
+            return lay
+    return image_layout(geometry)
 
 
 @dataclass(frozen=True)

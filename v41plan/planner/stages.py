@@ -93,8 +93,13 @@ class StageTable:
     """``rows[phase][layer][sub_step]``: a ``ROW_SETS`` name (indices as ``PHASES``/``SUB_STEPS``)."""
     floors: tuple[tuple[str, ...], ...]
     """``floors[phase][layer]``: the layer's window floor (a ``FLOORS`` name)."""
-    stages: tuple[GraphStage, ...]
-    """Graph stages in layer order."""
+    stage_bounds: tuple[tuple[str, int, int], ...]
+    """Graph stages in layer order as ``(name, first_layer, last_layer)``."""
+
+    @property
+    def stages(self) -> tuple[GraphStage, ...]:
+        """Graph stages in layer order."""
+        return tuple(GraphStage(*b) for b in self.stage_bounds)
 
     def row_set(self, phase: str, layer: int, sub_step: str) -> str:
         """Row set of ``sub_step`` of ``layer`` in ``phase``."""
@@ -265,7 +270,9 @@ def derive_stage_table(
         owners=owners,
         rows=rows,
         floors=tuple(floors[p] for p in PHASES),
-        stages=graph_stages(rows, owners),
+        stage_bounds=tuple(
+            (g.name, g.first_layer, g.last_layer) for g in graph_stages(rows, owners)
+        ),
     )
 
 
