@@ -713,7 +713,7 @@ def plan_step(
             history[i, ok] = ids[want[ok]]
 
     kind = (
-        "decode" if all_decode and n else ("prefill_replay" if len(table.stages) > 1 else "prefill")
+        "decode" if all_decode else ("prefill_replay" if len(table.stage_bounds) > 1 else "prefill")
     )
     return StepPlan(
         running_bs=bs,
