@@ -1,0 +1,99 @@
+"""The engine's paged runner: a scheduled batch -> ``plan_step`` -> the paged runtime model.
+
+Per batch, in order: checkpoint stores (STATE slot -> image PAGE units), restores (units ->
+slot), a position-0 / rebuild reset of every fresh slot, then the planned forward. The plan's
+forward starts are checked against the scheduler's (``check_plan``), so the rows the scheduler
+budgeted are the rows that run. Counters (``stats``) record what each path did: stores,
+restores, fresh resets, replay rows, decoder-replay steps and tail rows.
+
+Under torchrun every rank holds a full replica and runs the identical schedule (the model's
+layers do not shard yet), so ``tensor_parallel_size`` > 1 replicates rather than shards.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+
+from v41plan.exec.admission import EngineOptions
+from v41plan.exec.batch import RunnerOutput, ScheduledBatch, check_plan, to_step_input
+from v41plan.geometry.runtime import CacheSpec
+
+
+class PagedRunner:
+    """Executes scheduled batches on ``RuntimeModel`` over PAGE/STATE pools."""
+
+    paged = True
+
+    def __init__(self, spec: CacheSpec, ckpt, options: EngineOptions, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        from v41plan.exec.runtime_model import RuntimeModel
+
+        self.spec = spec
+        self.options = options
+        self.vocab_size = int(spec.model_config["vocab_size"])
+        P = spec.replay.hash_block_tokens
+        weights = ckpt.weights if ckpt.weights is not None else ckpt.process(dtype, device)
+        self.engram = ckpt.engram_host()
+        self.model = RuntimeModel(
+            spec, weights, self.engram,
+            kv_cache_dtype=options.kv_cache_dtype,
+            index_cache_dtype=options.index_cache_dtype,
+            num_pages=options.num_pages,
+            num_slots=options.max_num_seqs,
+            max_tokens=max(options.max_num_batched_tokens, options.max_num_seqs),
+            max_bs=options.max_num_seqs,
+            table_width=-(-options.max_model_len // P) + 1,
+            dtype=dtype, device=device, cfg=ckpt.config,
+        )  # fmt: skip
+        self.flags = {"encoder_replay": bool(options.encoder_swa_bounded_replay),
+                      "decoder_replay": bool(options.decoder_swa_bounded_replay)}
+        self.stats: Counter = Counter()
+
+    # ---- state copies ------------------------------------------------------------------------
+    def _copy_image(self, slot: int, units: tuple[int, ...], store: bool) -> None:
+        pools = self.model.pools
+        pages = torch.tensor(units, dtype=torch.long, device=pools.backing.device)
+        state_addr, unit_addr = pools.image_addresses(slot, pages)
+        if store:
+            pools.backing[unit_addr] = pools.backing[state_addr]
+        else:
+            pools.backing[state_addr] = pools.backing[unit_addr]
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Stores, restores, fresh-slot resets, then the planned forward."""
+        from v41plan.planner.step import plan_step
+
+        for op in batch.stores:
+            self._copy_image(op.slot, op.units, store=True)
+            self.stats["stores"] += 1
+        for op in batch.restores:
+            self._copy_image(op.slot, op.units, store=False)
+            self.stats["restores"] += 1
+        out = RunnerOutput()
+        if not batch.requests:
+            return out
+        for r in batch.requests:
+            if r.fresh_slot:
+                self.model.pools.reset_slot(r.slot)
+                self.stats["fresh_resets"] += 1
+        plan = plan_step(to_step_input(batch, compress=self.engram.compress), self.spec, **self.flags)
+        check_plan(batch, plan)
+        ids = np.concatenate([np.asarray(r.token_ids[r.start : r.end], dtype=np.int64) for r in batch.requests])
+        want_rows = any(r.all_logits for r in batch.requests)
+        res = self.model.forward(plan, ids, all_row_logits=want_rows)
+        self.stats["forwards"] += 1
+        self.stats["rows"] += int(plan.scheduled_tokens)
+        self.stats["replay_rows"] += sum(r.replay_rows for r in batch.requests)
+        if plan.decoder_replay:
+            self.stats["decoder_replay_steps"] += 1
+            self.stats["tail_rows"] += len(plan.tail_rows)
+        cu = plan.cu_seqlens_q
+        for i, r in enumerate(batch.requests):
+            if r.is_final_chunk:
+                out.last_logits[r.seq_id] = res.logits[i].float().cpu()
+            if r.all_logits and res.row_logits is not None:
+                out.row_logits[r.seq_id] = res.row_logits[int(cu[i]) : int(cu[i + 1])].float().cpu()
+        return out
