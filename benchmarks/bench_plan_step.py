@@ -80,11 +80,11 @@ def prefill_step(spec, n: int = 16, chunk: int = 512) -> StepArrays:
 
 
 def as_requests(a: StepArrays) -> StepInput:
-    """The same step as ``StepInput`` (one ``RequestInput`` per request)."""
+    """The same step as ``StepInput`` (one ``RequestInput`` per request, tuple block tables)."""
     reqs = tuple(
         RequestInput(
             slot=int(a.slots[i]),
-            block_table=a.block_tables[i],
+            block_table=tuple(int(x) for x in a.block_tables[i]),
             prompt_len=int(a.prompt_lens[i]),
             start=int(a.starts[i]),
             chunk_len=int(a.chunk_lens[i]),
@@ -128,8 +128,16 @@ def main() -> int:
         ),
     ]
     dec_r, pre_r = as_requests(dec), as_requests(pre)
-    rows.append(("decode 256 x 1 (StepInput)", median_us(lambda: plan_step(dec_r, spec), args.iters), None))
-    rows.append(("prefill 16 x 512 (StepInput)", median_us(lambda: plan_step(pre_r, spec), args.iters), None))
+    rows.append(
+        ("decode 256 x 1 (StepInput)", median_us(lambda: plan_step(dec_r, spec), args.iters), None)
+    )
+    rows.append(
+        (
+            "prefill 16 x 512 (StepInput)",
+            median_us(lambda: plan_step(pre_r, spec), args.iters),
+            None,
+        )
+    )
     print(f"plan_step on {spec.name}, median of {args.iters} calls")
     print(f"{'step':34} {'median us':>10} {'ceiling us':>11}")
     for name, us, ceiling in rows:

@@ -272,3 +272,19 @@ def test_invalid_widths_and_slots():
         plan(req(0, 20, 0, 20), req(0, 20, 0, 20))
     with pytest.raises(PlanError, match="phase"):
         plan(req(0, 20, 0, 20, phase="verify"))
+
+
+def test_step_arrays_from_ragged_tuple_and_array_tables():
+    from v41plan.planner.step import step_arrays
+
+    reqs = (req(0, 20, 0, 20, block_table=(5,)), req(1, 70, 0, 70, block_table=(7, 8, 9)))
+    a = step_arrays(StepInput(reqs))
+    assert a.block_tables.tolist() == [[5, -1, -1], [7, 8, 9]]
+    reqs_np = tuple(
+        RequestInput(r.slot, np.asarray(r.block_table), r.prompt_len, r.start, r.chunk_len)
+        for r in reqs
+    )
+    assert (step_arrays(StepInput(reqs_np)).block_tables == a.block_tables).all()
+    p, q = plan_step(StepInput(reqs), TINY), plan_step(a, TINY)
+    assert (p.block_tables == q.block_tables).all() and (p.positions == q.positions).all()
+    assert p.block_tables.dtype == np.int32 and p.block_tables.tolist() == [[5, -1, -1], [7, 8, 9]]

@@ -16,6 +16,7 @@ Conventions used by every array below:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -107,25 +108,40 @@ class StepArrays:
 
 
 def step_arrays(step: StepInput) -> StepArrays:
-    """Columnar form of a ``StepInput`` (one Python pass over its requests)."""
+    """Columnar form of a ``StepInput``: one pass over the requests for the scalars, one flat
+    copy of the block tables (objects in, so this is the one loop numpy cannot replace)."""
     reqs = step.requests
     n = len(reqs)
-    width = max((len(r.block_table) for r in reqs), default=0)
-    bt = np.full((n, width), -1, dtype=np.int64)
-    for i, r in enumerate(reqs):
-        bt[i, : len(r.block_table)] = r.block_table
-    for r in reqs:
-        if r.phase not in ("prefill", "decode"):
-            raise PlanError(f"phase {r.phase!r} is not prefill or decode")
+    cols = np.array(
+        [(r.slot, r.prompt_len, r.start, r.chunk_len, r.prefix_hit) for r in reqs], dtype=np.int64
+    ).reshape(n, 5)
+    phases = [r.phase for r in reqs]
+    bad = next((ph for ph in phases if ph not in ("prefill", "decode")), None)
+    if bad is not None:
+        raise PlanError(f"phase {bad!r} is not prefill or decode")
+    tables = [r.block_table for r in reqs]
+    lens = np.fromiter(map(len, tables), np.int64, n)
+    width = int(lens.max()) if n else 0
+    total = int(lens.sum())
+    if n and all(isinstance(t, np.ndarray) for t in tables):
+        flat = np.concatenate(tables).astype(np.int64, copy=False)
+    else:  # tuples of ints: one iterator pass beats converting each tuple
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int64, total)
+    if n and (lens == width).all():
+        bt = flat.reshape(n, width)
+    else:
+        bt = np.full((n, width), -1, dtype=np.int64)
+        rows = np.repeat(np.arange(n), lens)
+        bt[rows, np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
     return StepArrays(
-        slots=np.fromiter((r.slot for r in reqs), np.int64, n),
+        slots=cols[:, 0].copy(),
         block_tables=bt,
-        prompt_lens=np.fromiter((r.prompt_len for r in reqs), np.int64, n),
-        starts=np.fromiter((r.start for r in reqs), np.int64, n),
-        chunk_lens=np.fromiter((r.chunk_len for r in reqs), np.int64, n),
-        is_decode=np.fromiter((r.phase == "decode" for r in reqs), bool, n),
-        prefix_hits=np.fromiter((r.prefix_hit for r in reqs), np.int64, n),
-        fresh_slot=np.fromiter((r.fresh_slot for r in reqs), bool, n),
+        prompt_lens=cols[:, 1].copy(),
+        starts=cols[:, 2].copy(),
+        chunk_lens=cols[:, 3].copy(),
+        is_decode=np.array([ph == "decode" for ph in phases], dtype=bool).reshape(n),
+        prefix_hits=cols[:, 4].copy(),
+        fresh_slot=np.array([r.fresh_slot for r in reqs], dtype=bool).reshape(n),
         token_ids=tuple(r.token_ids for r in reqs),
         running_bs=step.running_bs,
         running_tokens=step.running_tokens,
