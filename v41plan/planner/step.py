@@ -12,6 +12,8 @@ Conventions used by every array below:
   padding requests (zero length in ``cu_seqlens_q``, slot -1, batch id never used).
 - Padding tokens have batch id -1 and position 0; every writer must skip them.
 - Positions are absolute token positions of the request's sequence.
+- Plan arrays are read-only by contract: layers with equal row sets share one array, and a few
+  fields may share memory (ratio-1 compressed rows are the positions of a one-row decode).
 """
 
 from __future__ import annotations
