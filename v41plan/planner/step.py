@@ -354,10 +354,9 @@ def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
     # Cheap whole-batch reductions first; per-request masks only when one fails.
     ok = (
         min(pl.min(), cl.min()) >= 1
-        and min(st.min(), hit.min(), arrs.slots.min()) >= 0
-        and not (hit > st).any()
+        and min(st.min(), arrs.slots.min()) >= 0
         and not short.any()
-        and not _mod(hit, B).any()
+        and (not hit.any() or (hit.min() >= 0 and not (hit > st).any() and not _mod(hit, B).any()))
         and not (np.where(prefill, end > pl, st < pl) if prefill.any() else st < pl).any()
         and (encoder_replay or not (prefill & fresh & (st > 0)).any())
     ) if n else True  # fmt: skip
@@ -691,10 +690,10 @@ def plan_step(
             tail_store_batch_ids=store_bids,
         )
 
-    # Per request, padded to running_bs.
-    def per_req(x, fill, dtype):
+    # Per request, padded to running_bs (inputs are copied; arrays made here are not).
+    def per_req(x, fill, dtype, copy=True):
         if bs == n:
-            return np.array(x, dtype=dtype)
+            return np.array(x, dtype=dtype) if copy else np.asarray(x, dtype=dtype)
         out = np.full(bs, fill, dtype=dtype)
         out[:n] = x
         return out
@@ -746,22 +745,22 @@ def plan_step(
         cu_seqlens_q=cu,
         slots=per_req(a.slots, -1, np.int32),
         block_tables=block_tables,
-        is_final_chunk=per_req(final | a.is_decode, False, bool),
+        is_final_chunk=per_req(final | a.is_decode, False, bool, False),
         is_decode=per_req(a.is_decode, False, bool),
         prompt_lens=per_req(a.prompt_lens, 0, np.int64),
         resume_points=per_req(a.starts, 0, np.int64),
         prefix_hits=per_req(a.prefix_hits, 0, np.int64),
         forward_start=per_req(fs, 0, np.int64),
-        forward_end=per_req(end, 0, np.int64),
+        forward_end=per_req(end, 0, np.int64, False),
         write_from=per_req(rp["write_from"], 0, np.int64),
         cached_until=per_req(rp["cached_until"], 0, np.int64),
         swa_cached_until=per_req(rp["swa_cached_until"], 0, np.int64),
-        swa_replay_start=per_req(swa_replay_start, 0, np.int64),
-        encoder_window_floor=per_req(enc_floor, 0, np.int64),
-        tail_start=per_req(tail_start, -1, np.int64),
+        swa_replay_start=per_req(swa_replay_start, 0, np.int64, False),
+        encoder_window_floor=per_req(enc_floor, 0, np.int64, False),
+        tail_start=per_req(tail_start, -1, np.int64, False),
         last_rows=per_req(last_rows_real, -1, np.int32),
         history_ids=history,
-        history_from_plan=per_req(from_plan, False, bool),
+        history_from_plan=per_req(from_plan, False, bool, False),
         tail_rows=tail_rows,
         tail_batch_ids=tail_batch_ids,
         layer_rows=layer_rows,
