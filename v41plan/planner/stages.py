@@ -238,8 +238,10 @@ def derive_stage_table(
     floors = {p: _floors(layers, p, dec, enc) for p in PHASES}
     persisted = {p: ["none"] * n for p in PHASES}
     demand: dict = {}
-    # Fixpoint over phases: a phase's ring writes persist what its successors read.
-    for _ in range(len(PHASES) + 2):
+    # Fixpoint over phases: a phase's ring writes persist what its successors read. Persisted
+    # demands only grow (none -> tail), so this ends after at most 3 * n + 1 rounds.
+    changed = True
+    while changed:
         changed = False
         for p in ("decode", "prefill_final", "prefill_nonfinal"):
             demand[p] = _liveness(g, layers, p, floors[p], dec, persisted[p])
@@ -253,8 +255,6 @@ def derive_stage_table(
                 if _RANK[want] > _RANK[persisted[p][i]]:
                     persisted[p][i] = want
                     changed = True
-        if not changed:
-            break
     rows = tuple(
         tuple(tuple(demand[p].get((i, sub), "none") for sub in SUB_STEPS) for i in range(n))
         for p in PHASES
