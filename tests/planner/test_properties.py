@@ -254,3 +254,38 @@ def test_batches_never_overlap_and_padding_writes_nothing(reqs, pad_bs, pad_toke
         assert ((arr >= 0) & (arr < total)).all()
         assert (np.diff(arr) > 0).all()
     assert (p.batch_ids[p.tail_rows] == p.tail_batch_ids).all()
+
+
+@SETTINGS
+@given(
+    prompt_len=st.integers(1, 400),
+    resume=st.integers(0, 399),
+    budget=st.integers(0, 300),
+    cap=st.one_of(st.none(), st.integers(1, 200)),
+    hit_fresh=st.booleans(),
+    dec=st.booleans(),
+)
+def test_chunk_choice_matches_the_plan(prompt_len, resume, budget, cap, hit_fresh, dec):
+    from v41plan.planner.replay import choose_prefill_chunk, replay_start_for_spec
+
+    s = TINY
+    B = s.replay.hash_block_tokens
+    resume %= prompt_len
+    fresh = hit_fresh and resume > 0
+    if fresh:
+        resume -= resume % B  # a rebuild resumes at a hit, on the grid
+    choice = choose_prefill_chunk(resume, prompt_len, budget, hash_block=B,
+                                  min_final_rows=s.replay.min_final_prefill_rows,
+                                  long_prefill_cap=cap, fresh_slot=fresh, decoder_replay=dec)  # fmt: skip
+    point = replay_start_for_spec(s, resume, prompt_len, fresh_slot=fresh, decoder_replay=dec)
+    if choice is None:  # the budget cannot carry the forward past the resume point
+        assert budget - (resume - point.forward_start) < 1
+        return
+    assert choice.rows <= budget and (cap is None or choice.chunk_len <= cap)
+    rq = RequestInput(slot=0, block_table=tuple(range(20)), prompt_len=prompt_len, start=resume,
+                      chunk_len=choice.chunk_len, prefix_hit=resume if fresh else 0,
+                      fresh_slot=fresh)  # fmt: skip
+    p = plan_step(StepInput((rq,)), s, decoder_replay=dec)
+    assert p.forward_start[0] == choice.forward_start == point.forward_start
+    assert p.scheduled_tokens == choice.rows
+    assert bool(p.is_final_chunk[0]) == choice.is_final_chunk
