@@ -210,8 +210,8 @@ class BlockManager:
         return self.free_slots.popleft()
 
     def free_slot(self, slot: int) -> None:
-        """Return a STATE slot; a later owner's first forward resets it."""
-        self.free_slots.append(slot)
+        """Return a STATE slot; the next admission takes it first, and its first forward resets it."""
+        self.free_slots.appendleft(slot)
 
     # ---- images (copy transfer) ----------------------------------------------------------
     def resumable(self, hashes: list[bytes], hit_blocks: int) -> int:

@@ -237,6 +237,7 @@ class Scheduler:
             "step": batch.step,
             "phase": phase,
             "ids": [r.seq_id for r in reqs],
+            "slots": [r.slot for r in reqs],
             "starts": [r.start for r in reqs],
             "resumes": [r.resume for r in reqs],
             "ends": [r.end for r in reqs],

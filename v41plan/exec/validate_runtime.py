@@ -268,6 +268,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         # Slot recycling: the next request gets the freed slot and resets it at position 0.
         r2 = v.drive(llm, [other], case="slot_recycle")
         check(r2.events[0]["ids"] == [r2.seqs[0].seq_id], "recycle request not scheduled alone")
+        check(r2.events[0]["slots"] == [state["slot"]], "the new request did not get the freed slot")
         check(r2.tokens[0] == gold["other"], "recycled slot leaked state into a new request")
         results["slot_recycle"] = {"passed": True, "slot": state["slot"], "tokens": r2.tokens[0]}
         return {"slot": state["slot"]}
@@ -293,6 +294,8 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
 
     @case("decoder_replay_long_prompt")
     def _():
+        stats = getattr(v.runner, "stats", None)
+        before = dict(stats) if stats is not None else {}
         one = v.drive(v.engine(long_prefill_token_threshold=0, max_num_batched_tokens=10 * P),
                       [long_prompt], case="decoder_replay_long_prompt")
         final = [ev for ev in one.events if ev["phase"] == "prefill"][-1]
@@ -304,7 +307,32 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         two = v.drive(v.engine(long_prefill_token_threshold=3 * P, max_num_batched_tokens=4 * P),
                       [long_prompt], case="decoder_replay_long_prompt_chunked")
         check(one.tokens == two.tokens, f"one forward {one.tokens} != chunked {two.tokens}")
-        return {"final_rows": rows, "plan": plan}
+        taken = {}
+        if stats is not None:
+            taken = {k: stats.get(k, 0) - before.get(k, 0) for k in ("decoder_replay_steps", "tail_rows")}
+            check(taken["decoder_replay_steps"] >= 1, "the runner ran no decoder-replay step")
+        return {"final_rows": rows, "plan": plan, "runner": taken}
+
+    @case("decoder_replay_off")
+    def _():
+        # --no-decoder-swa-bounded-replay: every row runs every layer and nothing backs off, so a
+        # prompt whose last chunk is short runs the same tokens chunked or whole.
+        from v41plan.exec.engine_runner import build_runner
+
+        opts = dict(v.base, decoder_swa_bounded_replay=False)
+        probe = LLM(v.spec, v.checkpoint, runner_factory=lambda *a: None, **opts)
+        runner = build_runner(v.spec, v.checkpoint, probe.options)
+        off = Validator(v.spec, v.checkpoint, v.transfer, opts, runner)
+        prompt = long_prompt[: 5 * P + 3]
+        one = off.drive(off.engine(long_prefill_token_threshold=0), [prompt], case="decoder_replay_off")
+        two = off.drive(off.engine(**chunked), [prompt], case="decoder_replay_off_chunked")
+        v.events.extend(off.events)
+        check(all(s == r for ev in two.events for s, r in zip(ev["starts"], ev["resumes"])),
+              "a forward backed off with decoder replay off")
+        stats = getattr(runner, "stats", {})
+        check(stats.get("decoder_replay_steps", 0) == 0, "decoder replay ran with the switch off")
+        check(one.tokens == two.tokens, f"whole {one.tokens} != chunked {two.tokens} with replay off")
+        return {"tokens": one.tokens[0]}
 
     @case("prefix_hit_short_suffix")
     def _():
