@@ -34,8 +34,22 @@ def specs(specs_dir):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, specs_dir):
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    assert main(["init-checkpoint", "--spec", str(specs_dir / "tiny.yaml"), "--out", str(out),
-                 "--seed", "7", "--shard-mib", "1"]) == 0
+    assert (
+        main(
+            [
+                "init-checkpoint",
+                "--spec",
+                str(specs_dir / "tiny.yaml"),
+                "--out",
+                str(out),
+                "--seed",
+                "7",
+                "--shard-mib",
+                "1",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -50,7 +64,10 @@ def test_layout_is_sharded_with_an_index(tiny_dir):
     index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
     cfg = json.loads((tiny_dir / "config.json").read_text())
-    assert cfg["architectures"] == ["DeepseekV41ForCausalLM"] and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
+    assert (
+        cfg["architectures"] == ["DeepseekV41ForCausalLM"]
+        and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
+    )
     wm = index["weight_map"]
     with safe_open(str(tiny_dir / wm["layers.3.ffn.experts.5.w2.weight"]), "pt") as f:
         assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_shape() == [64, 16]
@@ -61,9 +78,17 @@ def test_layout_is_sharded_with_an_index(tiny_dir):
         assert f.get_slice("layers.2.attn.wq_b.weight").get_dtype() == "F8_E4M3"
         assert f.get_slice("layers.2.attn.wq_b.scale").get_shape() == [8, 1]
     # ratio-2 owners have a gate; the ratio-1 owner does not; Reuse layers own nothing global
-    assert "layers.2.attn.compressor.wgate.weight" in wm and "layers.8.attn.compressor.wgate.weight" not in wm
-    assert "layers.8.attn.compressor.wkv.weight" in wm and "layers.3.attn.indexer.wq_b.weight" not in wm
-    assert "layers.10.attn.indexer.wq_b.weight" in wm and "layers.10.attn.indexer.wk.weight" not in wm
+    assert (
+        "layers.2.attn.compressor.wgate.weight" in wm
+        and "layers.8.attn.compressor.wgate.weight" not in wm
+    )
+    assert (
+        "layers.8.attn.compressor.wkv.weight" in wm
+        and "layers.3.attn.indexer.wq_b.weight" not in wm
+    )
+    assert (
+        "layers.10.attn.indexer.wq_b.weight" in wm and "layers.10.attn.indexer.wk.weight" not in wm
+    )
     assert "layers.1.engram.embed.weight" in wm and "layers.6.engram.embed.scale" in wm
 
 
@@ -71,11 +96,41 @@ def test_init_checkpoint_is_deterministic_per_seed(tiny_dir, tmp_path, specs_dir
     again = tmp_path / "again"
     other = tmp_path / "other"
     spec = str(specs_dir / "tiny.yaml")
-    assert main(["init-checkpoint", "--spec", spec, "--out", str(again), "--seed", "7", "--shard-mib", "1"]) == 0
-    assert main(["init-checkpoint", "--spec", spec, "--out", str(other), "--seed", "8", "--shard-mib", "1"]) == 0
+    assert (
+        main(
+            [
+                "init-checkpoint",
+                "--spec",
+                spec,
+                "--out",
+                str(again),
+                "--seed",
+                "7",
+                "--shard-mib",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "init-checkpoint",
+                "--spec",
+                spec,
+                "--out",
+                str(other),
+                "--seed",
+                "8",
+                "--shard-mib",
+                "1",
+            ]
+        )
+        == 0
+    )
     for f in tiny_dir.iterdir():
         assert (again / f.name).read_bytes() == f.read_bytes(), f.name
-    first = sorted(tiny_dir.glob("*.safetensors"))[0].name
+    first = min(tiny_dir.glob("*.safetensors")).name
     assert (other / first).read_bytes() != (tiny_dir / first).read_bytes()
 
 
@@ -84,13 +139,28 @@ def test_reload_gives_identical_logits_and_matches_memory(tiny_dir, specs):
     b = _logits(tiny_dir, specs["tiny"])
     assert torch.equal(a, b) and torch.isfinite(a).all()
     cfg = config_from_cache_spec(specs["tiny"])
-    mem = ReferenceModel.from_checkpoint(LoadedCheckpoint.from_state(cfg, random_state(cfg, 7))).prefill(IDS)
+    mem = ReferenceModel.from_checkpoint(
+        LoadedCheckpoint.from_state(cfg, random_state(cfg, 7))
+    ).prefill(IDS)
     assert torch.equal(a, mem)
 
 
 def test_tiny40_checkpoint_round_trip(tmp_path, specs, specs_dir):
     out = tmp_path / "t40"
-    assert main(["init-checkpoint", "--spec", str(specs_dir / "tiny40.yaml"), "--out", str(out), "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                "init-checkpoint",
+                "--spec",
+                str(specs_dir / "tiny40.yaml"),
+                "--out",
+                str(out),
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     a = _logits(out, specs["tiny40"])
     assert torch.equal(a, _logits(out, specs["tiny40"]))
     p = torch.softmax(a.double(), -1).max(-1).values
@@ -101,7 +171,9 @@ def test_config_disagreeing_with_spec_is_refused_before_weights(tiny_dir, specs,
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((tiny_dir / "config.json").read_text())  # no weights at all
-    with pytest.raises(CheckpointError, match="num_hidden_layers is 14 in the checkpoint but 40 in the spec"):
+    with pytest.raises(
+        CheckpointError, match="num_hidden_layers is 14 in the checkpoint but 40 in the spec"
+    ):
         load_checkpoint(bare, specs["tiny40"])
 
 
@@ -117,7 +189,9 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path, specs):
     index = json.loads((d / "model.safetensors.index.json").read_text())
     del index["weight_map"]["layers.4.attn.indexer.wk.weight"]
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"missing tensor layers\.4\.attn\.indexer\.wk\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor layers\.4\.attn\.indexer\.wk\.weight"
+    ):
         load_checkpoint(d, specs["tiny"])
 
 
@@ -129,7 +203,10 @@ def test_misshapen_tensor_is_named(tiny_dir, tmp_path, specs):
     tensors = load_file(str(shard))
     tensors[name] = torch.ones(32, dtype=torch.bfloat16)
     save_file(tensors, str(shard))
-    with pytest.raises(CheckpointError, match=r"tensor layers\.0\.attn\.kv_norm\.weight has shape \[32\], expected \[64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor layers\.0\.attn\.kv_norm\.weight has shape \[32\], expected \[64\]",
+    ):
         load_checkpoint(d, specs["tiny"])
 
 
@@ -176,7 +253,9 @@ def test_byte_tokenizer_default_and_tokenizer_json_when_present(tiny_dir, tmp_pa
     ids = tok.encode("héllo", add_bos=True)
     assert ids == [256, 104, 195, 169, 108, 108, 111] and tok.decode(ids + [257]) == "héllo"
     tokenizers = pytest.importorskip("tokenizers")
-    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    hf = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]")
+    )
     hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     d = tmp_path / "with_tok"
     d.mkdir()

@@ -23,9 +23,13 @@ def test_config_from_spec_round_trips_through_config_json(spec, name):
     check_against_spec(cfg, spec[name])
     hf = cfg.to_hf()
     assert hf["architectures"] == ["DeepseekV41ForCausalLM"] and hf["model_type"] == "deepseek_v41"
-    assert hf["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                         "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
-                                         "expert_dtype": "fp4"}
+    assert hf["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
     assert hf["text_config"]["compress_ratios"] == list(cfg.compress_ratios)
     assert ModelConfig.from_hf(hf) == cfg
     flat = {**hf["text_config"], "architectures": hf["architectures"]}
@@ -57,7 +61,9 @@ def test_real_topology(spec):
 def test_spec_disagreement_is_refused_naming_field_and_values(spec):
     cfg = config_from_cache_spec(spec["tiny"])
     bad = dataclasses.replace(cfg, sliding_window=16)
-    with pytest.raises(ValueError, match=r"sliding_window is 16 in the checkpoint but 8 in the spec"):
+    with pytest.raises(
+        ValueError, match=r"sliding_window is 16 in the checkpoint but 8 in the spec"
+    ):
         check_against_spec(bad, spec["tiny"])
     with pytest.raises(ValueError, match=r"num_hidden_layers is 14 in the checkpoint but 40"):
         check_against_spec(cfg, spec["tiny40"])

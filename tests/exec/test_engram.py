@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -13,10 +14,22 @@ import torch
 from v41plan.exec import engram as eg
 from v41plan.exec.quant import dequant_fp8_blocks, quantize_fp8_blocks
 
-REAL = SimpleNamespace(engram_vocab_size=16_000_000, engram_layer_ids=[1, 14], engram_max_ngram_size=4,
-                       engram_n_heads=8, engram_compressed_vocab_size=99092, engram_pad_token_id=2)
-TINY = SimpleNamespace(engram_vocab_size=61, engram_layer_ids=[1, 6], engram_max_ngram_size=4,
-                       engram_n_heads=2, engram_compressed_vocab_size=200, engram_pad_token_id=2)
+REAL = SimpleNamespace(
+    engram_vocab_size=16_000_000,
+    engram_layer_ids=[1, 14],
+    engram_max_ngram_size=4,
+    engram_n_heads=8,
+    engram_compressed_vocab_size=99092,
+    engram_pad_token_id=2,
+)
+TINY = SimpleNamespace(
+    engram_vocab_size=61,
+    engram_layer_ids=[1, 6],
+    engram_max_ngram_size=4,
+    engram_n_heads=2,
+    engram_compressed_vocab_size=200,
+    engram_pad_token_id=2,
+)
 
 
 def test_real_row_counts():
@@ -40,7 +53,9 @@ def test_primes_distinct_prime_and_offsets_exclusive():
 def test_multipliers_odd_and_cannot_overflow():
     m = eg.engram_multipliers(REAL)
     assert m.shape == (2, 4) and (m % 2 == 1).all() and (m > 0).all()
-    assert (m.astype(object) * (REAL.engram_compressed_vocab_size - 1) < np.iinfo(np.int64).max).all()
+    assert (
+        m.astype(object) * (REAL.engram_compressed_vocab_size - 1) < np.iinfo(np.int64).max
+    ).all()
     assert not np.array_equal(m[0], m[1])
 
 
@@ -72,7 +87,7 @@ def test_incremental_hashing_equals_whole_sequence_across_dead_positions():
     hist = eg.empty_history(lay)
     parts = []
     cuts = [0, 1, 2, 3, 11, 12, 40, 43, 60, 61, 62, 97]
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         parts.append(eg.hash_ids(lay, c[a:b], hist))
         hist = eg.advance_history(lay, hist, c[a:b])
     assert np.array_equal(np.concatenate(parts), whole)
@@ -125,22 +140,30 @@ def test_table_reads_through_safetensors_slices(tmp_path):
     rows = torch.randn(434, 32)
     codes, scales = quantize_fp8_blocks(rows)
     path = tmp_path / "t.safetensors"
-    save_file({"layers.1.engram.embed.weight": codes, "layers.1.engram.embed.scale": scales}, str(path))
+    save_file(
+        {"layers.1.engram.embed.weight": codes, "layers.1.engram.embed.scale": scales}, str(path)
+    )
     table = eg.EngramTable.open(path, "layers.1.engram")
     mem = eg.EngramTable.from_tensors(codes, scales)
     ids = np.array([[433, 0, 5], [6, 7, 5]])
     c1, s1 = table.read(ids)
     c2, s2 = mem.read(ids)
     assert c1.shape == (2, 3, 32) and s1.shape == (2, 3, 1)
-    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(s1.view(torch.uint8), s2.view(torch.uint8))
-    want = dequant_fp8_blocks(codes[torch.from_numpy(ids)], scales[torch.from_numpy(ids)], torch.float32)
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(
+        s1.view(torch.uint8), s2.view(torch.uint8)
+    )
+    want = dequant_fp8_blocks(
+        codes[torch.from_numpy(ids)], scales[torch.from_numpy(ids)], torch.float32
+    )
     assert torch.equal(dequant_fp8_blocks(c1, s1, torch.float32), want)
     with pytest.raises(IndexError):
         table.read(np.array([434]))
 
 
 def test_host_half_imports_without_triton_or_cuda():
-    code = ("import sys, v41plan.exec.engram; "
-            "bad = [m for m in sys.modules if m == 'triton' or m.startswith('triton.')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, v41plan.exec.engram; "
+        "bad = [m for m in sys.modules if m == 'triton' or m.startswith('triton.')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,7 +20,13 @@ def _is_pow2(s: torch.Tensor) -> bool:
 
 
 def test_round_e4m3_matches_torch_rne_cast():
-    x = torch.cat([torch.randn(20000) * 30, torch.randn(2000) * 1e-3, torch.tensor([0.0, -0.0, 448.0, -448.0])])
+    x = torch.cat(
+        [
+            torch.randn(20000) * 30,
+            torch.randn(2000) * 1e-3,
+            torch.tensor([0.0, -0.0, 448.0, -448.0]),
+        ]
+    )
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(q.round_e4m3(x), want)
     assert torch.equal(q.round_e4m3(x.double()).float(), want)
@@ -61,12 +67,18 @@ def test_fake_fp8_on_grid_idempotent_and_bf16_exact(dtype):
 def test_fake_fp4_grids(dtype):
     x = (torch.randn(8, 64) * 3).to(dtype)
     y = q.fake_fp4(x, 32)
-    s = q.pow2ceil(x.float().reshape(8, 2, 32).abs().amax(-1, keepdim=True).clamp_min(q.FP4_E8M0_AMAX_FLOOR) / 6)
+    s = q.pow2ceil(
+        x.float().reshape(8, 2, 32).abs().amax(-1, keepdim=True).clamp_min(q.FP4_E8M0_AMAX_FLOOR)
+        / 6
+    )
     codes = y.float().reshape(8, 2, 32) / s
     assert torch.equal(q.round_e2m1(codes), codes)
     assert torch.equal(q.fake_fp4(y, 32), y)
     z = q.fake_fp4_e4m3(x, 16)
-    s16 = q.round_e4m3(x.float().reshape(8, 4, 16).abs().amax(-1, keepdim=True).clamp_min(q.FP4_E4M3_AMAX_FLOOR) / 6)
+    s16 = q.round_e4m3(
+        x.float().reshape(8, 4, 16).abs().amax(-1, keepdim=True).clamp_min(q.FP4_E4M3_AMAX_FLOOR)
+        / 6
+    )
     assert _is_e4m3(s16).all()
     c16 = z.float().reshape(8, 4, 16) / s16
     assert torch.equal(q.round_e2m1(c16), c16)
@@ -114,9 +126,11 @@ def test_fp8_weight_blocks_are_32x32_with_a_ceil_grid():
     deq = q.dequant_fp8_weight(codes, scale, torch.float32)
     for bo in range(3):
         for bi in range(4):
-            blk = w[bo * 32:(bo + 1) * 32, bi * 32:(bi + 1) * 32]
+            blk = w[bo * 32 : (bo + 1) * 32, bi * 32 : (bi + 1) * 32]
             s = q.pow2ceil(blk.abs().amax().clamp_min(1e-4)[None] / 448)
-            assert torch.equal(deq[bo * 32:(bo + 1) * 32, bi * 32:(bi + 1) * 32], q.round_e4m3(blk / s) * s)
+            assert torch.equal(
+                deq[bo * 32 : (bo + 1) * 32, bi * 32 : (bi + 1) * 32], q.round_e4m3(blk / s) * s
+            )
 
 
 def test_fp4_expert_weight_roundtrip_is_per_row_per_32():

@@ -36,8 +36,9 @@ def tiny40(specs_dir):
 
 def _model(pair, dtype=torch.float64, index_cache_dtype=None):
     cfg, state = pair
-    return ReferenceModel.from_checkpoint(LoadedCheckpoint.from_state(cfg, state), dtype,
-                                          index_cache_dtype=index_cache_dtype)
+    return ReferenceModel.from_checkpoint(
+        LoadedCheckpoint.from_state(cfg, state), dtype, index_cache_dtype=index_cache_dtype
+    )
 
 
 def _ids(n, seed=0):
@@ -127,12 +128,17 @@ def test_sparse_attention_equals_dense_softmax_over_the_listed_keys():
     # -1 entries are skipped; a huge sink drives the output to 0; no valid key gives 0
     idx2 = torch.cat([idx[:, :4], torch.full((5, 3), -1)], 1)
     p2 = torch.softmax(torch.einsum("nhd,nkd->nhk", q, kv[idx[:, :4]]) * 0.25, -1)
-    assert torch.allclose(sparse_attention(q, kv, idx2, sink, 0.25), torch.einsum("nhk,nkd->nhd", p2, kv[idx[:, :4]]))
+    assert torch.allclose(
+        sparse_attention(q, kv, idx2, sink, 0.25), torch.einsum("nhk,nkd->nhd", p2, kv[idx[:, :4]])
+    )
     big = torch.full((3,), 1e4, dtype=torch.float64)
     assert sparse_attention(q, kv, idx, big, 0.25).abs().max() < 1e-100
     none = torch.full((5, 4), -1)
     assert torch.equal(sparse_attention(q, kv, none, sink, 0.25), torch.zeros_like(q))
-    assert torch.equal(sparse_attention(q, kv, none, torch.zeros(3, dtype=torch.float64), 0.25), torch.zeros_like(q))
+    assert torch.equal(
+        sparse_attention(q, kv, none, torch.zeros(3, dtype=torch.float64), 0.25),
+        torch.zeros_like(q),
+    )
 
 
 def test_wide_topk_lists_every_visible_row(tiny):
@@ -172,15 +178,23 @@ def test_candidate_blocks_force_the_newest_and_prefer_smaller_blocks():
 def test_mhc_invariants():
     hc, D = 4, 8
     X = torch.randn(6, hc, D, dtype=torch.float64)
-    zero = HcParams(torch.zeros(24, hc * D, dtype=torch.float64), torch.zeros(24, dtype=torch.float64),
-                    torch.zeros(3, dtype=torch.float64))
+    zero = HcParams(
+        torch.zeros(24, hc * D, dtype=torch.float64),
+        torch.zeros(24, dtype=torch.float64),
+        torch.zeros(3, dtype=torch.float64),
+    )
     pre, post, C = hc_predict(X, zero, hc, 20, 1e-6, 1e-20)
-    assert torch.allclose(pre, torch.full_like(pre, 0.5 + 1e-6)) and torch.allclose(post, torch.ones_like(post))
+    assert torch.allclose(pre, torch.full_like(pre, 0.5 + 1e-6)) and torch.allclose(
+        post, torch.ones_like(post)
+    )
     assert torch.allclose(C, torch.full_like(C, 1 / hc), atol=1e-5)
     # moderate mixing logits (as the random checkpoints give): doubly stochastic to about 1e-4;
     # the schedule ends on a column normalization, so columns are tighter than rows
-    rnd = HcParams(torch.randn(24, hc * D, dtype=torch.float64) * (hc * D) ** -0.5,
-                   torch.randn(24, dtype=torch.float64) * 0.1, torch.full((3,), 0.5, dtype=torch.float64))
+    rnd = HcParams(
+        torch.randn(24, hc * D, dtype=torch.float64) * (hc * D) ** -0.5,
+        torch.randn(24, dtype=torch.float64) * 0.1,
+        torch.full((3,), 0.5, dtype=torch.float64),
+    )
     pre, post, C = hc_predict(X, rnd, hc, 20, 1e-6, 1e-20)
     assert torch.allclose(C.sum(-2), torch.ones(6, hc, dtype=torch.float64), atol=1e-5)
     assert torch.allclose(C.sum(-1), torch.ones(6, hc, dtype=torch.float64), atol=1e-4)
@@ -198,7 +212,9 @@ def test_moe_routing_tie_rule_and_weights(tiny):
     finally:
         moe.gate_bias = saved
     assert ids.tolist() == [[0, 1]] * 3
-    assert torch.allclose(weights.sum(-1), torch.full((3,), m.cfg.routed_scaling_factor, dtype=torch.float64))
+    assert torch.allclose(
+        weights.sum(-1), torch.full((3,), m.cfg.routed_scaling_factor, dtype=torch.float64)
+    )
     assert (weights[:, 2:] == 0).all()
 
 
@@ -212,10 +228,12 @@ def test_bf16_runs_and_stays_finite(tiny):
 def test_tiny40_300_token_prefill_is_fast_and_well_scaled(tiny40):
     m = _model(tiny40, torch.float32)
     m.trace = True
-    t0 = time.perf_counter()
+    # CPU time of this process, so a loaded shared machine does not fail the test (about 4 s
+    # of CPU on 2 cores, under 2 s of wall time, when the machine is otherwise idle)
+    t0 = time.process_time()
     logits = m.prefill(_ids(300, 6))
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 15, f"300-token tiny40 prefill took {elapsed:.1f} s"
+    elapsed = time.process_time() - t0
+    assert elapsed < 30, f"300-token tiny40 prefill took {elapsed:.1f} s of CPU"
     assert torch.isfinite(logits).all()
     rms = [float(x.float().pow(2).mean().sqrt()) for x in m.layer_inputs]
     assert len(rms) == 40 and all(0.5 < r < 50 for r in rms)

@@ -13,6 +13,7 @@ DSpark (``mtp.*``) and vision tensors are not part of this table; the loader ign
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,15 +28,27 @@ from v41plan.exec.engram import EngramHost, EngramTable, synthetic_token_map
 from v41plan.exec.quant import (
     dequant_fp4_weight,
     dequant_fp8_weight,
-    quantize_fp4_weight,
+    e8m0_encode,
     quantize_fp8_blocks,
     quantize_fp8_weight,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
-FP8, E8M0, BF16, F32, I8 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32, torch.int8)
+FP8, E8M0, BF16, F32, I8 = (
+    torch.float8_e4m3fn,
+    torch.float8_e8m0fnu,
+    torch.bfloat16,
+    torch.float32,
+    torch.int8,
+)
 # dtypes the loader accepts for each published dtype (another tool may store packed FP4 as uint8)
-_ACCEPT = {FP8: (FP8,), E8M0: (E8M0, torch.uint8), BF16: (BF16, F32), F32: (F32,), I8: (I8, torch.uint8)}
+_ACCEPT = {
+    FP8: (FP8,),
+    E8M0: (E8M0, torch.uint8),
+    BF16: (BF16, F32),
+    F32: (F32,),
+    I8: (I8, torch.uint8),
+}
 
 
 class CheckpointError(ValueError):
@@ -80,11 +93,11 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
         out.append(TensorSpec(name, tuple(shape), dtype, "plain", std, init))
 
     def fp8(name, o, i):
-        out.append(TensorSpec(name + ".weight", (o, i), FP8, "fp8", i ** -0.5))
+        out.append(TensorSpec(name + ".weight", (o, i), FP8, "fp8", i**-0.5))
         out.append(TensorSpec(name + ".scale", (_cdiv(o, 32), _cdiv(i, 32)), E8M0, "fp8_scale"))
 
     def fp4(name, o, i):
-        out.append(TensorSpec(name + ".weight", (o, i // 2), I8, "fp4", i ** -0.5))
+        out.append(TensorSpec(name + ".weight", (o, i // 2), I8, "fp4", i**-0.5))
         out.append(TensorSpec(name + ".scale", (o, i // 32), E8M0, "fp4_scale"))
 
     plain("embed.weight", (cfg.vocab_size, D), BF16, 1.0)
@@ -115,17 +128,17 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
         fp8(a + "wo_b", D, cfg.o_groups * cfg.o_lora_rank)
         plain(a + "attn_sink", (H,), F32, 0.5)
         if info.role == "full":
-            plain(a + "compressor.wkv.weight", (d, D), BF16, D ** -0.5)
+            plain(a + "compressor.wkv.weight", (d, D), BF16, D**-0.5)
             if info.ratio == 2:
-                plain(a + "compressor.wgate.weight", (d, D), BF16, D ** -0.5)
+                plain(a + "compressor.wgate.weight", (d, D), BF16, D**-0.5)
             plain(a + "compressor.norm.weight", (d,), BF16, init="ones")
-            plain(a + "indexer.wk.weight", (cfg.index_head_dim, d), BF16, d ** -0.5)
+            plain(a + "indexer.wk.weight", (cfg.index_head_dim, d), BF16, d**-0.5)
             plain(a + "indexer.k_norm.weight", (cfg.index_head_dim,), BF16, init="ones")
         if info.role in ("full", "reindex"):
             fp8(a + "indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-            plain(a + "indexer.weights_proj.weight", (cfg.index_n_heads, D), BF16, D ** -0.5)
+            plain(a + "indexer.weights_proj.weight", (cfg.index_n_heads, D), BF16, D**-0.5)
         f = p + "ffn."
-        plain(f + "gate.weight", (E, D), BF16, D ** -0.5)
+        plain(f + "gate.weight", (E, D), BF16, D**-0.5)
         plain(f + "gate.bias", (E,), F32, 0.05)
         for e in range(E):
             fp4(f + f"experts.{e}.w1", inter, D)
@@ -135,7 +148,7 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
         fp8(f + "shared_experts.w2", D, inter)
         fp8(f + "shared_experts.w3", inter, D)
     plain("norm.weight", (D,), BF16, init="ones")
-    plain("head.weight", (cfg.vocab_size, D), BF16, 1.5 * D ** -0.5)
+    plain("head.weight", (cfg.vocab_size, D), BF16, 1.5 * D**-0.5)
     return out
 
 
@@ -146,19 +159,32 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
 
 
-def random_tensors(cfg: ModelConfig, seed: int, specs: list[TensorSpec] | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def random_tensors(
+    cfg: ModelConfig, seed: int, specs: list[TensorSpec] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Published-format random tensors, each deterministic in (seed, name), in table order."""
     specs = tensor_table(cfg) if specs is None else specs
     k = 0
     while k < len(specs):
         t = specs[k]
-        if t.kind in ("fp8", "fp4", "table"):
+        if t.kind == "fp4":
+            yield from _random_fp4(t, specs[k + 1], seed)
+            k += 2
+            continue
+        if t.kind in ("fp8", "table"):
             g = _generator(seed, t.name)
-            shape = (t.shape[0], t.shape[1] * 2) if t.kind == "fp4" else t.shape
-            w = torch.randn(shape, generator=g) * t.std
-            q = {"fp8": quantize_fp8_weight, "fp4": quantize_fp4_weight, "table": quantize_fp8_blocks}[t.kind]
-            codes, scale = q(w)
+            if t.kind == "fp8":
+                codes, scale = quantize_fp8_weight(torch.randn(t.shape, generator=g) * t.std)
+            else:  # large tables: generate and quantize in row chunks to bound memory
+                step = max(1, (1 << 22) // t.shape[1])
+                parts = [
+                    quantize_fp8_blocks(
+                        torch.randn(min(step, t.shape[0] - r), t.shape[1], generator=g) * t.std
+                    )
+                    for r in range(0, t.shape[0], step)
+                ]
+                codes = torch.cat([c for c, _ in parts])
+                scale = torch.cat([sc for _, sc in parts])
             yield t.name, codes
             yield specs[k + 1].name, scale
             k += 2
@@ -173,6 +199,21 @@ def random_tensors(cfg: ModelConfig, seed: int, specs: list[TensorSpec] | None =
         k += 1
 
 
+def _random_fp4(
+    t: TensorSpec, scale_spec: TensorSpec, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A random routed-expert weight drawn directly in its storage format (fast at MEDIUM size).
+
+    Codes are uniform over the 16 E2M1 codes (RMS about 2.93) and each row's per-32 scale is
+    the power of two nearest ``std / 2.93``, so the dequantized RMS is about ``std``.
+    """
+    g = _generator(seed, t.name)
+    packed = torch.randint(0, 256, t.shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    scale = torch.full(scale_spec.shape, 2.0 ** round(math.log2(t.std / 2.93)))
+    yield t.name, packed.view(torch.int8)
+    yield scale_spec.name, e8m0_encode(scale)
+
+
 def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """All published tensors of a random checkpoint in memory (tiny models and tests)."""
     return dict(random_tensors(cfg, seed))
@@ -183,7 +224,7 @@ def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorS
     size = 0
     k = 0
     while k < len(specs):
-        group = specs[k:k + 2] if specs[k].kind in ("fp8", "fp4", "table") else specs[k:k + 1]
+        group = specs[k : k + 2] if specs[k].kind in ("fp8", "fp4", "table") else specs[k : k + 1]
         nb = sum(t.nbytes for t in group)
         if shards[-1] and size + nb > shard_bytes:
             shards.append([])
@@ -194,8 +235,13 @@ def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorS
     return shards
 
 
-def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, shard_bytes: int = 2 << 30,
-                     progress: bool = False) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    seed: int,
+    shard_bytes: int = 2 << 30,
+    progress: bool = False,
+) -> Path:
     """Write a random checkpoint shard by shard (bounded memory); same bytes for the same seed."""
     from safetensors.torch import save_file
 
@@ -215,8 +261,12 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int, shard_byt
         if progress:
             print(f"  wrote {fname} ({sum(t.nbytes for t in shard) / 2**20:.1f} MiB)", flush=True)
         del tensors
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                             indent=2, sort_keys=True) + "\n")
+    (out / INDEX_FILE).write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
+        )
+        + "\n"
+    )
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     return out
 
@@ -231,8 +281,13 @@ class LoadedCheckpoint:
     uses; it runs exactly once (a second call raises).
     """
 
-    def __init__(self, cfg: ModelConfig, raw: dict[str, torch.Tensor], tables: list[EngramTable],
-                 path: Path | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        raw: dict[str, torch.Tensor],
+        tables: list[EngramTable],
+        path: Path | None = None,
+    ):
         self.config = cfg
         self.raw = raw
         self.tables = tables
@@ -250,10 +305,14 @@ class LoadedCheckpoint:
             tables.append(EngramTable.from_tensors(raw.pop(p + "weight"), raw.pop(p + "scale")))
         return cls(cfg, raw, tables)
 
-    def process(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def process(
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
         """Dequantize FP8/FP4 weights into ``dtype`` and fuse routed experts; exactly once."""
         if self.weights is not None:
-            raise RuntimeError("post-load processing already ran for this checkpoint; it runs exactly once")
+            raise RuntimeError(
+                "post-load processing already ran for this checkpoint; it runs exactly once"
+            )
         self.process_calls += 1
         cfg, raw = self.config, self.raw
         w: dict[str, torch.Tensor] = {}
@@ -304,8 +363,12 @@ def read_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{p}: {exc}") from exc
 
 
-def load_checkpoint(path: str | Path, cache_spec: Any = None, dtype: torch.dtype | None = torch.float32,
-                    device: str | torch.device = "cpu") -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str | Path,
+    cache_spec: Any = None,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoadedCheckpoint:
     """Load a published-layout checkpoint directory.
 
     The config is checked against ``cache_spec`` (when given) before any weight is read; every
@@ -326,7 +389,7 @@ def load_checkpoint(path: str | Path, cache_spec: Any = None, dtype: torch.dtype
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
     elif (root / "model.safetensors").exists():
         with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     else:
         raise CheckpointError(f"{root}: neither {INDEX_FILE} nor model.safetensors")
     specs = tensor_table(cfg)
@@ -341,11 +404,15 @@ def load_checkpoint(path: str | Path, cache_spec: Any = None, dtype: torch.dtype
 
     for t in specs:  # presence, shape and dtype, from headers only
         if t.name not in weight_map:
-            raise CheckpointError(f"{root}: missing tensor {t.name} (expected shape {list(t.shape)})")
+            raise CheckpointError(
+                f"{root}: missing tensor {t.name} (expected shape {list(t.shape)})"
+            )
         sl = handle(weight_map[t.name]).get_slice(t.name)
         shape = tuple(sl.get_shape())
         if shape != t.shape:
-            raise CheckpointError(f"{root}: tensor {t.name} has shape {list(shape)}, expected {list(t.shape)}")
+            raise CheckpointError(
+                f"{root}: tensor {t.name} has shape {list(shape)}, expected {list(t.shape)}"
+            )
         dt = sl[:0].dtype if shape and shape[0] else None
         if dt is not None and dt not in _ACCEPT[t.dtype]:
             raise CheckpointError(f"{root}: tensor {t.name} has dtype {dt}, expected {t.dtype}")
@@ -354,7 +421,9 @@ def load_checkpoint(path: str | Path, cache_spec: Any = None, dtype: torch.dtype
     for t in specs:
         if t.kind == "table":
             prefix = t.name[: -len(".embed.weight")]
-            tables.append(EngramTable.open(root / weight_map[t.name], prefix, handle(weight_map[t.name])))
+            tables.append(
+                EngramTable.open(root / weight_map[t.name], prefix, handle(weight_map[t.name]))
+            )
         elif t.kind != "table_scale":
             x = handle(weight_map[t.name]).get_tensor(t.name)
             if t.dtype == BF16 and x.dtype == F32:

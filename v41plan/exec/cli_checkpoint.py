@@ -10,10 +10,14 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``init-checkpoint``."""
-    parser.add_argument("--spec", required=True, help="spec file (specs/tiny.yaml) or compiled spec name (tiny)")
+    parser.add_argument(
+        "--spec", required=True, help="spec file (specs/tiny.yaml) or compiled spec name (tiny)"
+    )
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
-    parser.add_argument("--shard-mib", type=int, default=2048, help="largest shard in MiB (default 2048)")
+    parser.add_argument(
+        "--shard-mib", type=int, default=2048, help="largest shard in MiB (default 2048)"
+    )
 
 
 def _cache_spec(spec: str):
@@ -33,7 +37,9 @@ def _cache_spec(spec: str):
     if not p.exists():
         p = Path("specs") / f"{name}.yaml"
     if not p.exists():
-        raise ValueError(f"spec {spec!r}: no compiled code under v41plan/generated/{name}/ and no file {p}")
+        raise ValueError(
+            f"spec {spec!r}: no compiled code under v41plan/generated/{name}/ and no file {p}"
+        )
     from v41plan.geometry.derive import load_cache_spec_unchecked
 
     return load_cache_spec_unchecked(str(p))
@@ -50,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"v41plan init-checkpoint: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    out = write_checkpoint(args.out, cfg, args.seed, shard_bytes=args.shard_mib << 20, progress=True)
+    out = write_checkpoint(
+        args.out, cfg, args.seed, shard_bytes=args.shard_mib << 20, progress=True
+    )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    print(f"wrote {out} ({size / 2**20:.1f} MiB, seed {args.seed}) in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"wrote {out} ({size / 2**20:.1f} MiB, seed {args.seed}) in {time.perf_counter() - t0:.1f} s"
+    )
     return 0

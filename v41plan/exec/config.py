@@ -25,8 +25,16 @@ QUANTIZATION_CONFIG = {
     "expert_dtype": "fp4",
 }
 # Top-level keys of the published config.json that are not text-model fields.
-_TOP_LEVEL_KEYS = ("architectures", "model_type", "quantization_config", "text_config", "vision_config",
-                   "transformers_version", "dtype", "torch_dtype")
+_TOP_LEVEL_KEYS = (
+    "architectures",
+    "model_type",
+    "quantization_config",
+    "text_config",
+    "vision_config",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+)
 
 
 @dataclass(frozen=True)
@@ -101,10 +109,14 @@ class ModelConfig:
         if self.num_key_value_heads != 1 or self.n_shared_experts != 1:
             raise ValueError("V4.1 needs num_key_value_heads == 1 and n_shared_experts == 1")
         if self.num_attention_heads % self.o_groups:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"o_groups={self.o_groups}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"o_groups={self.o_groups}"
+            )
         if self.scoring_func != "sqrtsoftplus":
-            raise ValueError(f"scoring_func={self.scoring_func!r} is not supported; accepted: sqrtsoftplus")
+            raise ValueError(
+                f"scoring_func={self.scoring_func!r} is not supported; accepted: sqrtsoftplus"
+            )
 
     # --- construction -------------------------------------------------------------------
 
@@ -123,7 +135,9 @@ class ModelConfig:
             if n not in flat:
                 continue
             v = flat[n]
-            vals[n] = tuple(v) if isinstance(v, list | tuple) else (dict(v) if isinstance(v, dict) else v)
+            vals[n] = (
+                tuple(v) if isinstance(v, list | tuple) else (dict(v) if isinstance(v, dict) else v)
+            )
         extra = {k: v for k, v in flat.items() if k not in names}
         return cls(**vals, extra=extra)
 
@@ -134,7 +148,9 @@ class ModelConfig:
             if f.name == "extra":
                 continue
             v = getattr(self, f.name)
-            text[f.name] = list(v) if isinstance(v, tuple) else (dict(v) if isinstance(v, dict) else v)
+            text[f.name] = (
+                list(v) if isinstance(v, tuple) else (dict(v) if isinstance(v, dict) else v)
+            )
         text.update(self.extra)
         return {
             "architectures": [ARCHITECTURE],

@@ -45,7 +45,9 @@ def synthetic_multiplier(size: int) -> int:
 def synthetic_token_map(vocab_size: int, size: int) -> np.ndarray:
     """``token_map[t] = (a*t + 3) mod size``; surjective onto ``size`` ids when vocab >= size."""
     if vocab_size < size:
-        raise ValueError(f"a synthetic token map cannot cover {size} compressed ids from vocab {vocab_size}")
+        raise ValueError(
+            f"a synthetic token map cannot cover {size} compressed ids from vocab {vocab_size}"
+        )
     t = np.arange(vocab_size, dtype=np.int64)
     return (synthetic_multiplier(size) * t + 3) % size
 
@@ -123,8 +125,12 @@ def _primes(vocab: int, n_layers: int, max_ngram: int, n_heads: int) -> tuple[tu
 def engram_primes(config: Any) -> np.ndarray:
     """Moduli ``[n_engram_layers, (max_ngram-1)*n_heads]``, order-major, head-minor, all distinct."""
     return np.array(
-        _primes(config.engram_vocab_size, len(config.engram_layer_ids), config.engram_max_ngram_size,
-                config.engram_n_heads),
+        _primes(
+            config.engram_vocab_size,
+            len(config.engram_layer_ids),
+            config.engram_max_ngram_size,
+            config.engram_n_heads,
+        ),
         dtype=np.int64,
     ).reshape(len(config.engram_layer_ids), -1)
 
@@ -145,8 +151,9 @@ def engram_multipliers(config: Any) -> np.ndarray:
     bound = max(1, (_INT64_MAX // config.engram_compressed_vocab_size) // 2)
     out = []
     for layer_id in config.engram_layer_ids:
-        r = np.random.default_rng(10007 * layer_id).integers(0, bound, size=config.engram_max_ngram_size,
-                                                             dtype=np.int64)
+        r = np.random.default_rng(10007 * layer_id).integers(
+            0, bound, size=config.engram_max_ngram_size, dtype=np.int64
+        )
         out.append(2 * r + 1)
     return np.stack(out).astype(np.int64)
 
@@ -166,9 +173,15 @@ class EngramLayout:
     @classmethod
     def from_config(cls, config: Any, token_map: np.ndarray) -> EngramLayout:
         """Build the layout; the pad id is ``token_map[engram_pad_token_id]``."""
-        return cls(tuple(config.engram_layer_ids), engram_primes(config), engram_offsets(config),
-                   engram_multipliers(config), int(token_map[config.engram_pad_token_id]),
-                   config.engram_max_ngram_size, config.engram_n_heads)
+        return cls(
+            tuple(config.engram_layer_ids),
+            engram_primes(config),
+            engram_offsets(config),
+            engram_multipliers(config),
+            int(token_map[config.engram_pad_token_id]),
+            config.engram_max_ngram_size,
+            config.engram_n_heads,
+        )
 
     @property
     def history_len(self) -> int:
@@ -181,7 +194,9 @@ def empty_history(layout: EngramLayout) -> np.ndarray:
     return np.full(layout.history_len, DEAD, dtype=np.int64)
 
 
-def hash_ids(layout: EngramLayout, cids: Sequence[int] | np.ndarray, history: np.ndarray | None = None) -> np.ndarray:
+def hash_ids(
+    layout: EngramLayout, cids: Sequence[int] | np.ndarray, history: np.ndarray | None = None
+) -> np.ndarray:
     """Table row ids ``[S, n_engram_layers, cols]`` for compressed ids ``cids`` (DEAD = -1).
 
     ``history`` holds the ``max_ngram - 1`` compressed ids before ``cids[0]``, newest first
@@ -195,7 +210,7 @@ def hash_ids(layout: EngramLayout, cids: Sequence[int] | np.ndarray, history: np
     blocked = np.zeros(s, dtype=bool)
     terms = []
     for k in range(layout.max_ngram):
-        src = ext[h - k: h - k + s]
+        src = ext[h - k : h - k + s]
         blocked = blocked | (src == DEAD)
         terms.append(np.where(blocked, layout.pad_id, src))
     n_layers = len(layout.layer_ids)
@@ -210,10 +225,14 @@ def hash_ids(layout: EngramLayout, cids: Sequence[int] | np.ndarray, history: np
     return out
 
 
-def advance_history(layout: EngramLayout, history: np.ndarray, cids: Sequence[int] | np.ndarray) -> np.ndarray:
+def advance_history(
+    layout: EngramLayout, history: np.ndarray, cids: Sequence[int] | np.ndarray
+) -> np.ndarray:
     """History after accepting ``cids`` (in position order): the latest ids, newest first."""
-    ext = np.concatenate([np.asarray(history, dtype=np.int64)[::-1], np.asarray(cids, dtype=np.int64)])
-    return ext[-layout.history_len:][::-1].copy()
+    ext = np.concatenate(
+        [np.asarray(history, dtype=np.int64)[::-1], np.asarray(cids, dtype=np.int64)]
+    )
+    return ext[-layout.history_len :][::-1].copy()
 
 
 # --- tables -------------------------------------------------------------------------------
@@ -266,8 +285,8 @@ class EngramTable:
                 j = i
                 while j + 1 < len(uniq) and uniq[j + 1] == uniq[j] + 1:
                     j += 1
-                cparts.append(self._codes[int(uniq[i]): int(uniq[j]) + 1])
-                sparts.append(self._scales[int(uniq[i]): int(uniq[j]) + 1])
+                cparts.append(self._codes[int(uniq[i]) : int(uniq[j]) + 1])
+                sparts.append(self._scales[int(uniq[i]) : int(uniq[j]) + 1])
                 i = j + 1
             if cparts:
                 codes, scales = torch.cat(cparts), torch.cat(sparts)
@@ -282,7 +301,9 @@ class EngramTable:
 class EngramHost:
     """Host-side Engram row preparation for one model: token map, layout and tables."""
 
-    def __init__(self, config: Any, token_map: np.ndarray, tables: Sequence[EngramTable] | None = None):
+    def __init__(
+        self, config: Any, token_map: np.ndarray, tables: Sequence[EngramTable] | None = None
+    ):
         if int(token_map.max()) + 1 != config.engram_compressed_vocab_size:
             raise ValueError(
                 f"token map has {int(token_map.max()) + 1} compressed ids but engram_compressed_vocab_size "
@@ -293,17 +314,25 @@ class EngramHost:
         self.layout = EngramLayout.from_config(config, self.token_map)
         self.tables = list(tables) if tables is not None else []
 
-    def compress(self, token_ids: Sequence[int] | np.ndarray, text_mask: np.ndarray | None = None) -> np.ndarray:
+    def compress(
+        self, token_ids: Sequence[int] | np.ndarray, text_mask: np.ndarray | None = None
+    ) -> np.ndarray:
         """Compressed ids of final token ids; non-text positions (``text_mask`` False) are DEAD."""
         c = self.token_map[np.asarray(token_ids, dtype=np.int64)]
         if text_mask is not None:
             c = np.where(np.asarray(text_mask, dtype=bool), c, DEAD)
         return c
 
-    def prepare(self, token_ids: Sequence[int] | np.ndarray, history: np.ndarray | None = None,
-                text_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def prepare(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        history: np.ndarray | None = None,
+        text_mask: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Row ids ``[S, n_layers, cols]`` for a forward's final token ids, and the advanced history."""
-        hist = empty_history(self.layout) if history is None else np.asarray(history, dtype=np.int64)
+        hist = (
+            empty_history(self.layout) if history is None else np.asarray(history, dtype=np.int64)
+        )
         c = self.compress(token_ids, text_mask)
         return hash_ids(self.layout, c, hist), advance_history(self.layout, hist, c)
 

@@ -82,7 +82,9 @@ class Rope:
         self.rd = rd
         self.freqs = yarn_freqs(rd, base, rope_scaling)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) ``[N, rd/2]`` in ``acc_dtype(dtype)``; angles are float32 ``pos * freq``."""
         ang = positions.to(torch.float32)[:, None] * self.freqs.to(positions.device)[None, :]
         a = acc_dtype(dtype)
@@ -90,7 +92,9 @@ class Rope:
         return torch.cos(ang), torch.sin(ang)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Rotate the last ``2*cos.shape[-1]`` lanes of ``x`` (``[N, d]`` or ``[N, H, d]``) by position.
 
     ``inverse`` rotates by the conjugate (the output's inverse RoPE). Computed in ``acc``.
@@ -119,8 +123,9 @@ class HcParams:
     scale: torch.Tensor
 
 
-def hc_predict(X: torch.Tensor, p: HcParams, hc: int, iters: int, hc_eps: float, norm_eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_predict(
+    X: torch.Tensor, p: HcParams, hc: int, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Predict (pre ``[N,hc]``, post ``[N,hc]``, C ``[N,hc,hc]``) from streams ``X`` ``[N,hc,D]``.
 
     ``C[i][j]``: i source stream, j destination. Sinkhorn: a softmax over j, then a column
@@ -131,8 +136,8 @@ def hc_predict(X: torch.Tensor, p: HcParams, hc: int, iters: int, hc_eps: float,
     r = torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps)
     m = (f @ p.fn.T) * r
     pre = torch.sigmoid(m[:, :hc] * p.scale[0] + p.base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * p.scale[1] + p.base[hc:2 * hc])
-    C = (m[:, 2 * hc:] * p.scale[2] + p.base[2 * hc:]).reshape(-1, hc, hc)
+    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * p.scale[1] + p.base[hc : 2 * hc])
+    C = (m[:, 2 * hc :] * p.scale[2] + p.base[2 * hc :]).reshape(-1, hc, hc)
     C = torch.softmax(C, dim=-1) + hc_eps
     C = C / (C.sum(-2, keepdim=True) + hc_eps)
     for _ in range(iters - 1):
@@ -146,7 +151,9 @@ def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre[..., None] * X.to(pre.dtype)).sum(-2).to(X.dtype)
 
 
-def hc_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+def hc_expand(
+    y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
+) -> torch.Tensor:
     """``X'[j] = post[j] * y + sum_i C[i][j] * X[i]`` (in ``acc``), returned in ``X.dtype``."""
     a = post.dtype
     out = torch.einsum("nij,nid->njd", C, X.to(a)) + post[..., None] * y.to(a)[:, None, :]
@@ -158,7 +165,12 @@ def hc_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Ten
 
 def window_indices(positions_in_chunk: torch.Tensor, window: int) -> torch.Tensor:
     """Prefill window rows ``[N, W]``: keys ``i-W+1 .. i`` of the chunk itself, -1 before 0."""
-    idx = positions_in_chunk[:, None] - window + 1 + torch.arange(window, device=positions_in_chunk.device)[None]
+    idx = (
+        positions_in_chunk[:, None]
+        - window
+        + 1
+        + torch.arange(window, device=positions_in_chunk.device)[None]
+    )
     return torch.where(idx >= 0, idx, torch.full_like(idx, -1))
 
 
@@ -188,7 +200,9 @@ def topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
+def candidate_mask(
+    scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
     """Level-1 candidate positions ``[N, M]`` (bool) from masked index scores ``[N, M]``.
 
     A block's score is its max; the block holding the newest visible row is forced in; the top
@@ -200,7 +214,9 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
     pad[:, :m] = scores
     bscore = pad.reshape(n, nb, block_size).amax(-1)
     newest = ((visible - 1) // block_size).clamp(min=0)
-    force = (torch.arange(nb, device=scores.device)[None] == newest[:, None]) & (visible[:, None] > 0)
+    force = (torch.arange(nb, device=scores.device)[None] == newest[:, None]) & (
+        visible[:, None] > 0
+    )
     bscore = torch.where(force, torch.full_like(bscore, float("inf")), bscore)
     kb = min(topk_blocks, nb)
     pick = stable_topk_desc(bscore, kb)
@@ -210,8 +226,9 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
     return chosen.repeat_interleave(block_size, dim=1)[:, :m]
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of ``q`` ``[N,H,d]`` over rows ``kv[idx]`` (``idx`` ``[N,K]``, -1 skipped), K = V.
 
     A per-head sink (``[H]``) adds ``exp(sink)`` to the denominator only; a row with no valid
@@ -228,7 +245,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     p = torch.exp(logits - m[..., None])
     den = p.sum(-1) + torch.exp(s - m)
     o = torch.einsum("nhk,nkd->nhd", p, g)
-    o = torch.where(den[..., None] > 0, o / den.clamp_min(torch.finfo(a).tiny)[..., None], torch.zeros_like(o))
+    o = torch.where(
+        den[..., None] > 0, o / den.clamp_min(torch.finfo(a).tiny)[..., None], torch.zeros_like(o)
+    )
     return o.to(q.dtype)
 
 
@@ -239,13 +258,15 @@ class Attention:
     exist on Full layers, indexer queries on Full and Reindex layers.
     """
 
-    def __init__(self, cfg: Any, info: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
+    def __init__(
+        self, cfg: Any, info: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype
+    ):
         a = acc_dtype(dtype)
         self.cfg, self.info, self.dtype = cfg, info, dtype
         self.ratio, self.role = info.ratio, info.role
         self.H, self.d, self.rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         if info.ratio > 0:
             self.rope = Rope(self.rd, cfg.compress_rope_theta, cfg.rope_scaling)
         else:
@@ -273,7 +294,9 @@ class Attention:
             self.nih, self.ihd = cfg.index_n_heads, cfg.index_head_dim
 
     # q and window KV
-    def q_path(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def q_path(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q ``[N,H,d]`` with RoPE, qr ``[N,q_lora]`` the normed latent shared with the indexer)."""
         qr = rms_norm(self.wq_a(x), self.q_norm, self.eps)
         q = self.wq_b(qr).reshape(x.shape[0], self.H, self.d)
@@ -294,8 +317,13 @@ class Attention:
             return v, g
         return F.linear(x.to(self.comp_wkv.dtype), self.comp_wkv), None
 
-    def pool(self, v_first: torch.Tensor, g_first: torch.Tensor, v_second: torch.Tensor,
-             g_second: torch.Tensor) -> torch.Tensor:
+    def pool(
+        self,
+        v_first: torch.Tensor,
+        g_first: torch.Tensor,
+        v_second: torch.Tensor,
+        g_second: torch.Tensor,
+    ) -> torch.Tensor:
         """Ratio 2: softmax-gated pooling of a closed pair, then the compressor norm (pre-RoPE latent)."""
         a = acc_dtype(self.dtype)
         g = torch.stack([g_first, g_second]).to(a)
@@ -307,13 +335,20 @@ class Attention:
         """Ratio 1: the per-token latent is the normed projection (pre-RoPE)."""
         return rms_norm(v.to(self.dtype), self.comp_norm, self.eps)
 
-    def compressed_kv(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def compressed_kv(
+        self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """Cache rows: RoPE at the group's first position, then FP4 with E4M3 group-16 scales."""
         return fake_fp4_e4m3(apply_rope(latent, cos, sin), 16)
 
     # indexer
-    def index_keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   index_cache_dtype: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def index_keys(
+        self,
+        latent: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index_cache_dtype: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Index keys from the pre-RoPE latent: wk, k_norm, RoPE, then FP4 E8M0/32 (scale None)
         or, for ``"fp8"``, E4M3 codes with one fp32 scale per row ``[M, 1]``."""
         k = rms_norm(F.linear(latent, self.idx_wk), self.idx_k_norm, self.eps)
@@ -322,22 +357,32 @@ class Attention:
             return quant_fp8_rows(k)
         return fake_fp4(k, 32), None
 
-    def index_queries(self, qr: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      index_cache_dtype: str | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def index_queries(
+        self,
+        qr: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index_cache_dtype: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(qi ``[N,nih,ihd]``, its per-(token, head) fp32 scale ``[N,nih,1]`` for ``"fp8"`` else None,
         head weights ``[N,nih]`` scaled by ``ihd^-0.5 * nih^-0.5``)."""
         qi = self.idx_wq_b(qr).reshape(x.shape[0], self.nih, self.ihd)
         qi = apply_rope(qi, cos, sin)
-        wts = F.linear(x, self.idx_weights_proj) * (self.ihd ** -0.5 * self.nih ** -0.5)
+        wts = F.linear(x, self.idx_weights_proj) * (self.ihd**-0.5 * self.nih**-0.5)
         if index_cache_dtype == "fp8":
             codes, qs = quant_fp8_rows(qi)
             return codes, qs, wts
         return fake_fp4(qi, 32), None, wts
 
     @staticmethod
-    def index_scores(qi: torch.Tensor, q_scale: torch.Tensor | None, wts: torch.Tensor, k: torch.Tensor,
-                     k_scale: torch.Tensor | None) -> torch.Tensor:
+    def index_scores(
+        qi: torch.Tensor,
+        q_scale: torch.Tensor | None,
+        wts: torch.Tensor,
+        k: torch.Tensor,
+        k_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Scores ``[N, M]`` = sum_h relu(qi_h . k) * w_h (unmasked).
 
         FP4 (scales None): computed in the compute dtype (bf16 in bf16 mode, as published).
@@ -384,7 +429,9 @@ class MoE:
         self.s2 = Linear(w[p + "shared_experts.w2.weight"].to(dtype))
         self.limit = cfg.swiglu_limit
 
-    def route(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[N, E]`` zero off the selection, ids ``[N, k]``). Ties: smaller expert id."""
         s = F.linear(x.to(self.gate_w.dtype), self.gate_w)
         s = torch.sqrt(F.softplus(s))
@@ -401,7 +448,9 @@ class MoE:
         L = self.limit
         return F.silu(h1.to(a).clamp(max=L)) * h3.to(a).clamp(-L, L)
 
-    def __call__(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output ``[N, D]`` in dtype, selected expert ids ``[N, k]``)."""
         a = acc_dtype(self.dtype)
         weights, ids = self.route(x, forced_ids)
@@ -425,19 +474,26 @@ class EngramLayer:
         p = prefix + ".engram."
         self.cfg, self.dtype = cfg, dtype
         self.wkv = Linear(w[p + "wkv.weight"].to(dtype))
-        self.wqk = (w[p + "q_weight"].to(a) * w[p + "k_weight"].to(a))
+        self.wqk = w[p + "q_weight"].to(a) * w[p + "k_weight"].to(a)
 
-    def __call__(self, X: torch.Tensor, emb: torch.Tensor, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, X: torch.Tensor, emb: torch.Tensor, text_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Streams ``X`` ``[N,hc,D]`` plus the gated value of the dequantized rows ``emb`` ``[N,cols,hd]``."""
         a = acc_dtype(self.dtype)
         n, hc, D = X.shape
         eps = self.cfg.rms_norm_eps
         kv = self.wkv(emb.reshape(n, -1).to(self.dtype))
         key = kv[:, : hc * D].reshape(n, hc, D).to(a)
-        value = kv[:, hc * D:].to(a)
+        value = kv[:, hc * D :].to(a)
         Xa = X.to(a)
         dot = (Xa * self.wqk * key).sum(-1)
-        dot = dot * torch.rsqrt(Xa.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps) * D ** -0.5
+        dot = (
+            dot
+            * torch.rsqrt(Xa.pow(2).mean(-1) + eps)
+            * torch.rsqrt(key.pow(2).mean(-1) + eps)
+            * D**-0.5
+        )
         gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
         if text_mask is not None:
             gate = gate * text_mask.to(a)[:, None]

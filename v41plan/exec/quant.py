@@ -166,11 +166,11 @@ def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     """Values on the E2M1 grid ``[..., K]`` -> uint8 ``[..., K/2]``, even index in the low nibble."""
     v = values.to(torch.float32)
-    mag = v.abs()
-    code = torch.zeros_like(mag, dtype=torch.uint8)
-    for i, m in enumerate(E2M1_VALUES):
-        code = torch.where(mag == m, torch.tensor(i, dtype=torch.uint8), code)
-    code = code | (torch.signbit(v).to(torch.uint8) << 3)
+    # 2*|v| is one of 0,1,2,3,4,6,8,12: a 13-entry table gives the magnitude code
+    table = torch.tensor(
+        [0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8, device=v.device
+    )
+    code = table[(v.abs() * 2).to(torch.long)] | (torch.signbit(v).to(torch.uint8) << 3)
     code = code.reshape(*code.shape[:-1], code.shape[-1] // 2, 2)
     return code[..., 0] | (code[..., 1] << 4)
 
@@ -179,7 +179,9 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8/int8 ``[..., K/2]`` -> float32 E2M1 values ``[..., K]`` (even index = low nibble)."""
     p = packed.contiguous().view(torch.uint8)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-    table = torch.tensor(E2M1_VALUES + tuple(-m for m in E2M1_VALUES), dtype=torch.float32, device=p.device)
+    table = torch.tensor(
+        E2M1_VALUES + tuple(-m for m in E2M1_VALUES), dtype=torch.float32, device=p.device
+    )
     return table[codes.to(torch.long)]
 
 
@@ -194,7 +196,9 @@ def quantize_fp8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     return e4m3_encode(q), e8m0_encode(s.squeeze(-1))
 
 
-def dequant_fp8_blocks(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequant_fp8_blocks(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Inverse of ``quantize_fp8_blocks``."""
     k = codes.shape[-1]
     block = k // scale.shape[-1]
@@ -214,7 +218,9 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     return e4m3_encode(q[:out_f, :in_f].contiguous()), e8m0_encode(s)
 
 
-def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 32) -> torch.Tensor:
+def dequant_fp8_weight(
+    w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 32
+) -> torch.Tensor:
     """E4M3 weight ``[out, in]`` with ``block`` x ``block`` E8M0 scales -> ``dtype``."""
     out_f, in_f = w.shape
     s = e8m0_decode(scale).repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
@@ -229,7 +235,9 @@ def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     return pack_e2m1(q).view(torch.int8), e8m0_encode(s.squeeze(-1))
 
 
-def dequant_fp4_weight(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequant_fp4_weight(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Packed E2M1 ``[out, in/2]`` with E8M0 per-32 scales ``[out, in/32]`` -> ``dtype`` ``[out, in]``."""
     v = unpack_e2m1(packed)
     block = v.shape[-1] // scale.shape[-1]

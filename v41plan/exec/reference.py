@@ -75,11 +75,19 @@ class DecodeCache:
 class ReferenceModel:
     """Dense V4.1 text model over processed weights (``LoadedCheckpoint.process``)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], engram: EngramHost,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 index_cache_dtype: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        engram: EngramHost,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        index_cache_dtype: str | None = None,
+    ):
         if index_cache_dtype not in (None, "fp4", "fp8"):
-            raise ValueError(f"index_cache_dtype={index_cache_dtype!r} is not supported; accepted: fp4, fp8")
+            raise ValueError(
+                f"index_cache_dtype={index_cache_dtype!r} is not supported; accepted: fp4, fp8"
+            )
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.acc = acc_dtype(dtype)
         self.index_fmt = None if index_cache_dtype == "fp4" else index_cache_dtype
@@ -98,8 +106,12 @@ class ReferenceModel:
             p = f"layers.{info.index}"
             self.attn.append(Attention(cfg, info, w, p, dtype))
             self.moe.append(MoE(cfg, w, p, dtype))
-            self.hc_attn.append(HcParams(*(w[f"{p}.hc_attn_{k}"].to(self.acc) for k in ("fn", "base", "scale"))))
-            self.hc_ffn.append(HcParams(*(w[f"{p}.hc_ffn_{k}"].to(self.acc) for k in ("fn", "base", "scale"))))
+            self.hc_attn.append(
+                HcParams(*(w[f"{p}.hc_attn_{k}"].to(self.acc) for k in ("fn", "base", "scale")))
+            )
+            self.hc_ffn.append(
+                HcParams(*(w[f"{p}.hc_ffn_{k}"].to(self.acc) for k in ("fn", "base", "scale")))
+            )
             self.attn_norm.append(w[f"{p}.attn_norm.weight"])
             self.ffn_norm.append(w[f"{p}.ffn_norm.weight"])
             if info.engram:
@@ -116,8 +128,13 @@ class ReferenceModel:
         self.trace = False
 
     @classmethod
-    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        index_cache_dtype: str | None = None) -> ReferenceModel:
+    def from_checkpoint(
+        cls,
+        ckpt,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        index_cache_dtype: str | None = None,
+    ) -> ReferenceModel:
         """Build from a ``LoadedCheckpoint`` (runs its post-load processing if not done yet)."""
         weights = ckpt.weights if ckpt.weights is not None else ckpt.process(dtype, device)
         return cls(ckpt.config, weights, ckpt.engram_host(), dtype, device, index_cache_dtype)
@@ -125,7 +142,9 @@ class ReferenceModel:
     # --- public API -----------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, token_ids: list[int] | torch.Tensor, text_mask: np.ndarray | None = None) -> torch.Tensor:
+    def prefill(
+        self, token_ids: list[int] | torch.Tensor, text_mask: np.ndarray | None = None
+    ) -> torch.Tensor:
         """Run a whole prompt from position 0; returns logits ``[S, vocab]`` (acc dtype)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
@@ -134,8 +153,13 @@ class ReferenceModel:
         W = cfg.sliding_window
         self.cache = DecodeCache(
             next_pos=0,
-            ring=[torch.zeros(W, cfg.head_dim, dtype=self.dtype, device=self.device) for _ in cfg.layers],
-            ring_pos=[torch.full((W,), -1, dtype=torch.long, device=self.device) for _ in cfg.layers],
+            ring=[
+                torch.zeros(W, cfg.head_dim, dtype=self.dtype, device=self.device)
+                for _ in cfg.layers
+            ],
+            ring_pos=[
+                torch.full((W,), -1, dtype=torch.long, device=self.device) for _ in cfg.layers
+            ],
         )
         return self._forward(ids, text_mask, decode=False)
 
@@ -149,13 +173,21 @@ class ReferenceModel:
 
     # --- forward --------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, text_mask: np.ndarray | None, decode: bool) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, text_mask: np.ndarray | None, decode: bool
+    ) -> torch.Tensor:
         cfg, cache = self.cfg, self.cache
         start = cache.next_pos
         n = ids.numel()
         positions = torch.arange(start, start + n, device=self.device)
-        rows, cache.engram_history = self.engram.prepare(ids.numpy(), cache.engram_history, text_mask)
-        tmask = None if text_mask is None else torch.as_tensor(np.asarray(text_mask, dtype=bool), device=self.device)
+        rows, cache.engram_history = self.engram.prepare(
+            ids.numpy(), cache.engram_history, text_mask
+        )
+        tmask = (
+            None
+            if text_mask is None
+            else torch.as_tensor(np.asarray(text_mask, dtype=bool), device=self.device)
+        )
         h = self.embed[ids.to(self.device)].to(self.dtype)
         X = h[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre_in = torch.zeros(n, cfg.hc_mult, dtype=self.acc, device=self.device)
@@ -173,11 +205,15 @@ class ReferenceModel:
             if self.trace:
                 self.layer_inputs.append(X.clone())
             eps = cfg.rms_norm_eps
-            a_pre, a_post, a_C = hc_predict(X, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            a_pre, a_post, a_C = hc_predict(
+                X, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+            )
             x = rms_norm(hc_collapse(X, pre_in), self.attn_norm[L], eps)
             y = self._attention(L, x, positions, decode)
             X = hc_expand(y, X, a_post, a_C)
-            f_pre, f_post, f_C = hc_predict(X, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            f_pre, f_post, f_C = hc_predict(
+                X, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+            )
             x = rms_norm(hc_collapse(X, a_pre), self.ffn_norm[L], eps)
             y, self.experts[L] = self.moe[L](x)
             X = hc_expand(y, X, f_post, f_C)
@@ -186,7 +222,9 @@ class ReferenceModel:
         x = rms_norm(hc_collapse(X, pre_in), self.norm, cfg.rms_norm_eps)
         return F.linear(x.to(self.acc), self.head)
 
-    def _attention(self, L: int, x: torch.Tensor, positions: torch.Tensor, decode: bool) -> torch.Tensor:
+    def _attention(
+        self, L: int, x: torch.Tensor, positions: torch.Tensor, decode: bool
+    ) -> torch.Tensor:
         cfg, cache = self.cfg, self.cache
         att = self.attn[L]
         info = cfg.layers[L]
@@ -201,8 +239,11 @@ class ReferenceModel:
         cache.ring_pos[L][slots] = positions[-W:]
         if decode:
             win_kv = cache.ring[L]
-            win_idx = torch.where(cache.ring_pos[L] >= 0, torch.arange(W, device=self.device),
-                                  torch.full((W,), -1, device=self.device))[None].expand(n, W)
+            win_idx = torch.where(
+                cache.ring_pos[L] >= 0,
+                torch.arange(W, device=self.device),
+                torch.full((W,), -1, device=self.device),
+            )[None].expand(n, W)
         else:
             win_kv = kv
             win_idx = window_indices(positions, W)
@@ -216,9 +257,13 @@ class ReferenceModel:
             qi, qs, wts = att.index_queries(qr, x, cos, sin, self.index_fmt)
             scores = att.index_scores(qi, qs, wts, oc.keys, oc.key_scale)
             vis = visible_rows(positions, info.ratio)
-            scores = scores.masked_fill(torch.arange(m, device=self.device)[None] >= vis[:, None], NEG_INF)
+            scores = scores.masked_fill(
+                torch.arange(m, device=self.device)[None] >= vis[:, None], NEG_INF
+            )
             if L == cfg.candidate_source_layer_id:
-                self._cand = candidate_mask(scores, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                self._cand = candidate_mask(
+                    scores, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks
+                )
                 self.candidates = self._cand
             if info.role == "reindex" and info.uses_candidates:
                 scores = scores.masked_fill(~self._cand, NEG_INF)
@@ -231,7 +276,9 @@ class ReferenceModel:
         idx = torch.cat([win_idx, torch.where(top >= 0, top + off, top)], dim=1)
         return att.output(sparse_attention(q, kv_all, idx, att.sink, att.scale), cos, sin)
 
-    def _compress(self, L: int, att: Attention, x: torch.Tensor, positions: torch.Tensor, decode: bool) -> None:
+    def _compress(
+        self, L: int, att: Attention, x: torch.Tensor, positions: torch.Tensor, decode: bool
+    ) -> None:
         """Owner step: project every token, close groups, then keys, RoPE'd rows, cache append."""
         cache = self.cache
         r = att.ratio
@@ -239,10 +286,14 @@ class ReferenceModel:
         oc = cache.owners.get(L) if decode else None
         if oc is None:
             ihd = self.cfg.index_head_dim
-            oc = OwnerCache(r, torch.zeros(0, self.cfg.head_dim, dtype=self.dtype, device=self.device),
-                            torch.zeros(0, ihd, dtype=self.dtype, device=self.device),
-                            torch.zeros(0, 1, dtype=torch.float32, device=self.device) if self.index_fmt == "fp8"
-                            else None)
+            oc = OwnerCache(
+                r,
+                torch.zeros(0, self.cfg.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(0, ihd, dtype=self.dtype, device=self.device),
+                torch.zeros(0, 1, dtype=torch.float32, device=self.device)
+                if self.index_fmt == "fp8"
+                else None,
+            )
             cache.owners[L] = oc
         if r == 1:
             latent = att.ratio1_latent(v)
