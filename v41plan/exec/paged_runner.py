@@ -48,9 +48,20 @@ class PagedRunner:
             table_width=-(-options.max_model_len // P) + 1,
             dtype=dtype, device=device, cfg=ckpt.config,
         )  # fmt: skip
+        from v41plan.exec.graphs import build_graph_runner
+
+        # FULL / PIECEWISE decode graphs on CUDA (None under eager execution or on CPU).
+        self.graphs = build_graph_runner(self.model, spec, options)
         self.flags = {"encoder_replay": bool(options.encoder_swa_bounded_replay),
                       "decoder_replay": bool(options.decoder_swa_bounded_replay)}
         self.stats: Counter = Counter()
+
+    def graph_stats(self) -> dict:
+        """Capture report and replay counters (empty under eager execution)."""
+        if self.graphs is None:
+            return {}
+        return {"mode": self.graphs.mode, "buckets": [list(b) for b in self.graphs.buckets],
+                "stats": dict(self.graphs.stats), "capture": self.graphs.report}
 
     # ---- state copies ------------------------------------------------------------------------
     def _copy_image(self, slot: int, units: tuple[int, ...], store: bool) -> None:
@@ -79,11 +90,15 @@ class PagedRunner:
             if r.fresh_slot:
                 self.model.pools.reset_slot(r.slot)
                 self.stats["fresh_resets"] += 1
-        plan = plan_step(to_step_input(batch, compress=self.engram.compress), self.spec, **self.flags)
+        from v41plan.exec.graphs import graph_forward, pad_for_graphs
+
+        step = to_step_input(batch, compress=self.engram.compress)
+        step = pad_for_graphs(self.graphs, step, batch.phase == "decode")
+        plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
         ids = np.concatenate([np.asarray(r.token_ids[r.start : r.end], dtype=np.int64) for r in batch.requests])
         want_rows = any(r.all_logits for r in batch.requests)
-        res = self.model.forward(plan, ids, all_row_logits=want_rows)
+        res = graph_forward(self.graphs, self.model, plan, ids, all_row_logits=want_rows)
         self.stats["forwards"] += 1
         self.stats["rows"] += int(plan.scheduled_tokens)
         self.stats["replay_rows"] += sum(r.replay_rows for r in batch.requests)

@@ -425,12 +425,20 @@ def main(argv: list[str] | None = None) -> int:
             tokens = {k: r.get("tokens") for k, r in results.items()}
             ranks_agree = all_equal(tokens)
             results["ranks_agree"] = {"passed": ranks_agree}
+            if args.graph:
+                g = runner.graph_stats() if hasattr(runner, "graph_stats") else {}
+                replays = g.get("stats", {}).get("replays", 0)
+                results["graph_replays"] = {"passed": replays > 0, "replays": replays,
+                                            **({} if replays else {"error": "no decode step replayed a graph "
+                                                                             "(CUDA graphs need --device cuda)"})}
             ok = all(r["passed"] for r in results.values())
             passed &= ok
             report["transfers"][transfer] = {
                 "passed": ok,
                 "runner": type(runner).__name__,
                 "paged": bool(getattr(runner, "paged", True)),
+                "runner_stats": dict(getattr(runner, "stats", {})),
+                "graphs": runner.graph_stats() if hasattr(runner, "graph_stats") else {},
                 "cases": results,
                 "events": v.events,
             }
