@@ -18,8 +18,8 @@ from v41plan.exec.sampling import SamplingParams
 pytest.importorskip("v41plan.exec.runtime_model")
 
 P = TINY.replay.hash_block_tokens
-OPTS = dict(max_num_seqs=4, max_num_batched_tokens=8 * P, max_model_len=24 * P, num_pages=160,
-            dtype="float64", world_size=1)
+OPTS = {"max_num_seqs": 4, "max_num_batched_tokens": 8 * P, "max_model_len": 24 * P, "num_pages": 160,
+        "dtype": "float64", "world_size": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ def test_skipped_restore_changes_tokens(runners):
     from v41plan.exec.paged_runner import PagedRunner
 
     runner = runners[False]
-    chunked = dict(encoder_swa_bounded_replay=False, long_prefill_token_threshold=P)
+    chunked = {"encoder_swa_bounded_replay": False, "long_prefill_token_threshold": P}
     base = prompt(4 * P + 10, 3)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     cold = engine(runner, **chunked).generate([base], params)[0].outputs[0].token_ids
@@ -158,7 +158,7 @@ def test_validate_runtime_gloo_world_size_2(tmp_path):
     proc = subprocess.run(
         ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "v41plan.exec.validate_runtime",
          "--spec", str(ROOT / "specs" / "tiny.yaml"), "--output", str(out), "--transfer", "replay"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RUNTIME_ACCEPTANCE_PASSED" in proc.stdout

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 COPYING = "copying"
 READY = "ready"

@@ -9,7 +9,8 @@ finish reason ``error``; the other requests run on. The step-level methods (``ad
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence as SeqT
+from collections.abc import Callable
+from collections.abc import Sequence as SeqT
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,10 +19,10 @@ from v41plan.exec.batch import ModelRunner
 from v41plan.exec.block_manager import BlockManager
 from v41plan.exec.sampling import SamplingParams
 from v41plan.exec.scheduler import Scheduler, SchedulerConfig
-from v41plan.exec.sequence import Sequence, SeqStatus
+from v41plan.exec.sequence import SeqStatus, Sequence
 from v41plan.geometry.runtime import CacheSpec, load_cache_spec
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ConfigError", "resolve_spec"]
+__all__ = ["LLM", "CompletionOutput", "ConfigError", "RequestOutput", "SamplingParams", "resolve_spec"]
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from v41plan.exec.batch import RunnerOutput, ScheduledBatch, ScheduledRequest
 from v41plan.exec.block_manager import BlockManager, replay_start
 from v41plan.exec.sampling import sample
-from v41plan.exec.sequence import Sequence, SeqStatus
+from v41plan.exec.sequence import SeqStatus, Sequence
 from v41plan.planner.replay import choose_prefill_chunk
 
 
