@@ -409,6 +409,17 @@ def test_packed_speculative_cache_refused():
             speculative_config={"method": "dspark", "num_speculative_tokens": 5})
 
 
+def test_odd_page_and_short_page_refused():
+    odd = dataclasses.replace(TINY, replay=dataclasses.replace(TINY.replay, hash_block_tokens=33))
+    with pytest.raises(ConfigError, match="must be even"):
+        LLM(odd, runner_factory=_never_load, world_size=1)
+    dims = dataclasses.replace(TINY.dims, sliding_window=64)
+    wide = dataclasses.replace(TINY, dims=dims)
+    with pytest.raises(ConfigError, match="encoder_swa_bounded_replay.*window - 1 = 63"):
+        LLM(wide, runner_factory=_never_load, world_size=1)
+    LLM(wide, runner_factory=fake_factory, world_size=1, encoder_swa_bounded_replay=False)
+
+
 def test_graph_mode_needs_eager_off():
     with pytest.raises(ConfigError, match="enforce_eager=False"):
         LLM(TINY, runner_factory=_never_load, world_size=1, cudagraph_mode="FULL")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as SeqT
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from v41plan.exec.admission import ConfigError, EngineOptions, check_options
@@ -258,10 +258,6 @@ class LLM:
             stats={"hits": list(seq.hits), "starts": list(seq.starts), "replay_rows": seq.replay_rows,
                    "restores": seq.restores, "preemptions": seq.preemptions},
         )
-
-    def with_options(self, **changes) -> EngineOptions:
-        """The resolved options with ``changes`` applied (for reporting)."""
-        return replace(self.options, **changes)
 
 
 class ByteTokenizer:
