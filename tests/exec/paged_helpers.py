@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ PAIRS = [("bf16", "fp8"), ("bf16", "fp4"), ("fp4", "fp8"), ("fp4", "fp4")]
 DTYPE = torch.float64
 
 
-@lru_cache(maxsize=None)
+@cache
 def model(spec_name: str, seed: int = 0):
     """(cache spec, config, processed float64 weights, Engram host) of a random checkpoint."""
     spec = load_cache_spec_unchecked(str(SPECS / f"{spec_name}.yaml"))
@@ -34,10 +34,10 @@ def token_ids(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n)
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(spec_name: str, index_fmt: str, seed: int, n: int):
     """Reference full-prefill logits ``[n, V]`` and selections of ``token_ids(n, seed)``."""
-    spec, cfg, w, eng = model(spec_name)
+    _spec, cfg, w, eng = model(spec_name)
     ref = ReferenceModel(cfg, w, eng, DTYPE, index_cache_dtype=index_fmt)
     logits = ref.prefill(token_ids(n, seed))
     return logits, {k: v.clone() for k, v in ref.selections.items()}
@@ -46,7 +46,7 @@ def reference(spec_name: str, index_fmt: str, seed: int, n: int):
 def runtime(spec_name: str, kv: str, ix: str, **kw) -> RuntimeModel:
     """A runtime model over the shared random weights."""
     spec, cfg, w, eng = model(spec_name)
-    args = dict(num_pages=24, num_slots=4, max_tokens=320, max_bs=4, table_width=12, dtype=DTYPE)
+    args = {"num_pages": 24, "num_slots": 4, "max_tokens": 320, "max_bs": 4, "table_width": 12, "dtype": DTYPE}
     args.update(kw)
     return RuntimeModel(spec, w, eng, kv_cache_dtype=kv, index_cache_dtype=ix, cfg=cfg, **args)
 

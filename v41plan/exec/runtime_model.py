@@ -326,8 +326,11 @@ class RuntimeModel:
         if r == 2:
             g_full = torch.zeros_like(v_full)
             g_full[cp] = g
-            first = torch.zeros(t, dtype=torch.bool, device=self.device)
-            first[torch.from_numpy(cpl.rows[cpl.first_from_tail].astype(np.int64))] = True
+            # A group's first member comes from the slot's tail when it lies below where the
+            # rows that read the slot's state begin (the resume point of a backed-off forward,
+            # else the forward's first row): the tail holds it exactly as an unreplayed run did.
+            scu = self.buf.swa_cached_until[bid.clamp(min=0)]
+            first = (pos % 2 == 1) & (pos - 1 < scu) & (pos >= scu) & (bid >= 0)
             store = torch.zeros(t, dtype=torch.bool, device=self.device)
             store[torch.from_numpy(cpl.tail_store_rows.astype(np.int64))] = True
             ti = pools.tail_index[L]
