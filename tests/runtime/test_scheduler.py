@@ -351,6 +351,13 @@ def test_prompt_logprobs_independent_of_chunking():
     chunked = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16).generate([p], sp)[0]
     assert len(whole.prompt_logprobs) == 89
     assert whole.prompt_logprobs == pytest.approx(chunked.prompt_logprobs)
+    llm = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16)
+    seq = llm.add_request(p, sp)
+    llm.step()
+    llm.step()
+    llm.preempt(seq)
+    llm.run_until_done()
+    assert seq.prompt_logprobs == pytest.approx(whole.prompt_logprobs)
     refused = fake_llm().generate([p], sp)[0]
     assert refused.error and "decoder_swa_bounded_replay=False" in refused.error
 

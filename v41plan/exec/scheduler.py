@@ -92,7 +92,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_cached_tokens = 0
         seq.fresh_start = None
-        seq.restore_pending = False
+        seq.prompt_logprobs.clear()  # a scoring request re-scores from position 0
         seq.preemptions += 1
         self.waiting.appendleft(seq)
 

@@ -35,7 +35,6 @@ class Sequence:
     slot: int | None = None
     fresh_start: int | None = None
     """Set at admission when the first forward rebuilds a fresh slot from this position."""
-    restore_pending: bool = False
     num_published_blocks: int = 0
     aborted: bool = False
     finish_reason: str | None = None
