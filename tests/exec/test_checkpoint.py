@@ -23,7 +23,7 @@ from v41plan.exec.reference import ReferenceModel
 from v41plan.exec.tokenizer import ByteTokenizer, load_tokenizer
 from v41plan.geometry.derive import load_cache_spec_unchecked
 
-IDS = list(range(40, 90))
+IDS = list(range(40, 56))
 
 
 @pytest.fixture(scope="module")
