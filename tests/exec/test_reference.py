@@ -245,3 +245,18 @@ def test_tiny40_300_token_prefill_is_fast_and_well_scaled(tiny40):
     top = p.max(-1).values
     assert float(logits.std(-1).min()) > 0.3  # not flat
     assert float(top.max()) < 0.99 and float(top.mean()) > 2.0 / m.cfg.vocab_size  # not one-hot
+
+
+def test_forced_decisions_replace_the_computed_ones(tiny):
+    ids = _ids(20, 8)
+    free = _model(tiny)
+    base = free.prefill(ids)
+    m = _model(tiny)
+    sel = torch.full((20, 4), -1, dtype=torch.long)
+    sel[:, 0] = 0
+    experts = torch.tensor([[6, 7]] * 20)
+    m.forced_selections = {2: sel}
+    m.forced_experts = {5: experts}
+    forced = m.prefill(ids)
+    assert torch.equal(m.selections[2], sel) and torch.equal(m.experts[5], experts)
+    assert not torch.allclose(forced, base)

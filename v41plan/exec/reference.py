@@ -126,6 +126,11 @@ class ReferenceModel:
         self.layer_inputs: list[torch.Tensor] = []
         """Streams entering each layer in the last call (after any Engram), when ``trace`` is set."""
         self.trace = False
+        self.forced_selections: dict[int, torch.Tensor] = {}
+        """Index top-k ``[N, index_topk]`` to use instead of the computed one, per index source
+        (teacher forcing for layer-by-layer comparisons); Reuse layers inherit it."""
+        self.forced_experts: dict[int, torch.Tensor] = {}
+        """Expert ids ``[N, k]`` to use instead of the routed ones, per layer."""
 
     @classmethod
     def from_checkpoint(
@@ -215,7 +220,7 @@ class ReferenceModel:
                 X, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
             )
             x = rms_norm(hc_collapse(X, a_pre), self.ffn_norm[L], eps)
-            y, self.experts[L] = self.moe[L](x)
+            y, self.experts[L] = self.moe[L](x, self.forced_experts.get(L))
             X = hc_expand(y, X, f_post, f_C)
             pre_in = f_pre
         cache.next_pos = start + n
@@ -268,6 +273,8 @@ class ReferenceModel:
             if info.role == "reindex" and info.uses_candidates:
                 scores = scores.masked_fill(~self._cand, NEG_INF)
             top = topk_ids(scores, cfg.index_topk)
+            if L in self.forced_selections:
+                top = self.forced_selections[L].to(top.device)
             self.selections[L] = top
         else:
             top = self.selections[info.topk_owner]
