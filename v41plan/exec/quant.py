@@ -163,13 +163,24 @@ def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float32).to(torch.float8_e4m3fn)
 
 
+_TABLES: dict = {}
+
+
+def _lookup_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant table on ``device``, made once: building it per call would copy from the host
+    (a sync), which a CUDA-graph capture refuses."""
+    key = (values, dtype, device)
+    t = _TABLES.get(key)
+    if t is None:
+        t = _TABLES[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
+
+
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     """Values on the E2M1 grid ``[..., K]`` -> uint8 ``[..., K/2]``, even index in the low nibble."""
     v = values.to(torch.float32)
     # 2*|v| is one of 0,1,2,3,4,6,8,12: a 13-entry table gives the magnitude code
-    table = torch.tensor(
-        [0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8, device=v.device
-    )
+    table = _lookup_table((0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7), torch.uint8, v.device)
     code = table[(v.abs() * 2).to(torch.long)] | (torch.signbit(v).to(torch.uint8) << 3)
     code = code.reshape(*code.shape[:-1], code.shape[-1] // 2, 2)
     return code[..., 0] | (code[..., 1] << 4)
@@ -179,9 +190,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8/int8 ``[..., K/2]`` -> float32 E2M1 values ``[..., K]`` (even index = low nibble)."""
     p = packed.contiguous().view(torch.uint8)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-    table = torch.tensor(
-        E2M1_VALUES + tuple(-m for m in E2M1_VALUES), dtype=torch.float32, device=p.device
-    )
+    table = _lookup_table(E2M1_VALUES + tuple(-m for m in E2M1_VALUES), torch.float32, p.device)
     return table[codes.to(torch.long)]
 
 
