@@ -21,14 +21,14 @@ from v41plan.exec.checkpoint import (
 from v41plan.exec.config import config_from_cache_spec
 from v41plan.exec.reference import ReferenceModel
 from v41plan.exec.tokenizer import ByteTokenizer, load_tokenizer
-from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.geometry.runtime import load_cache_spec
 
 IDS = list(range(40, 56))
 
 
 @pytest.fixture(scope="module")
 def specs(specs_dir):
-    return {n: load_cache_spec_unchecked(str(specs_dir / f"{n}.yaml")) for n in ("tiny", "tiny40")}
+    return {n: load_cache_spec(n) for n in ("tiny", "tiny40")}
 
 
 @pytest.fixture(scope="module")
