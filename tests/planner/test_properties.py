@@ -20,7 +20,7 @@ TINY = spec("tiny")  # W 8, hash block 32, min_final 8
 WIDE = variant(TINY, name="tiny_w16", sliding_window=16, replay={"min_final_prefill_rows": 16})
 SPECS = {"tiny": TINY, "wide": WIDE}
 
-SETTINGS = settings(max_examples=200, deadline=None)
+SETTINGS = settings(max_examples=300, deadline=None)
 
 
 class Cache:
