@@ -34,6 +34,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 ROW_SETS: tuple[str, ...] = ("none", "last", "tail", "all")
 """Row sets, ordered by inclusion."""
@@ -149,7 +153,7 @@ def _window(rows: str, floored_at_tail: bool) -> str:
     return "all"
 
 
-def layer_graph(layers, candidate_source: int = -1) -> object:
+def layer_graph(layers, candidate_source: int = -1) -> nx.DiGraph:
     """The networkx DiGraph of (layer, sub_step) nodes; edges point from producer to reader.
 
     Edge attribute ``read`` says how the reader's rows map to the producer's: ``same`` (the same
@@ -182,6 +186,7 @@ def layer_graph(layers, candidate_source: int = -1) -> object:
 
 
 def _floors(layers, phase: str, decoder_replay: bool, encoder_replay: bool) -> tuple[str, ...]:
+    """Window floor of every layer in ``phase`` (the declared replay rules)."""
     out = []
     for layer in layers:
         if phase == "decode":
