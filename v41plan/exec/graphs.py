@@ -91,20 +91,33 @@ def _default_pool_segments() -> int:
     return n
 
 
-def _triton_cache_size() -> int:
-    """Compiled Triton kernels held by this process's JIT functions (0 without Triton kernels)."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except Exception:  # noqa: BLE001 - Triton absent: nothing can compile
+_JIT_FUNCTIONS: list = []
+
+
+def find_triton_kernels() -> int:
+    """Record this process's Triton JIT functions (one heap walk; call after imports and
+    warm-up). Returns how many there are (0 without Triton or with only torch kernels)."""
+    import sys
+
+    _JIT_FUNCTIONS.clear()
+    if "triton" not in sys.modules:
         return 0
     import gc
 
+    from triton.runtime.jit import JITFunction
+
+    _JIT_FUNCTIONS.extend(o for o in gc.get_objects() if isinstance(o, JITFunction))
+    return len(_JIT_FUNCTIONS)
+
+
+def _triton_cache_size() -> int:
+    """Compiled variants held by the recorded Triton JIT functions."""
     total = 0
-    for obj in gc.get_objects():
-        if isinstance(obj, JITFunction):
-            caches = getattr(obj, "device_caches", None) or getattr(obj, "cache", None) or {}
-            for v in caches.values():
-                total += len(v[0]) if isinstance(v, tuple) else len(v) if hasattr(v, "__len__") else 1
+    for fn in _JIT_FUNCTIONS:
+        caches = getattr(fn, "device_caches", None) or getattr(fn, "cache", None) or {}
+        for v in caches.values():
+            v = v[0] if isinstance(v, tuple) else v
+            total += len(v) if hasattr(v, "__len__") else 1
     return total
 
 
@@ -112,6 +125,8 @@ def _triton_cache_size() -> int:
 def capture_guard(what: str):
     """Fail loudly on a host sync, an allocation outside the graph pool or a first compile
     inside the block (a capture): each would be frozen into, or missing from, every replay."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # as the capture's own entry does, so the count below is stable
     segments = _default_pool_segments()
     compiled = _triton_cache_size()
     torch.cuda.set_sync_debug_mode("error")
@@ -122,7 +137,7 @@ def capture_guard(what: str):
                                 f"inside the decode forward): {exc}") from exc
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    if _default_pool_segments() != segments:
+    if _default_pool_segments() > segments:
         raise CaptureGuardError(f"capture of {what} allocated device memory outside the graph pool")
     if _triton_cache_size() != compiled:
         raise CaptureGuardError(f"capture of {what} compiled a kernel for the first time (warm-up missed it)")
@@ -418,6 +433,7 @@ class GraphRunner:
         for bs, q in self.buckets:  # warm-up: every kernel at every width runs once before capture
             self.decode.forward(synthetic_plan(m, spec, bs, q), np.zeros(bs * q, dtype=np.int64))
         torch.cuda.synchronize()
+        find_triton_kernels()
         self.pool = torch.cuda.graph_pool_handle()
         for bs, q in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
             plan = synthetic_plan(m, spec, bs, q)
@@ -469,7 +485,7 @@ class GraphRunner:
     def _capture_full(self, bs: int, q: int) -> None:
         g = torch.cuda.CUDAGraph()
         t = bs * q
-        with torch.cuda.graph(g, pool=self.pool), capture_guard(f"decode[bs={bs}, q={q}]"):
+        with capture_guard(f"decode[bs={bs}, q={q}]"), torch.cuda.graph(g, pool=self.pool):
             out = self.decode.run(t, bs)
         self.graphs[(bs, q)] = g
         self.outputs[(bs, q)] = out
@@ -482,11 +498,11 @@ class GraphRunner:
             for info in self.model.cfg.layers:
                 L = info.index
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool), capture_guard(f"layer {L} pre[t={t}]"):
+                with capture_guard(f"layer {L} pre[t={t}]"), torch.cuda.graph(g, pool=self.pool):
                     pieces = d.pre_attention(L, w)
                 self.pieces[(bs, q, f"pre{L}")] = (g, pieces)
                 g2 = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g2, pool=self.pool), capture_guard(f"layer {L} post[t={t}]"):
+                with capture_guard(f"layer {L} post[t={t}]"), torch.cuda.graph(g2, pool=self.pool):
                     d.post_attention(L, w, pieces)
                 self.pieces[(bs, q, f"post{L}")] = (g2, None)
 
@@ -568,3 +584,42 @@ def pad_for_graphs(graphs: GraphRunner | None, step, is_decode: bool):
     if bucket is None:
         return step
     return pad_decode_step(step, bucket, graphs.model.buf.block_tables.shape[1])
+
+
+def graph_validation(graph_results: dict, eager_results: dict, graph_stats: dict, events: list[dict]) -> dict:
+    """The ``--graph`` acceptance case: every scenario's tokens equal eager's, decode steps
+    replayed (at most 2 replays each), and the capture's untouched-page check passed."""
+    mismatched = sorted(k for k, r in graph_results.items()
+                        if "tokens" in r and r.get("tokens") != eager_results.get(k, {}).get("tokens"))
+    stats = graph_stats.get("stats", {})
+    capture = graph_stats.get("capture", {})
+    decode_steps = sum(1 for ev in events if ev.get("phase") == "decode")
+    graph_steps = stats.get("graph_steps", 0)
+    per_step = stats.get("replays", 0) / graph_steps if graph_steps else 0.0
+    out = {
+        "scenarios_compared": sorted(k for k, r in graph_results.items() if "tokens" in r),
+        "tokens_equal_eager": not mismatched,
+        "mismatched": mismatched,
+        "graph_shapes": capture.get("graph_shapes", []),
+        "decode_steps": decode_steps,
+        "graph_steps": graph_steps,
+        "eager_decode_steps": stats.get("eager_decode_steps", 0),
+        "replays": stats.get("replays", 0),
+        "replays_per_decode_step": per_step,
+        "untouched_from_page": capture.get("untouched_from_page"),
+        "pages_untouched": capture.get("pages_untouched", False),
+        "slots_untouched": capture.get("slots_untouched", False),
+    }
+    errors = []
+    if mismatched:
+        errors.append(f"tokens differ from eager in {mismatched}")
+    if not graph_steps:
+        errors.append("no decode step replayed a graph (CUDA graphs need --device cuda)")
+    if graph_stats.get("mode") == "FULL" and per_step > 2:
+        errors.append(f"{per_step:.1f} replays per decode step (at most 2)")
+    if not (out["pages_untouched"] and out["slots_untouched"]):
+        errors.append("capture changed pages or slots it must not touch")
+    out["passed"] = not errors
+    if errors:
+        out["error"] = "; ".join(errors)
+    return out

@@ -1,0 +1,91 @@
+"""One 8K-token prefill on the MEDIUM model (bf16): decoder SWA bounded replay on vs off.
+
+    python3 benchmarks/bench_prefill.py [--checkpoint DIR] [--tokens 8192] [--out report.json]
+
+A fresh request's whole prompt in one forward (prefill is always eager). With decoder replay
+on, the stage table runs the decoder layers on the tail (the last ``W`` rows) only; off, every
+layer runs every row. Both ceilings are measured in this process and each time is given with
+its floor (``medium_model.step_floor``, rows per layer from the plan) and as ``floor / measured``.
+Writes JSON to ``--out`` (``$OUT/bench_prefill.json`` on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ceilings import measure_ceilings
+from medium_model import load_spec, load_weights, step_floor, time_host
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_prefill.py needs a CUDA device")
+        return 2
+    from v41plan.exec.runtime_model import RuntimeModel
+    from v41plan.planner.step import RequestInput, StepInput, plan_step
+
+    ceil = measure_ceilings()
+    spec = load_spec()
+    cfg, weights, engram = load_weights(spec, args.checkpoint)
+    P = spec.replay.hash_block_tokens
+    n = args.tokens
+    pages = -(-n // P) + 1
+    m = RuntimeModel(spec, weights, engram, kv_cache_dtype=args.kv_cache_dtype,
+                     index_cache_dtype=args.index_cache_dtype, num_pages=pages + 2, num_slots=1, max_tokens=n,
+                     max_bs=1, table_width=pages, dtype=torch.bfloat16, device="cuda", cfg=cfg)
+    ids = np.random.default_rng(0).integers(0, 256, n)
+    req = RequestInput(slot=0, block_table=tuple(range(pages)), prompt_len=n, start=0, chunk_len=n,
+                       phase="prefill", fresh_slot=True)
+    rows, logits = [], {}
+    for replay in (False, True):
+        plan = plan_step(StepInput((req,)), spec, decoder_replay=replay)
+
+        def run(plan=plan):
+            m.pools.reset_slot(0)
+            return m.forward(plan, ids)
+
+        logits[replay] = run().logits.float()
+        t = time_host(run, args.iters, warmup=1)
+        fl = step_floor(cfg, weights, plan, ceil, kv_row_bytes=0, index_row_bytes=0)
+        layer_rows = [len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers]
+        rows.append({"decoder_replay": replay, "tokens": n, "ms": t * 1e3, "tokens_per_s": n / t,
+                     "rows_run": int(sum(layer_rows)), **fl, "floor_ms": fl["floor_s"] * 1e3,
+                     "of_floor": fl["floor_s"] / t})
+    same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spec": spec.name,
+              "dtype": "bfloat16", "ceilings": ceil, "rows": rows, "speedup_replay_on": rows[0]["ms"] / rows[1]["ms"],
+              "last_token_equal": same}
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} {'floor ms':>9} "
+          f"{'bound':>6} {'floor/ms':>8}")
+    for r in rows:
+        print(f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
+              f"{r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['bound']:>6} {r['of_floor']:>8.3f}")
+    print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_prefill.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

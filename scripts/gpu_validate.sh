@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU validation in one command (run from the repository root on a CUDA machine):
+#   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
+# Reports land in $OUT (default reports/gpu). STEPS picks a subset, in this order:
+#   STEPS="tests tiny40 ckpt decode prefill medium" scripts/gpu_validate.sh
+set -u -o pipefail
+OUT=${OUT:-reports/gpu}
+STEPS=${STEPS:-"tests tiny40 ckpt decode prefill medium"}
+CKPT=${CKPT:-/tmp/v41plan_medium_ckpt}
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG="$OUT/gpu_validate.log"
+status=0
+
+run_step() {  # name, time limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+    echo "== $name ($(date -u +%H:%M:%S)): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$LOG"
+
+run_step tests 150 python3 -m pytest tests/gpu -q -p no:cacheprovider
+run_step tiny40 150 python3 -m v41plan.exec.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
+    --output "$OUT/validate_tiny40_graph.json"
+run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
+run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
+run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
+run_step medium 300 python3 -m v41plan.exec.validate_runtime --spec specs/medium.yaml --graph --device cuda \
+    --dtype float32 --transfer replay --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
+exit $status
