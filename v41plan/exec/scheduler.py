@@ -13,9 +13,10 @@ requests. Where a forward starts:
   slot (the cursor steps back; cached rows are recomputed, not rewritten).
 
 The long-prefill cap counts from the resume point; a forward the budget cannot carry past its
-resume point waits for a step that can. Cancellation is honoured for every running request at
-the top of ``postprocess`` whether or not it produced a row, and for waiting requests before
-admission, freeing pages and slot.
+resume point waits for a step that can. A cancelled request finishes with reason ``aborted``
+and frees its pages and slot wherever it is: at the top of ``postprocess`` for every running
+request whether or not the batch gave it a row (a middle chunk, a deferred step, a final chunk
+whose token is not delivered yet), and at the next ``schedule`` for waiting or idle ones.
 """
 
 from __future__ import annotations
