@@ -71,6 +71,10 @@ class ReferenceRunner:
 
 def build_runner(spec: CacheSpec, checkpoint: str | None, options: EngineOptions):
     """The engine's runner for ``spec`` (paged when the executor provides it)."""
+    from v41plan.exec.tp import check_tp
+
+    # tensor-parallel splits are refused before any weight loads
+    check_tp(spec.model_config, options.tensor_parallel_size, options.enable_expert_parallel)
     ckpt = load_weights(spec, checkpoint, options)
     dtype = DTYPES[options.dtype]
     device = device_of(options)

@@ -9,9 +9,11 @@ to bf16 (linear outputs, index scores, the pooled latent before the compressor n
 rounding happens only when the compute dtype is bf16; float32/float64 keep their precision.
 The ratio-2 compressor projections are always rounded to float32 (the FP32 tails hold them).
 
-Tensor-parallel seams (not implemented; size 1 only): heads of ``wq_b``/``attn_sink``, index
-heads of ``indexer.wq_b``/``weights_proj``, output groups of ``wo_a`` (then all-reduce after
-``wo_b``), the expert intermediate dimension of ``w1``/``w3``/``w2`` (all-reduce after ``w2``).
+Tensor parallelism (``v41plan.exec.tp``): the weights given may be one rank's shard; local
+sizes come from the sliced weights (heads of ``wq_b``/``attn_sink``, output groups of ``wo_a``,
+index heads of ``indexer.wq_b``/``weights_proj``, whole experts or the intermediate slice of
+``w1``/``w3``/``w2``). ``Attention.output`` all-reduces after ``wo_b`` and ``MoE`` its routed +
+shared output; the index partial scores are all-reduced by the caller before any top-k.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from v41plan.exec.quant import fake_fp4, fake_fp4_e4m3, fake_fp8, quant_fp8_rows
+from v41plan.exec.tp import SINGLE, TPGroup
 
 NEG_INF = float("-inf")
 
@@ -259,10 +262,11 @@ class Attention:
     """
 
     def __init__(
-        self, cfg: Any, info: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype
+        self, cfg: Any, info: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+        tp: TPGroup = SINGLE,
     ):
         a = acc_dtype(dtype)
-        self.cfg, self.info, self.dtype = cfg, info, dtype
+        self.cfg, self.info, self.dtype, self.tp = cfg, info, dtype, tp
         self.ratio, self.role = info.ratio, info.role
         self.H, self.d, self.rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
@@ -275,6 +279,7 @@ class Attention:
         self.wq_a = Linear(w[p + "wq_a.weight"].to(dtype))
         self.q_norm = w[p + "q_norm.weight"]
         self.wq_b = Linear(w[p + "wq_b.weight"].to(dtype))
+        self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
         self.wkv = Linear(w[p + "wkv.weight"].to(dtype))
         self.kv_norm = w[p + "kv_norm.weight"]
         self.wo_a = w[p + "wo_a.weight"].to(dtype)
@@ -291,7 +296,10 @@ class Attention:
         if info.role in ("full", "reindex"):
             self.idx_wq_b = Linear(w[p + "indexer.wq_b.weight"].to(dtype))
             self.idx_weights_proj = w[p + "indexer.weights_proj.weight"].to(dtype)
-            self.nih, self.ihd = cfg.index_n_heads, cfg.index_head_dim
+            self.ihd = cfg.index_head_dim
+            self.nih = self.idx_weights_proj.shape[0]  # this rank's index heads
+            # the head-weight scale counts every index head, whichever rank holds them
+            self.idx_scale = self.ihd**-0.5 * cfg.index_n_heads**-0.5
 
     # q and window KV
     def q_path(
@@ -369,7 +377,7 @@ class Attention:
         head weights ``[N,nih]`` scaled by ``ihd^-0.5 * nih^-0.5``)."""
         qi = self.idx_wq_b(qr).reshape(x.shape[0], self.nih, self.ihd)
         qi = apply_rope(qi, cos, sin)
-        wts = F.linear(x, self.idx_weights_proj) * (self.ihd**-0.5 * self.nih**-0.5)
+        wts = F.linear(x, self.idx_weights_proj) * self.idx_scale
         if index_cache_dtype == "fp8":
             codes, qs = quant_fp8_rows(qi)
             return codes, qs, wts
@@ -399,10 +407,10 @@ class Attention:
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE at the query positions, grouped ``wo_a`` (no activation quant), ``wo_b``."""
         o = apply_rope(o, cos, sin, inverse=True)
-        n, G = o.shape[0], self.cfg.o_groups
+        n, G = o.shape[0], self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's groups
         o = o.reshape(n, G, -1)
         z = torch.einsum("ngk,grk->ngr", o, self.wo_a.reshape(G, self.cfg.o_lora_rank, -1))
-        return self.wo_b(z.reshape(n, -1))
+        return self.tp.all_reduce(self.wo_b(z.reshape(n, -1)))
 
 
 # --- MoE ----------------------------------------------------------------------------------
@@ -415,10 +423,11 @@ class MoE:
     expert runs on every token: no data-dependent shapes and no host sync (fine at these sizes).
     """
 
-    def __init__(self, cfg: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
+    def __init__(self, cfg: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE):
         a = acc_dtype(dtype)
         p = prefix + ".ffn."
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.tp = cfg, dtype, tp
         self.gate_w = w[p + "gate.weight"].to(a)
         self.gate_bias = w[p + "gate.bias"].to(a)
         self.w1 = w[p + "experts.w1"].to(dtype)  # fused [E, I, D]
@@ -428,6 +437,10 @@ class MoE:
         self.s3 = Linear(w[p + "shared_experts.w3.weight"].to(dtype))
         self.s2 = Linear(w[p + "shared_experts.w2.weight"].to(dtype))
         self.limit = cfg.swiglu_limit
+        # expert parallel: this rank holds the router's experts [first, first + count)
+        self.expert_count = self.w1.shape[0]
+        whole = self.expert_count == cfg.n_routed_experts
+        self.expert_first = 0 if whole else tp.rank * self.expert_count
 
     def route(
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
@@ -454,13 +467,16 @@ class MoE:
         """(output ``[N, D]`` in dtype, selected expert ids ``[N, k]``)."""
         a = acc_dtype(self.dtype)
         weights, ids = self.route(x, forced_ids)
+        if self.expert_count != weights.shape[1]:
+            weights = weights[:, self.expert_first : self.expert_first + self.expert_count]
         xq = fake_fp8(x, 32).to(self.dtype)
         h1 = torch.einsum("nd,eid->eni", xq, self.w1)
         h3 = torch.einsum("nd,eid->eni", xq, self.w3)
         act = (self._swiglu(h1, h3) * weights.T[:, :, None].to(a)).to(self.dtype)
         y = torch.einsum("eni,edi->end", fake_fp8(act, 32), self.w2).to(a).sum(0)
         shared = self.s2(self._swiglu(self.s1(x), self.s3(x)).to(self.dtype))
-        return (y + shared.to(a)).to(self.dtype), ids
+        # one reduction per layer: routed + shared partials, in acc, rounded after the sum
+        return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids
 
 
 # --- Engram (device half of the arithmetic) -----------------------------------------------

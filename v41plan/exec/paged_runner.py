@@ -6,8 +6,9 @@ forward starts are checked against the scheduler's (``check_plan``), so the rows
 budgeted are the rows that run. Counters (``stats``) record what each path did: stores,
 restores, fresh resets, replay rows, decoder-replay steps and tail rows.
 
-Under torchrun every rank holds a full replica and runs the identical schedule (the model's
-layers do not shard yet), so ``tensor_parallel_size`` > 1 replicates rather than shards.
+Under torchrun every rank runs the identical schedule on its tensor-parallel shard of the
+weights (``v41plan.exec.tp``: heads, index heads, output groups, experts) and a full replica of
+the cache; ``tensor_parallel_size`` must equal the launched world size.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class PagedRunner:
     def __init__(self, spec: CacheSpec, ckpt, options: EngineOptions, *, dtype: torch.dtype,
                  device: torch.device) -> None:
         from v41plan.exec.runtime_model import RuntimeModel
+        from v41plan.exec.tp import shard_weights, tp_group
 
         self.spec = spec
         self.options = options
@@ -37,6 +39,8 @@ class PagedRunner:
         P = spec.replay.hash_block_tokens
         weights = ckpt.weights if ckpt.weights is not None else ckpt.process(dtype, device)
         self.engram = ckpt.engram_host()
+        self.tp = tp_group(options.tensor_parallel_size, device.type)
+        weights = shard_weights(weights, ckpt.config, self.tp, options.enable_expert_parallel)
         self.model = RuntimeModel(
             spec, weights, self.engram,
             kv_cache_dtype=options.kv_cache_dtype,
@@ -46,7 +50,7 @@ class PagedRunner:
             max_tokens=max(options.max_num_batched_tokens, options.max_num_seqs),
             max_bs=options.max_num_seqs,
             table_width=-(-options.max_model_len // P) + 1,
-            dtype=dtype, device=device, cfg=ckpt.config,
+            dtype=dtype, device=device, cfg=ckpt.config, tp=self.tp,
         )  # fmt: skip
         from v41plan.exec.graphs import build_graph_runner
 

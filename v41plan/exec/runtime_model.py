@@ -44,6 +44,7 @@ from v41plan.exec.layers import (
 )
 from v41plan.exec.pools import Pools
 from v41plan.exec.quant import dequant_fp8_blocks
+from v41plan.exec.tp import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 
 
@@ -121,7 +122,7 @@ class RuntimeModel:
                  kv_cache_dtype: str = "bf16", index_cache_dtype: str = "fp8", num_pages: int = 64,
                  num_slots: int = 4, max_tokens: int = 512, max_bs: int = 8, table_width: int = 32,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 cfg: ModelConfig | None = None, backend=None):
+                 cfg: ModelConfig | None = None, backend=None, tp: TPGroup = SINGLE):
         check_formats(kv_cache_dtype, index_cache_dtype)
         self.spec = cache_spec
         self.cfg = cfg = cfg or config_from_cache_spec(cache_spec)
@@ -129,6 +130,8 @@ class RuntimeModel:
         self.index_fmt = "fp8" if index_cache_dtype == "fp8" else None
         self.dtype, self.acc, self.device = dtype, acc_dtype(dtype), torch.device(device)
         self.backend = backend or TorchBackend()
+        self.tp = tp
+        """Tensor-parallel group; ``weights`` are then this rank's shard (``tp.shard_weights``)."""
         self.pools = Pools(self.geometry, num_pages, num_slots, device)
         self.buf = StepBuffers.allocate(max_tokens, max_bs, table_width, self.device)
         self.engram = engram
@@ -140,8 +143,8 @@ class RuntimeModel:
         self.engram_layers: dict[int, EngramLayer] = {}
         for info in cfg.layers:
             p = f"layers.{info.index}"
-            self.attn.append(Attention(cfg, info, w, p, dtype))
-            self.moe.append(MoE(cfg, w, p, dtype))
+            self.attn.append(Attention(cfg, info, w, p, dtype, tp=tp))
+            self.moe.append(MoE(cfg, w, p, dtype, tp=tp))
             self.hc_attn.append(HcParams(*(w[f"{p}.hc_attn_{k}"].to(self.acc) for k in ("fn", "base", "scale"))))
             self.hc_ffn.append(HcParams(*(w[f"{p}.hc_ffn_{k}"].to(self.acc) for k in ("fn", "base", "scale"))))
             self.attn_norm.append(w[f"{p}.attn_norm.weight"])
@@ -351,7 +354,7 @@ class RuntimeModel:
     def _index_query(self, att, qr, x, cos, sin):
         """The index query before rounding (the scorer rounds it to its plane's grid)."""
         qi = apply_rope(att.idx_wq_b(qr).reshape(x.shape[0], att.nih, att.ihd), cos, sin)
-        wts = F.linear(x, att.idx_weights_proj) * (att.ihd ** -0.5 * att.nih ** -0.5)
+        wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
         return qi, wts
 
     def _attention(self, L, info, att, plan, x, cos, sin, at, t, pos, bid, b, slot_tok, pages_tok, kv_full,
@@ -382,13 +385,14 @@ class RuntimeModel:
                 bound = (pa + 1) // info.ratio
                 planes = self._index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
-                    ids, cmask = kb.score_candidates_topk(planes, qi, wts, bound, pages, cfg.index_topk,
-                                                          cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                    ids, cmask = tp_score_candidates_topk(kb, self.tp, planes, qi, wts, bound, pages,
+                                                          cfg.index_topk, cfg.candidate_block_size,
+                                                          cfg.candidate_topk_blocks)
                     cand = torch.zeros(t, cmask.shape[1], dtype=torch.bool, device=self.device)
                     cand[at] = cmask
                 else:
                     use = cand[at] if (info.role == "reindex" and info.uses_candidates) else None
-                    ids = kb.score_topk(planes, qi, wts, bound, pages, cfg.index_topk, use)
+                    ids = tp_score_topk(kb, self.tp, planes, qi, wts, bound, pages, cfg.index_topk, use)
                 sel = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
                 sel[at] = ids
                 self.selections[L] = sel
