@@ -117,3 +117,11 @@ def test_unknown_spec_and_missing_file(tmp_path, capsys):
     assert rc == 2 and "no_such_spec" in err
     rc = main(["plan", "tiny", "--batch", str(tmp_path / "missing.json")])
     assert rc == 2 and "missing.json" in capsys.readouterr().err
+
+
+def test_full_rows_request(tmp_path, capsys):
+    batch = {"requests": [{"prompt_len": 100, "start": 95, "chunk_len": 5, "full_rows": True}]}
+    rc, out, _ = run_plan(tmp_path, capsys, batch, "--json")
+    r = json.loads(out)["requests"][0]
+    assert rc == 0 and r["full_rows"] and r["forward_start"] == 95 and r["tail"] is None
+    assert {"layers": [0, 13], "sub_step": "attention", "rows": [95, 99]} in r["stages"]

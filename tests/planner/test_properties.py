@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.planner.helpers import spec, variant
+from v41plan.planner.stages import PHASES
 from v41plan.planner.step import RequestInput, StepInput, plan_step
 
 TINY = spec("tiny")  # W 8, hash block 32, min_final 8
@@ -81,10 +82,7 @@ def check_forward(cache: Cache, p, i: int) -> None:
         assert ring_rows <= prev_ffn and attn <= prev_ffn and ffn <= attn
         if layer.role == "full":
             assert mine(p.layer_rows[(L, "compress")]) <= prev_ffn
-        phase = (
-            "decode" if decode else "prefill_final" if p.is_final_chunk[i] else "prefill_nonfinal"
-        )
-        floor_kind = p.table.floor(phase, L)
+        floor_kind = p.table.floor(PHASES[p.row_phase[i]], L)
         if decode:
             floor = 0
         elif layer.segment == "decoder":
@@ -117,7 +115,6 @@ def check_forward(cache: Cache, p, i: int) -> None:
         assert int(p.last_rows[i]) in prev_ffn  # the LM head's row
 
     # Writes: rings (skipping rows below cached_until), groups, tails.
-    phase = "decode" if decode else "prefill_final" if p.is_final_chunk[i] else "prefill_nonfinal"
     for layer in s.layers:
         # Layers floored at the tail write their whole tail; the others keep the ring rows
         # below cached_until.
@@ -134,14 +131,14 @@ def check_forward(cache: Cache, p, i: int) -> None:
                 cache.tail[o] = pos_of[int(row)]
 
 
-def run_lifetime(s, prompt_len, cuts, decode_steps, hit=0, fresh=False, **flags):
+def run_lifetime(s, prompt_len, cuts, decode_steps, hit=0, fresh=False, full=False, **flags):
     """Run one request through chunks ending at ``cuts`` and then decode; return its cache."""
     cache = Cache(s, cached_groups_below=hit if fresh else 0)
     bounds = [hit] + sorted(c for c in set(cuts) if hit < c < prompt_len) + [prompt_len]
     bt = tuple(range(40))
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):
         rq = RequestInput(slot=0, block_table=bt, prompt_len=prompt_len, start=a, chunk_len=b - a,
-                          prefix_hit=hit, fresh_slot=fresh and k == 0)  # fmt: skip
+                          prefix_hit=hit, fresh_slot=fresh and k == 0, full_rows=full)  # fmt: skip
         p = plan_step(StepInput((rq,)), s, **flags)
         check_forward(cache, p, 0)
     for t in range(decode_steps):
@@ -163,12 +160,13 @@ prompts = st.integers(1, 150)
     cuts=st.lists(st.integers(1, 149), max_size=6),
     decode_steps=st.integers(0, 3),
     dec=st.booleans(),
+    full=st.booleans(),
 )
 def test_every_read_was_produced_and_splits_write_the_unsplit_rows(
-    name, prompt_len, cuts, decode_steps, dec
+    name, prompt_len, cuts, decode_steps, dec, full
 ):
     s = SPECS[name]
-    cache = run_lifetime(s, prompt_len, cuts, decode_steps, decoder_replay=dec)
+    cache = run_lifetime(s, prompt_len, cuts, decode_steps, full=full, decoder_replay=dec)
     # Splitting the prompt anywhere writes exactly the unsplit prompt's groups, each once.
     final_len = prompt_len + decode_steps
     for o, written in cache.written.items():

@@ -288,3 +288,17 @@ def test_step_arrays_from_ragged_tuple_and_array_tables():
     p, q = plan_step(StepInput(reqs), TINY), plan_step(a, TINY)
     assert (p.block_tables == q.block_tables).all() and (p.positions == q.positions).all()
     assert p.block_tables.dtype == np.int32 and p.block_tables.tolist() == [[5, -1, -1], [7, 8, 9]]
+
+
+def test_full_rows_request_runs_every_layer_without_back_off():
+    p = plan(req(0, 100, 95, 5, full_rows=True), req(1, 100, 95, 5))
+    # Request 0 opts out of decoder replay: no back-off, no tail, every row everywhere.
+    assert p.forward_start.tolist() == [95, 32] and p.tail_start.tolist() == [-1, 92]
+    assert p.row_phase.tolist() == [2, 1] and p.swa_replay_start.tolist() == [0, 92]
+    assert rows(p, 13, "attention") == [0, 1, 2, 3, 4, 72]
+    assert rows(p, 10, "ffn") == [0, 1, 2, 3, 4] + list(range(65, 73))
+    assert p.tail_rows.tolist() == [0, 1, 2, 3, 4] + list(range(65, 73))
+    ring_cu, ring_scu = p.ring_limits(10)
+    assert ring_cu.tolist() == [95, 32] and ring_scu.tolist() == [95, 32]
+    assert p.ring_limits(3)[0].tolist() == [95, 95]  # encoder layers keep cached rows in both
+    assert p.decoder_replay

@@ -6,8 +6,9 @@ Input (``FILE.json``, or ``-`` for stdin)::
      "requests": [{"prompt_len": 300, "start": 256, "chunk_len": 44, "prefix_hit": 256}],
      "running_bs": 4, "running_tokens": 512}            # optional widths
 
-Per request, ``phase`` (overrides the step's), ``prefix_hit`` (default 0) and ``fresh_slot``
-are optional; ``fresh_slot`` defaults to true for a resume at a hit (``start == prefix_hit >
+Per request, ``phase`` (overrides the step's), ``prefix_hit`` (default 0), ``full_rows``
+(every row through every layer for this request, default false) and ``fresh_slot`` are
+optional; ``fresh_slot`` defaults to true for a resume at a hit (``start == prefix_hit >
 0``) under encoder replay (the ``replay`` transfer rebuilds such a slot). ``start`` is where the
 scheduler resumed before any back-off. Slots and block tables are synthetic.
 """
@@ -19,7 +20,17 @@ import json
 import sys
 from pathlib import Path
 
-_REQUEST_KEYS = {"prompt_len", "start", "chunk_len", "prefix_hit", "fresh_slot", "phase"}
+from v41plan.planner.stages import PHASES
+
+_REQUEST_KEYS = {
+    "prompt_len",
+    "start",
+    "chunk_len",
+    "prefix_hit",
+    "fresh_slot",
+    "phase",
+    "full_rows",
+}
 
 
 class BatchError(ValueError):
@@ -110,8 +121,9 @@ def parse_batch(doc, spec, encoder_replay: bool):
         if rphase not in ("prefill", "decode"):
             raise BatchError(f"{where}: 'phase' must be 'prefill' or 'decode', got {rphase!r}")
         fresh = r.get("fresh_slot", rphase == "prefill" and encoder_replay and 0 < hit == start)
-        if not isinstance(fresh, bool):
-            raise BatchError(f"{where}: 'fresh_slot' must be true or false")
+        full = r.get("full_rows", False)
+        if not isinstance(fresh, bool) or not isinstance(full, bool):
+            raise BatchError(f"{where}: 'fresh_slot' and 'full_rows' must be true or false")
         pages = -(-(start + chunk_len) // page)
         out.append(
             RequestInput(
@@ -123,6 +135,7 @@ def parse_batch(doc, spec, encoder_replay: bool):
                 phase=rphase,
                 prefix_hit=hit,
                 fresh_slot=fresh,
+                full_rows=full,
             )
         )
         next_page += pages
@@ -148,11 +161,12 @@ def describe(plan, window: int) -> dict:
             phase = "decode"
         else:
             phase = "prefill_final" if plan.is_final_chunk[i] else "prefill_nonfinal"
+        column = PHASES[int(plan.row_phase[i])]  # a full_rows request follows every row
         by_set = {"all": _span(fs, end), "tail": _span(max(fs, end - window), end),
                   "last": _span(end - 1, end), "none": None}  # fmt: skip
         stages = [
             {"layers": e["layers"], "sub_step": e["sub_step"], "rows": by_set[e["rows"]]}
-            for e in table.ranges(phase, include_none=True)
+            for e in table.ranges(column, include_none=True)
         ]
         groups = []
         for r, c in sorted(plan.compress.items()):
@@ -167,6 +181,7 @@ def describe(plan, window: int) -> dict:
             })  # fmt: skip
         reqs.append({
             "phase": phase,
+            "full_rows": column == "decode" and phase != "decode",
             "prompt_len": int(plan.prompt_lens[i]),
             "resume": int(plan.resume_points[i]),
             "prefix_hit": int(plan.prefix_hits[i]),

@@ -63,16 +63,19 @@ def replay_arrays(
     hash_block: int,
     min_final_rows: int,
     encoder_replay: bool,
-    decoder_replay: bool,
+    decoder_replay: bool | np.ndarray,
 ) -> dict[str, np.ndarray]:
-    """Vectorized replay rules over requests; returns int64/bool arrays keyed like ``ReplayPoint``."""
+    """Vectorized replay rules over requests; returns int64/bool arrays keyed like ``ReplayPoint``.
+
+    ``decoder_replay`` is one switch or one per request (a request that needs every row's
+    output runs without it)."""
     r = np.asarray(resume, dtype=np.int64)
     dec = np.asarray(is_decode, dtype=bool)
     fresh = np.asarray(fresh_slot, dtype=bool)
     prefill = ~dec
     rebuild = prefill & fresh & (r > 0) & bool(encoder_replay)
     short = prefill & ((np.asarray(prompt_len, dtype=np.int64) - r) < min_final_rows)
-    short &= bool(decoder_replay)
+    short &= np.asarray(decoder_replay, dtype=bool)  # one switch, or one per request
     back = rebuild | short
     fs = np.where(back, grid_back_off(r, hash_block), r)
     cached = np.where(rebuild, fs, r)

@@ -60,6 +60,9 @@ class RequestInput:
     """The request's Engram-compressed token ids by position (-1 for DEAD/unknown), at least the
     ``replay_history_tokens`` positions before the forward start; only read when the forward
     starts below the slot's cursor (back-off) or in a fresh slot. None: history ids are -1."""
+    full_rows: bool = False
+    """Run every layer on every row of this request (no decoder replay for it, e.g. prompt
+    logprobs); keep it for all of the request's chunks."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class StepArrays:
     """bool fresh (zeroed) slot per request."""
     token_ids: tuple | None = None
     """Per request an id sequence (or None) for Engram history, as ``RequestInput.token_ids``."""
+    full_rows: np.ndarray | None = None
+    """bool per request, as ``RequestInput.full_rows``; None: all False."""
     running_bs: int | None = None
     """Request width; None: the number of requests."""
     running_tokens: int | None = None
@@ -145,6 +150,7 @@ def step_arrays(step: StepInput) -> StepArrays:
         prefix_hits=cols[:, 4].copy(),
         fresh_slot=np.array([r.fresh_slot for r in reqs], dtype=bool).reshape(n),
         token_ids=tuple(r.token_ids for r in reqs),
+        full_rows=np.array([r.full_rows for r in reqs], dtype=bool).reshape(n),
         running_bs=step.running_bs,
         running_tokens=step.running_tokens,
         block_table_width=step.block_table_width,
@@ -252,6 +258,10 @@ class StepPlan:
     """bool: the forward ends the prompt (prefill) or is a decode step; the request samples."""
     is_decode: np.ndarray = field(compare=False)
     """bool: the request is in its decode phase."""
+    row_phase: np.ndarray = field(compare=False)
+    """int8 the stage-table column whose row sets the request follows: 0 ``prefill_nonfinal``,
+    1 ``prefill_final``, 2 ``decode`` (also a ``full_rows`` prefill request: every row, every
+    layer, no tail); -1 for padding."""
     prompt_lens: np.ndarray = field(compare=False)
     """int64 prompt length; 0 for padding."""
     resume_points: np.ndarray = field(compare=False)
@@ -316,8 +326,8 @@ class StepPlan:
         """
         from v41plan.planner.stages import PHASES
 
-        phase = np.where(self.is_decode, 2, np.where(self.is_final_chunk, 1, 0))
-        tail = np.array([self.table.floor(p, layer) == "tail" for p in PHASES])[phase]
+        tail = np.array([self.table.floor(p, layer) == "tail" for p in PHASES] + [False])
+        tail = tail[self.row_phase]  # padding (-1) picks the trailing False
         return (
             np.where(tail, self.forward_start, self.cached_until),
             np.where(tail, self.forward_start, self.swa_cached_until),
@@ -550,6 +560,9 @@ def plan_step(
 
     end = a.starts + a.chunk_lens
     all_decode = bool(a.is_decode.all())
+    full = a.full_rows
+    full_any = full is not None and bool(full.any())
+    dec_req = dec_on & ~full if full_any else dec_on  # decoder replay, per request when it differs
     if all_decode:  # decode never backs off: skip the replay arithmetic on the hot path
         zeros = np.zeros(n, dtype=np.int64)
         no = np.zeros(n, dtype=bool)
@@ -560,7 +573,7 @@ def plan_step(
         rp = replay_arrays(
             a.starts, a.prompt_lens, a.is_decode, a.fresh_slot,
             hash_block=rules.hash_block_tokens, min_final_rows=rules.min_final_prefill_rows,
-            encoder_replay=enc_on, decoder_replay=dec_on,
+            encoder_replay=enc_on, decoder_replay=dec_req,
         )  # fmt: skip
     fs = rp["forward_start"]
     lens = end - fs
@@ -578,8 +591,9 @@ def plan_step(
         phase = np.full(n, _PHASE_DECODE, dtype=np.int64)
     else:
         final = ~a.is_decode & (end == a.prompt_lens)
-        phase = np.where(a.is_decode, _PHASE_DECODE, np.where(final, _PHASE_FINAL, _PHASE_NONFINAL))
-    has_tail = final & dec_on
+        every_row = a.is_decode | full if full_any else a.is_decode
+        phase = np.where(every_row, _PHASE_DECODE, np.where(final, _PHASE_FINAL, _PHASE_NONFINAL))
+    has_tail = final & dec_req
     tail_lo = np.maximum(fs, end - W)
 
     # Per token.
@@ -645,7 +659,7 @@ def plan_step(
     if all_decode:
         tail_rows, tail_batch_ids = everything, batch_ids[:total]
     else:
-        tail_off = np.where(has_tail, tail_lo - fs, np.where(a.is_decode, 0, lens))
+        tail_off = np.where(has_tail, tail_lo - fs, np.where(phase == _PHASE_DECODE, 0, lens))
         tail_rows = _ragged_ranges(cu[:n] + tail_off, lens - tail_off)
         tail_batch_ids = np.repeat(np.arange(n, dtype=np.int32), lens - tail_off)
 
@@ -738,7 +752,7 @@ def plan_step(
         scheduled_bs=n,
         scheduled_tokens=total,
         graph_key=(kind, bs, width),
-        decoder_replay=bool(dec_on and (~a.is_decode).any()),
+        decoder_replay=bool(dec_on and (phase != _PHASE_DECODE).any()),
         positions=positions,
         batch_ids=batch_ids,
         visible=visible,
@@ -747,6 +761,7 @@ def plan_step(
         block_tables=block_tables,
         is_final_chunk=per_req(final | a.is_decode, False, bool, False),
         is_decode=per_req(a.is_decode, False, bool),
+        row_phase=per_req(phase, -1, np.int8),
         prompt_lens=per_req(a.prompt_lens, 0, np.int64),
         resume_points=per_req(a.starts, 0, np.int64),
         prefix_hits=per_req(a.prefix_hits, 0, np.int64),
