@@ -118,20 +118,13 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         raise _fail("compilation_level", 3, "level 3 is admitted with FULL graphs or eager execution only")
     d = spec.dims
     tp = o.tensor_parallel_size
-    if tp < 1 or tp != world_size:
-        raise _fail("tensor_parallel_size", tp, f"must equal the launched world size ({world_size})")
-    mc = spec.model_config
-    for name, value in (("num_attention_heads", d.num_attention_heads), ("index_n_heads", d.index_n_heads),
-                        ("o_groups", d.o_groups)):
-        if value % tp:
-            raise _fail("tensor_parallel_size", tp, f"{name}={value} must be divisible by it")
-    if o.enable_expert_parallel:
-        if mc.get("n_routed_experts", tp) % tp:
-            raise _fail("tensor_parallel_size", tp,
-                        f"n_routed_experts={mc['n_routed_experts']} must be divisible by it under expert parallelism")
-    elif mc.get("moe_intermediate_size", tp) % tp:
+    if not isinstance(tp, int) or tp < 1 or (tp != world_size and tp != 1):
         raise _fail("tensor_parallel_size", tp,
-                    f"moe_intermediate_size={mc['moe_intermediate_size']} must be divisible by it")
+                    f"accepted: the launched world size ({world_size}), or 1 (every rank a full replica)")
+    if tp > 1:
+        from v41plan.exec.tp import check_tp  # names the dimension and the sizes this model admits
+
+        check_tp(spec.model_config, tp, o.enable_expert_parallel)
     if o.max_num_seqs < 1:
         raise _fail("max_num_seqs", o.max_num_seqs, "accepted: an integer >= 1")
     if o.max_num_batched_tokens < 2 * page:
@@ -139,7 +132,7 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
                     f"accepted: >= 2 * page_tokens = {2 * page} (a backed-off forward must fit)")
     if o.long_prefill_token_threshold < 0:
         raise _fail("long_prefill_token_threshold", o.long_prefill_token_threshold, "accepted: 0 (off) or >= 1")
-    max_len = o.max_model_len or int(mc.get("max_position_embeddings", 4096))
+    max_len = o.max_model_len or int(spec.model_config.get("max_position_embeddings", 4096))
     enc = spec.replay.encoder_swa_bounded_replay if o.encoder_swa_bounded_replay is None else o.encoder_swa_bounded_replay
     dec = spec.replay.decoder_swa_bounded_replay if o.decoder_swa_bounded_replay is None else o.decoder_swa_bounded_replay
     if enc and page < d.sliding_window - 1:

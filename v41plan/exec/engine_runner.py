@@ -1,21 +1,16 @@
-"""Model runners the engine builds: weights, then the paged runtime model (or the dense fallback).
+"""Building the engine's runner: weights, device, then the paged runner.
 
 ``build_runner(spec, checkpoint, options)`` loads a checkpoint directory (its config checked
 against the spec before any weight is read) or, with no checkpoint, builds the spec's seeded
-random checkpoint in memory. It then wraps the executor's paged runtime model when the package
-provides one (``v41plan.exec.runtime_model``); otherwise it falls back to ``ReferenceRunner``,
-which recomputes each sampled row with the dense reference model from position 0 and performs
-no paging, so it exercises the scheduler but none of the state transfers.
+random checkpoint in memory, and wraps it in ``PagedRunner`` (the executor's runtime model
+over PAGE/STATE pools).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from v41plan.exec.admission import EngineOptions
-from v41plan.exec.batch import RunnerOutput, ScheduledBatch
 from v41plan.geometry.runtime import CacheSpec
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -42,48 +37,12 @@ def device_of(options: EngineOptions) -> torch.device:
     return torch.device("cpu")
 
 
-class ReferenceRunner:
-    """Dense fallback: each sampled row is the reference model's prefill of ``[0, end)``.
-
-    It ignores slots, pages and state copies (so it cannot detect a wrong restore), which makes
-    it a scheduler-level runner only.
-    """
-
-    paged = False
-
-    def __init__(self, model, vocab_size: int) -> None:
-        self.model = model
-        self.vocab_size = vocab_size
-
-    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Logits of each final row (and every row where asked)."""
-        out = RunnerOutput()
-        for r in batch.requests:
-            if not (r.is_final_chunk or r.all_logits):
-                continue
-            logits = self.model.prefill(list(r.token_ids[: r.end]))
-            if r.all_logits:
-                out.row_logits[r.seq_id] = logits[r.start : r.end].float().cpu()
-            if r.is_final_chunk:
-                out.last_logits[r.seq_id] = logits[-1].float().cpu()
-        return out
-
-
 def build_runner(spec: CacheSpec, checkpoint: str | None, options: EngineOptions):
-    """The engine's runner for ``spec`` (paged when the executor provides it)."""
+    """The engine's paged runner for ``spec`` (weights loaded here, after admission)."""
+    from v41plan.exec.paged_runner import PagedRunner
     from v41plan.exec.tp import check_tp
 
     # tensor-parallel splits are refused before any weight loads
     check_tp(spec.model_config, options.tensor_parallel_size, options.enable_expert_parallel)
     ckpt = load_weights(spec, checkpoint, options)
-    dtype = DTYPES[options.dtype]
-    device = device_of(options)
-    vocab = int(spec.model_config["vocab_size"])
-    if importlib.util.find_spec("v41plan.exec.runtime_model") is not None:
-        from v41plan.exec.paged_runner import PagedRunner
-
-        return PagedRunner(spec, ckpt, options, dtype=dtype, device=device)
-    from v41plan.exec.reference import ReferenceModel
-
-    model = ReferenceModel.from_checkpoint(ckpt, dtype, device, index_cache_dtype=options.index_cache_dtype)
-    return ReferenceRunner(model, vocab)
+    return PagedRunner(spec, ckpt, options, dtype=DTYPES[options.dtype], device=device_of(options))

@@ -391,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64", "bfloat16"],
                     help="executor dtype (float64 keeps greedy ties away on CPU)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="default: the world size when the model splits over it, else 1 (replicas)")
+    ap.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="routed experts whole per rank (default) or intermediate-sharded")
     args = ap.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -400,11 +404,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     spec = resolve_spec(args.spec)
     P = spec.replay.hash_block_tokens
+    tp = args.tensor_parallel_size
+    if tp is None:  # auto: shard when the model splits over the world, else every rank a replica
+        from v41plan.exec.tp import accepted_sizes
+
+        tp = info.world_size if info.world_size in accepted_sizes(spec.model_config, args.enable_expert_parallel,
+                                                                  info.world_size) else 1
+        if info.is_main and tp != info.world_size:
+            print(f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs a full "
+                  f"replica (tensor_parallel_size=1) on the identical schedule")
     base_options = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
-        "tensor_parallel_size": info.world_size,
-        "enable_expert_parallel": info.world_size > 1,
+        "tensor_parallel_size": tp,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "enforce_eager": not args.graph,
         "cudagraph_mode": "FULL" if args.graph else "NONE",
         "max_num_seqs": 4,
@@ -414,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "device": args.device,
     }
-    report: dict = {"spec": spec.name, "world_size": info.world_size, "graph": args.graph,
+    report: dict = {"spec": spec.name, "world_size": info.world_size, "tensor_parallel_size": tp,
+                    "enable_expert_parallel": args.enable_expert_parallel, "graph": args.graph,
                     "kv_cache_dtype": args.kv_cache_dtype, "index_cache_dtype": args.index_cache_dtype,
                     "dtype": args.dtype, "transfers": {}}
     passed = True
