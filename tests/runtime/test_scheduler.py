@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from tests.runtime.helpers import TINY, fake_factory, fake_llm, prompt
+from tests.runtime.helpers import ROOT, TINY, fake_factory, fake_llm, prompt
 from v41plan.exec.admission import ConfigError
 from v41plan.exec.block_manager import READY, BlockManager, replay_start
-from v41plan.exec.engine import LLM
+from v41plan.exec.engine import LLM, resolve_spec
 from v41plan.exec.sampling import SamplingParams
 from v41plan.exec.sequence import Sequence
 
@@ -414,6 +414,19 @@ def test_packed_speculative_cache_refused():
     with pytest.raises(ConfigError, match="packed"):
         LLM(TINY, runner_factory=_never_load, world_size=1, kv_cache_dtype="fp4",
             speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+
+
+def test_tensor_parallel_admission():
+    # tiny cannot split its 32-lane expert intermediate over 2 ranks: refused before load.
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*accepted with this model: 1"):
+        LLM(TINY, runner_factory=_never_load, world_size=2, tensor_parallel_size=2)
+    # 1 under a world of 2: every rank a full replica; 3 matches neither.
+    LLM(TINY, runner_factory=fake_factory, world_size=2, tensor_parallel_size=1)
+    with pytest.raises(ConfigError, match="world size \\(2\\), or 1"):
+        LLM(TINY, runner_factory=_never_load, world_size=2, tensor_parallel_size=3)
+    tp_spec = resolve_spec(str(ROOT / "tests" / "exec" / "tiny_tp.yaml"))
+    for ep in (True, False):
+        LLM(tp_spec, runner_factory=fake_factory, world_size=2, tensor_parallel_size=2, enable_expert_parallel=ep)
 
 
 def test_odd_page_and_short_page_refused():
