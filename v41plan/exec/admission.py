@@ -146,3 +146,12 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     return EngineOptions(**{**o.__dict__, "cudagraph_mode": mode, "max_model_len": max_len,
                             "encoder_swa_bounded_replay": enc, "decoder_swa_bounded_replay": dec,
                             "num_pages": num_pages})
+
+
+def default_tensor_parallel_size(spec: CacheSpec, world_size: int, expert_parallel: bool) -> int:
+    """The world size when the model splits over it, else 1 (every rank a full replica)."""
+    if world_size == 1:
+        return 1
+    from v41plan.exec.tp import accepted_sizes
+
+    return world_size if world_size in accepted_sizes(spec.model_config, expert_parallel, world_size) else 1

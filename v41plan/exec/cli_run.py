@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay state transfer (default on); --no-... keeps checkpoint images")
     parser.add_argument("--decoder-swa-bounded-replay", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
-                        help="default: the launched world size")
+                        help="default: the world size when the model splits over it, else 1 (replicas)")
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
     parser.add_argument("--cudagraph-mode", default="NONE")
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len,
         "encoder_swa_bounded_replay": args.encoder_swa_bounded_replay,
         "decoder_swa_bounded_replay": args.decoder_swa_bounded_replay,
-        "tensor_parallel_size": args.tensor_parallel_size or info.world_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "enforce_eager": args.enforce_eager,
         "cudagraph_mode": args.cudagraph_mode,
@@ -82,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
     }
     try:
+        if options["tensor_parallel_size"] is None:
+            from v41plan.exec.admission import default_tensor_parallel_size
+            from v41plan.exec.engine import resolve_spec
+
+            options["tensor_parallel_size"] = default_tensor_parallel_size(
+                resolve_spec(args.spec), info.world_size, args.enable_expert_parallel)
         llm = LLM(args.spec, args.checkpoint, world_size=info.world_size, **options)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,

@@ -406,10 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     P = spec.replay.hash_block_tokens
     tp = args.tensor_parallel_size
     if tp is None:  # auto: shard when the model splits over the world, else every rank a replica
-        from v41plan.exec.tp import accepted_sizes
+        from v41plan.exec.admission import default_tensor_parallel_size
 
-        tp = info.world_size if info.world_size in accepted_sizes(spec.model_config, args.enable_expert_parallel,
-                                                                  info.world_size) else 1
+        tp = default_tensor_parallel_size(spec, info.world_size, args.enable_expert_parallel)
         if info.is_main and tp != info.world_size:
             print(f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs a full "
                   f"replica (tensor_parallel_size=1) on the identical schedule")
