@@ -31,9 +31,9 @@ from medium_model import load_spec, load_weights, step_floor, time_device, time_
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)")
-    ap.add_argument("--context", type=int, default=512, help="tokens each request holds before the timed step")
+    ap.add_argument("--context", type=int, default=256, help="tokens each request holds before the timed step")
     ap.add_argument("--batch-sizes", default="1,8,64")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
     ap.add_argument("--out", default=None)

@@ -2,11 +2,13 @@
 # GPU validation in one command (run from the repository root on a CUDA machine):
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu). STEPS picks a subset, in this order:
-#   STEPS="tests tiny40 ckpt decode prefill medium" scripts/gpu_validate.sh
+#   STEPS="tests tiny40 ckpt decode prefill medium" TRANSFER=both scripts/gpu_validate.sh
+# Step limits are overridable as LIMIT_<step> (seconds).
 set -u -o pipefail
 OUT=${OUT:-reports/gpu}
 STEPS=${STEPS:-"tests tiny40 ckpt decode prefill medium"}
 CKPT=${CKPT:-/tmp/v41plan_medium_ckpt}
+TRANSFER=${TRANSFER:-both}  # validate_runtime --transfer (replay, copy or both)
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="$OUT/gpu_validate.log"
@@ -18,7 +20,8 @@ run_step() {  # name, time limit in seconds, command...
     case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
     echo "== $name ($(date -u +%H:%M:%S)): $*" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local override="LIMIT_$name"
+    timeout "${!override:-$limit}" "$@" 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
     echo "== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || status=1
@@ -29,7 +32,7 @@ run_step() {  # name, time limit in seconds, command...
 
 run_step tests 150 python3 -m pytest tests/gpu -q -p no:cacheprovider
 run_step tiny40 150 python3 -m v41plan.exec.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
-    --output "$OUT/validate_tiny40_graph.json"
+    --transfer "$TRANSFER" --output "$OUT/validate_tiny40_graph.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
 run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"

@@ -5,6 +5,8 @@ Skipped without CUDA. Run on a GPU machine with ``python3 -m pytest tests/gpu -q
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -16,13 +18,25 @@ PROMPTS = (13, 6, 17)
 DECODES = 4
 
 
+@functools.cache
+def _weights(spec_name: str):
+    """(compiled spec, config, float32 CUDA weights, Engram host) of the seeded random checkpoint
+    (the compiled spec: the GPU image has no YAML reader)."""
+    from v41plan.exec.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.exec.config import config_from_cache_spec
+    from v41plan.exec.engine import resolve_spec
+
+    spec = resolve_spec(spec_name)
+    cfg = config_from_cache_spec(spec)
+    ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    return spec, cfg, ckpt.process(torch.float32, "cuda"), ckpt.engram_host()
+
+
 def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float32):
     """Two CUDA runtime models over the same random weights."""
-    from tests.exec.paged_helpers import model
     from v41plan.exec.runtime_model import RuntimeModel
 
-    spec, cfg, w, eng = model(spec_name)
-    wc = {k: v.to("cuda", dtype if v.is_floating_point() else v.dtype) for k, v in w.items()}
+    spec, cfg, wc, eng = _weights(spec_name)
     args = {"num_pages": 24, "num_slots": 4, "max_tokens": 64, "max_bs": 4, "table_width": 12, "dtype": dtype,
             "device": "cuda", "cfg": cfg}
     return spec, eng, [RuntimeModel(spec, wc, eng, kv_cache_dtype=kv, index_cache_dtype=ix, **args)

@@ -81,14 +81,9 @@ def pad_decode_step(step, bucket: tuple[int, int], table_width: int):
 
 # ---------------------------------------------------------------------------------------------
 # capture guard
-def _default_pool_segments() -> int:
-    """Caching-allocator segments of the default pool (graph pools excluded)."""
-    n = 0
-    for seg in torch.cuda.memory_snapshot():
-        pool = seg.get("segment_pool_id", (0, 0))
-        if tuple(pool) == (0, 0):
-            n += 1
-    return n
+def _segments() -> list[dict]:
+    """The caching allocator's segments (address, pool id when reported, size, stream)."""
+    return torch.cuda.memory_snapshot()
 
 
 _JIT_FUNCTIONS: list = []
@@ -122,12 +117,13 @@ def _triton_cache_size() -> int:
 
 
 @contextmanager
-def capture_guard(what: str):
-    """Fail loudly on a host sync, an allocation outside the graph pool or a first compile
-    inside the block (a capture): each would be frozen into, or missing from, every replay."""
+def capture_guard(what: str, pool=None, record: list | None = None):
+    """Fail loudly on a host sync or a first compile inside the block (a capture): each would be
+    frozen into, or missing from, every replay. Segments the block creates outside the graph
+    pool ``pool`` (where the allocator reports pool ids) are appended to ``record``."""
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # as the capture's own entry does, so the count below is stable
-    segments = _default_pool_segments()
+    torch.cuda.empty_cache()  # as the capture's own entry does, so the comparison below is stable
+    before = {seg["address"] for seg in _segments()}
     compiled = _triton_cache_size()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -137,10 +133,15 @@ def capture_guard(what: str):
                                 f"inside the decode forward): {exc}") from exc
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    if _default_pool_segments() > segments:
-        raise CaptureGuardError(f"capture of {what} allocated device memory outside the graph pool")
     if _triton_cache_size() != compiled:
         raise CaptureGuardError(f"capture of {what} compiled a kernel for the first time (warm-up missed it)")
+    if record is not None:
+        new = [seg for seg in _segments() if seg["address"] not in before]
+        ids = [tuple(seg["segment_pool_id"]) if "segment_pool_id" in seg else None for seg in new]
+        outside = [(i, seg["total_size"]) for i, seg in zip(ids, new, strict=True)
+                   if pool is not None and i is not None and i != tuple(pool)]
+        record.append({"what": what, "new_segments": len(new), "pool_ids_reported": all(i is not None for i in ids),
+                       "outside_pool": outside})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,6 +419,8 @@ class GraphRunner:
         self.stats: Counter = Counter()
         self.report: dict = {}
         self.pool = None
+        self.allocations: list[dict] = []
+        """Per capture: segments it created and those outside the graph pool (see ``capture_guard``)."""
 
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> dict:
@@ -459,7 +462,12 @@ class GraphRunner:
             "pages_untouched": untouched_pages,
             "slots_untouched_from": max_bs,
             "slots_untouched": untouched_slots,
+            "new_segments_in_capture": sum(a["new_segments"] for a in self.allocations),
+            "segments_outside_graph_pool": [o for a in self.allocations for o in a["outside_pool"]],
+            "pool_ids_reported": all(a["pool_ids_reported"] for a in self.allocations),
         }
+        if self.report["segments_outside_graph_pool"]:
+            log.warning("capture allocated outside the graph pool: %s", self.report["segments_outside_graph_pool"])
         if not (untouched_pages and untouched_slots):
             raise CaptureGuardError(f"capture changed bytes it must not touch: {self.report}")
         return self.report
@@ -485,7 +493,8 @@ class GraphRunner:
     def _capture_full(self, bs: int, q: int) -> None:
         g = torch.cuda.CUDAGraph()
         t = bs * q
-        with capture_guard(f"decode[bs={bs}, q={q}]"), torch.cuda.graph(g, pool=self.pool):
+        with capture_guard(f"decode[bs={bs}, q={q}]", self.pool, self.allocations), \
+                torch.cuda.graph(g, pool=self.pool):
             out = self.decode.run(t, bs)
         self.graphs[(bs, q)] = g
         self.outputs[(bs, q)] = out
@@ -498,11 +507,13 @@ class GraphRunner:
             for info in self.model.cfg.layers:
                 L = info.index
                 g = torch.cuda.CUDAGraph()
-                with capture_guard(f"layer {L} pre[t={t}]"), torch.cuda.graph(g, pool=self.pool):
+                with capture_guard(f"layer {L} pre[t={t}]", self.pool, self.allocations), \
+                        torch.cuda.graph(g, pool=self.pool):
                     pieces = d.pre_attention(L, w)
                 self.pieces[(bs, q, f"pre{L}")] = (g, pieces)
                 g2 = torch.cuda.CUDAGraph()
-                with capture_guard(f"layer {L} post[t={t}]"), torch.cuda.graph(g2, pool=self.pool):
+                with capture_guard(f"layer {L} post[t={t}]", self.pool, self.allocations), \
+                        torch.cuda.graph(g2, pool=self.pool):
                     d.post_attention(L, w, pieces)
                 self.pieces[(bs, q, f"post{L}")] = (g2, None)
 
