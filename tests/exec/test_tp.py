@@ -59,8 +59,8 @@ def test_refusals_name_the_dimension_and_the_accepted_sizes():
 def test_the_engine_refuses_a_split_before_any_weight_loads(tmp_path):
     from v41plan.exec.engine import LLM
 
-    # admission accepts tp=2 on tiny (every dimension divides); the split check refuses it, and it
-    # runs before the (missing) checkpoint is opened
+    # every dimension of tiny divides by 2, but the split check refuses it (half-block w2 inputs),
+    # and it runs before the (missing) checkpoint is opened
     with pytest.raises(TPConfigError, match="moe_intermediate_size/2"):
         LLM(str(ROOT / "specs" / "tiny.yaml"), str(tmp_path / "no-checkpoint"), world_size=2, tensor_parallel_size=2,
             enable_expert_parallel=True)
