@@ -239,7 +239,7 @@ def write_checkpoint(
     out_dir: str | Path,
     cfg: ModelConfig,
     seed: int,
-    shard_bytes: int = 2 << 30,
+    shard_bytes: int = 512 << 20,
     progress: bool = False,
 ) -> Path:
     """Write a random checkpoint shard by shard (bounded memory); same bytes for the same seed."""

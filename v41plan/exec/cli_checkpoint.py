@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
     parser.add_argument(
-        "--shard-mib", type=int, default=2048, help="largest shard in MiB (default 2048)"
+        "--shard-mib", type=int, default=512, help="largest shard in MiB (default 512)"
     )
 
 
