@@ -87,6 +87,14 @@ def test_prefill_plus_decode_equals_longer_prefill(tiny, dtype, fake, index_fmt,
             assert _rel(step, ref_logits[-1]) < tol
 
 
+def test_bad_token_ids_are_refused(tiny):
+    m = _model(tiny)
+    with pytest.raises(ValueError, match=r"token id 260 is outside the vocabulary \[0, 260\)"):
+        m.prefill([1, 260])
+    with pytest.raises(RuntimeError, match="decode needs a prefill first"):
+        m.decode(3)
+
+
 def test_causality(tiny):
     a = _ids(30, 1)
     b = a.clone()

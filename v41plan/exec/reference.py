@@ -151,9 +151,10 @@ class ReferenceModel:
         self, token_ids: list[int] | torch.Tensor, text_mask: np.ndarray | None = None
     ) -> torch.Tensor:
         """Run a whole prompt from position 0; returns logits ``[S, vocab]`` (acc dtype)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()
         if ids.numel() == 0:
             raise ValueError("prefill needs at least one token")
+        self._check_ids(ids)
         cfg = self.cfg
         W = cfg.sliding_window
         self.cache = DecodeCache(
@@ -174,7 +175,15 @@ class ReferenceModel:
         if self.cache is None:
             raise RuntimeError("decode needs a prefill first")
         ids = torch.tensor([int(token_id)], dtype=torch.long)
+        self._check_ids(ids)
         return self._forward(ids, text_mask, decode=True)[0]
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.numel():
+            raise ValueError(
+                f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
 
     # --- forward --------------------------------------------------------------------------
 
