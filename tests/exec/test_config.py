@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 
 from v41plan.exec.config import ModelConfig, check_against_spec, config_from_cache_spec
-from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.geometry.runtime import load_cache_spec
 
 SPECS = ("tiny", "tiny40", "medium", "deepseek_v41_flash")
 
 
 @pytest.fixture(scope="module")
-def spec(specs_dir):
-    return {n: load_cache_spec_unchecked(str(specs_dir / f"{n}.yaml")) for n in SPECS}
+def spec():
+    return {n: load_cache_spec(n) for n in SPECS}
 
 
 @pytest.mark.parametrize("name", SPECS)
