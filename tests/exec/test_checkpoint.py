@@ -213,6 +213,9 @@ def test_misshapen_tensor_is_named(tiny_dir, tmp_path, specs):
 def test_post_load_processing_runs_exactly_once(tiny_dir, specs):
     ckpt = load_checkpoint(tiny_dir, specs["tiny"], dtype=None)
     assert ckpt.process_calls == 0 and ckpt.weights is None
+    # Engram tables stay memory-mapped: never in the loaded tensors
+    assert not any(".engram.embed." in k for k in ckpt.raw)
+    assert [t.rows for t in ckpt.tables] == [434, 606]
     model = ReferenceModel.from_checkpoint(ckpt)
     assert ckpt.process_calls == 1
     ReferenceModel.from_checkpoint(ckpt)  # reuses the processed weights
