@@ -111,6 +111,7 @@ def to_step_input(batch: ScheduledBatch, compress=None, running_bs: int | None =
             prefix_hit=r.prefix_hit,
             fresh_slot=r.fresh_slot,
             token_ids=ids,
+            full_rows=r.all_logits,
         ))
     return StepInput(tuple(reqs), running_bs=running_bs, running_tokens=running_tokens)
 
