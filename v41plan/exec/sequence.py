@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from v41plan.exec.block_manager import chain_hashes
+from v41plan.exec.block_manager import ROOT_HASH, block_hash
 from v41plan.exec.sampling import SamplingParams
 
 
@@ -73,5 +73,8 @@ class Sequence:
     def hashes(self, page_tokens: int, num_blocks: int) -> list[bytes]:
         """Chained hashes of the first ``num_blocks`` full blocks (memoised; tokens only grow)."""
         if len(self._hashes) < num_blocks:
-            self._hashes = chain_hashes(self.token_ids, page_tokens, num_blocks)
+            parent = self._hashes[-1] if self._hashes else ROOT_HASH
+            for b in range(len(self._hashes), num_blocks):
+                parent = block_hash(parent, self.token_ids[b * page_tokens : (b + 1) * page_tokens])
+                self._hashes.append(parent)
         return self._hashes[:num_blocks]
