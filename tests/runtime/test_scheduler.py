@@ -453,3 +453,19 @@ def test_fake_runner_catches_wrong_resume():
     with pytest.raises(RuntimeError, match="needs state at 40, found 32"):
         llm.step()
     _ = fake_factory  # the factory is what fake_llm uses
+
+
+def test_hashes_chain_and_publish_after_forward():
+    from v41plan.exec.block_manager import chain_hashes
+
+    a, b = prompt(96), prompt(96)
+    b[40] += 1  # differs in block 1: blocks 1 and 2 hash differently, block 0 does not
+    ha, hb = chain_hashes(a, 32, 3), chain_hashes(b, 32, 3)
+    assert ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]
+    assert b[64:] == a[64:]  # block 2's tokens agree, yet its hash differs through the chain
+    llm = fake_llm(long_prefill_token_threshold=32)
+    seq = llm.add_request(a, GREEDY)
+    batch = llm.scheduler.schedule()
+    assert llm.block_manager.lookup(ha) == []  # allocated, not yet written: not published
+    llm.scheduler.postprocess(batch, llm.runner.execute(batch))
+    assert llm.block_manager.lookup(ha) == [seq.block_table[0]]  # block 0 written, published
