@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar (default: on rank 0 when there are several prompts)")
+                        help="progress bar (default: on rank 0 for several prompts or --max-tokens >= 64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
 
 
@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                                 stop_token_ids=stop_ids)
-        progress = args.progress if args.progress is not None else len(prompts) > 1
+        long_work = len(prompts) > 1 or args.max_tokens >= 64
+        progress = args.progress if args.progress is not None else long_work
         outs = llm.generate(prompts, params, use_tqdm=progress and info.is_main)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         if info.is_main:
