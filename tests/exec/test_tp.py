@@ -145,11 +145,18 @@ def _check(res: dict, nproc: int) -> None:
 
 
 def test_tp2_matches_world_size_1_in_both_expert_arrangements(tiny_tp_checkpoint, tmp_path):
+    # bf16 main pool, fp8 index plane (the defaults), and the engine's generations
     res = _launch(2, tiny_tp_checkpoint, tmp_path / "tp2.json", "--engine")
     _check(res, 2)
     eng = res["engine"]
     assert eng["ep"] == eng["single"] and eng["tp"] == eng["single"]
     assert eng["ep_ranks_identical"] and eng["tp_ranks_identical"]
+
+
+def test_tp2_matches_world_size_1_with_fp4_planes(tiny_tp_checkpoint, tmp_path):
+    res = _launch(2, tiny_tp_checkpoint, tmp_path / "tp2_fp4.json", "--kv-cache-dtype", "fp4",
+                  "--index-cache-dtype", "fp4")
+    _check(res, 2)
 
 
 @pytest.mark.slow

@@ -83,9 +83,10 @@ def run(model: RuntimeModel) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(logits), torch.cat(sels)
 
 
-def build(spec, ckpt, weights, tp: TPGroup, index_fmt: str) -> RuntimeModel:
+def build(spec, ckpt, weights, tp: TPGroup, args) -> RuntimeModel:
     """A runtime model over ``weights`` (the full set or this rank's shard)."""
-    return RuntimeModel(spec, weights, ckpt.engram_host(), kv_cache_dtype="bf16", index_cache_dtype=index_fmt,
+    return RuntimeModel(spec, weights, ckpt.engram_host(), kv_cache_dtype=args.kv_cache_dtype,
+                        index_cache_dtype=args.index_cache_dtype,
                         num_pages=8, num_slots=2, max_tokens=64, max_bs=2, table_width=4, dtype=DTYPE,
                         cfg=ckpt.config, tp=tp)
 
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--arrangements", default="ep,tp", help="ep (whole experts), tp (sliced experts)")
+    ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
     ap.add_argument("--no-quant", action="store_true", help="activation/cache quantizers off")
     ap.add_argument("--engine", action="store_true", help="also compare engine generations")
@@ -107,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = load_cache_spec_unchecked(args.spec)
     ckpt = load_checkpoint(args.checkpoint, spec, dtype=DTYPE)
     result: dict = {"world_size": tp.size, "quant": not args.no_quant, "arrangements": {}}
-    base = run(build(spec, ckpt, ckpt.weights, SINGLE, args.index_cache_dtype)) if tp.rank == 0 else None
+    base = run(build(spec, ckpt, ckpt.weights, SINGLE, args)) if tp.rank == 0 else None
     for arr in args.arrangements.split(","):
         shard = shard_weights(ckpt.weights, ckpt.config, tp, expert_parallel=(arr == "ep"))
-        logits, sels = run(build(spec, ckpt, shard, tp, args.index_cache_dtype))
+        logits, sels = run(build(spec, ckpt, shard, tp, args))
         all_logits, all_sels = tp.all_gather(logits), tp.all_gather(sels)
         if tp.rank == 0:
             ref_logits, ref_sels = base
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         result["engine"] = engine_check(args, tp)
     if tp.rank == 0:
         shard = shard_weights(ckpt.weights, ckpt.config, tp, expert_parallel=True)
-        logits, _ = run(build(spec, ckpt, shard, NoReduce(tp.rank, tp.size), args.index_cache_dtype))
+        logits, _ = run(build(spec, ckpt, shard, NoReduce(tp.rank, tp.size), args))
         result["control_max_abs_err"] = float((logits - base[0]).abs().max())
         Path(args.out).write_text(json.dumps(result, indent=1))
     if tp.size > 1:
@@ -144,7 +146,7 @@ def engine_check(args, tp: TPGroup) -> dict:
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     opts = {"dtype": "float64", "device": "cpu", "max_num_seqs": 2, "max_model_len": 128,
-                "index_cache_dtype": args.index_cache_dtype}
+            "kv_cache_dtype": args.kv_cache_dtype, "index_cache_dtype": args.index_cache_dtype}
 
     def tokens(**kw) -> list[list[int]]:
         llm = LLM(args.spec, args.checkpoint, **opts, **kw)
