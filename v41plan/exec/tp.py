@@ -46,7 +46,8 @@ class TPGroup:
     """The ``torch.distributed`` process group (None: the default group, or no group at size 1)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group in place and return it; a no-op (same tensor) at size 1.
+        """Sum ``x`` over the group and return the sum (in place for a contiguous ``x``); at size 1
+        it returns ``x`` itself.
 
         A plain ``all_reduce`` on a tensor: no host sync and no data-dependent shape, so it
         can be captured. Every rank receives the identical reduced tensor.
