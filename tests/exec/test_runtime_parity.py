@@ -93,13 +93,13 @@ def test_ragged_batches_match_the_reference_on_tiny(pair):
     _run("tiny", *pair, reqs)
 
 
-@pytest.mark.parametrize("pair", [("bf16", "fp8"), ("fp4", "fp4")], ids=["bf16-fp8", "fp4-fp4"])
-def test_single_request_matches_the_reference_on_tiny(pair):
-    _run("tiny", *pair, [{"slot": 3, "table": TABLE_A, "chunks": CHUNKS_A, "seed": 11}], pad_tokens=0, pad_bs=0)
+def test_single_request_matches_the_reference_on_tiny():
+    _run("tiny", "bf16", "fp8", [{"slot": 3, "table": TABLE_A, "chunks": CHUNKS_A, "seed": 11}], pad_tokens=0,
+         pad_bs=0)
 
 
-@pytest.mark.parametrize("pair", [("bf16", "fp8"), ("fp4", "fp4")], ids=["bf16-fp8", "fp4-fp4"])
-def test_tiny40_matches_the_reference(pair):
+def test_tiny40_matches_the_reference():
+    pair = ("fp4", "fp4")  # the 890 B/token pair, on the released 40-layer topology
     reqs = [
         {"slot": 1, "table": TABLE_B, "chunks": CHUNKS_A, "seed": 21},
         {"slot": 3, "table": TABLE_A, "chunks": CHUNKS_B, "seed": 22},
