@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name, r in results.items():
                     status = "ok  " if r["passed"] else "FAIL"
                     print(f"[{transfer}] {status} {name}" + ("" if r["passed"] else f": {r.get('error')}"))
+                if args.output:  # each finished transfer is on disk even if a later one is cut short
+                    with open(args.output, "w") as f:
+                        json.dump(dict(report, passed=False, partial=True), f, indent=1, default=str)
     except Exception as exc:  # noqa: BLE001 - the report records why the run stopped
         passed = False
         report["error"] = f"{type(exc).__name__}: {exc}"
