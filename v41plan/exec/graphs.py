@@ -20,8 +20,11 @@ Capture binds the serving pools: synthetic requests in STATE slots ``[0, bs)`` n
 every block-table entry, starting behind a full window. Every page from ``ceil((W + q) /
 page_tokens)`` on and every slot from the largest bucket on is checked byte-identical across
 warm-up and capture, then the whole pool is restored. A warm-up runs every captured width
-eagerly first; capture runs under ``capture_guard`` (no host sync, no allocation outside the
-graph pool, no first compile).
+eagerly first; capture runs under ``capture_guard``: a host sync (``set_sync_debug_mode
+("error")``) or a first Triton compile fails the capture; caching-allocator segments a capture
+creates outside the graph pool are recorded in the capture report (on the H200 one 2 MiB
+default-pool segment appears at the first capture, taken as the capture stream's cuBLAS
+workspace; it is reported, not refused).
 """
 
 from __future__ import annotations
