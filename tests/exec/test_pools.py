@@ -120,3 +120,16 @@ def test_checkpoint_image_moves_rings_and_cursor_but_not_tails(tiny, pair):
     touched[units] = True
     touched[dst_state] = True
     assert torch.equal(p.backing[~touched], other[~touched])
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_planner_store_spans_address_the_image_bytes(tiny, pair):
+    from v41plan.planner.checkpoint import CopyPlanner, ImageOp
+
+    g = tiny.geometry(*pair)
+    p = Pools(g, num_pages=6, num_slots=3)
+    units = (5, 2)[: g.units_per_image]
+    cp = CopyPlanner(g, 6, 3)
+    src, dst = p.span_addresses(cp.regions, cp.store(ImageOp(2, units, g.layout_id, g.image_bytes)))
+    state, unit = p.image_addresses(2, torch.tensor(units))
+    assert torch.equal(src, state) and torch.equal(dst, unit)

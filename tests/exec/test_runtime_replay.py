@@ -15,6 +15,7 @@ from tests.exec.paged_helpers import (
     step,
     token_ids,
 )
+from v41plan.planner.checkpoint import CopyPlanner, ImageOp
 
 TABLE = (9, 7, 4, 2)
 W, PAGE = 8, 32
@@ -149,12 +150,14 @@ def test_restored_image_resumes_with_identical_logits_and_overwrites_its_own_tai
         plan = step(spec, [(1, TABLE + (11, 12), 140, done, n, "prefill")])
         m.forward(plan, ids[done : done + n])
         done += n
-    units = torch.tensor([20, 17][: m.geometry.units_per_image])
-    state, image = m.pools.image_addresses(1, units)
-    m.backend.copy_image(m.pools.backing, state, image)  # store at the PAGE boundary
+    # store at the PAGE boundary and restore into slot 3, by the planner's copy schedule
+    g = m.geometry
+    units = (20, 17)[: g.units_per_image]
+    cp = CopyPlanner(g, m.pools.num_pages, m.pools.num_slots)
     m.pools.state[3].fill_(0xFF)  # the destination slot's own tails: NaN bytes
-    dst, image = m.pools.image_addresses(3, units)
-    m.backend.copy_image(m.pools.backing, image, dst)  # restore into slot 3
+    for spans in (cp.store(ImageOp(1, units, g.layout_id, g.image_bytes)),
+                  cp.restore(ImageOp(3, units, g.layout_id, g.image_bytes))):
+        m.backend.copy_image(m.pools.backing, *m.pools.span_addresses(cp.regions, spans))
     assert torch.isnan(m.pools.tail_values[3]).all()
     for i, n in enumerate(rest):
         plan = step(spec, [(3, TABLE + (11, 12), 140, done, n, "prefill")])

@@ -23,8 +23,8 @@ warm-up and capture, then the whole pool is restored. A warm-up runs every captu
 eagerly first; capture runs under ``capture_guard``: a host sync (``set_sync_debug_mode
 ("error")``) or a first Triton compile fails the capture; caching-allocator segments a capture
 creates outside the graph pool are recorded in the capture report (on the H200 one 2 MiB
-default-pool segment appears at the first capture, taken as the capture stream's cuBLAS
-workspace; it is reported, not refused).
+default-pool segment appears at the first capture, most likely the capture stream's cuBLAS
+workspace (not verified); it is reported, not refused).
 """
 
 from __future__ import annotations

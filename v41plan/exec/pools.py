@@ -225,6 +225,28 @@ class Pools:
         state_addr = self.state_region[0] + slot * g.state_bytes + state_off
         return state_addr, unit_addr
 
+    def region_bases(self) -> dict[str, int]:
+        """Byte offset in ``backing`` of every region a copy schedule names (``page``, ``state``
+        and each index plane by its ``PlaneInfo.name``)."""
+        return {"page": self.page_region[0], "state": self.state_region[0], **self._plane_regions}
+
+    def span_addresses(self, region_names: tuple[str, ...], spans) -> tuple[torch.Tensor, torch.Tensor]:
+        """Byte addresses ``(src, dst)`` of a planner span table (``planner.checkpoint.CopySpans``),
+        for ``KernelBackend.copy_image``."""
+        bases = self.region_bases()
+        missing = sorted({region_names[int(r)] for r in (*spans.src_region, *spans.dst_region)} - set(bases))
+        if missing:
+            raise ValueError(f"span table names regions this pool does not have: {', '.join(missing)}")
+        n = torch.as_tensor(spans.nbytes, dtype=torch.long)
+        within = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+
+        def side(regions, offsets) -> torch.Tensor:
+            start = torch.tensor([bases[region_names[int(r)]] + int(o) for r, o in zip(regions, offsets)],
+                                 dtype=torch.long)
+            return (torch.repeat_interleave(start, n) + within).to(self.backing.device)
+
+        return side(spans.src_region, spans.src_offset), side(spans.dst_region, spans.dst_offset)
+
     # -- slot lifetime ----------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
         """Zero a fresh request's STATE entry and mark its Engram history DEAD (-1)."""
