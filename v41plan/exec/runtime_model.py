@@ -62,7 +62,14 @@ def check_formats(kv_cache_dtype: str, index_cache_dtype: str) -> None:
 
 @dataclass
 class StepBuffers:
-    """Fixed-address metadata buffers; a plan is copied in, never reallocated."""
+    """Fixed-address metadata buffers; a plan is copied in, never reallocated.
+
+    Per row (``[max_tokens]``): ``positions``, ``batch_ids`` (-1 padding). Per request
+    (``[max_bs]``): ``slots`` (-1 padding), ``block_tables`` (``[max_bs, table_width]``, -1
+    past a table) and the plan's ``forward_start``, ``forward_end``, ``cached_until``,
+    ``swa_cached_until``, ``swa_replay_start``, ``encoder_window_floor``, ``tail_start`` and
+    ``last_rows``, with the meanings ``StepPlan`` gives them.
+    """
 
     positions: torch.Tensor
     batch_ids: torch.Tensor

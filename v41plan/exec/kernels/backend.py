@@ -21,6 +21,8 @@ import torch
 
 
 class RingWrite(Protocol):
+    """Window-KV ring writes."""
+
     def ring_write(self, ring: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor, position: torch.Tensor,
                    write_from: torch.Tensor, sink_slot: int) -> None:
         """Write window-KV rows ``kv [T, head_dim]`` into one layer's rings ``ring [slots+1, R, width]``
@@ -29,6 +31,8 @@ class RingWrite(Protocol):
 
 
 class CompressGroups(Protocol):
+    """Ratio-2 group pairing with the FP32 compressor tails."""
+
     def compress_groups(self, values: torch.Tensor, scores: torch.Tensor, position: torch.Tensor,
                         slot: torch.Tensor, first_row: torch.Tensor, last_row: torch.Tensor,
                         tail_values: torch.Tensor, tail_scores: torch.Tensor, sink_slot: int
@@ -42,6 +46,8 @@ class CompressGroups(Protocol):
 
 
 class MainScatter(Protocol):
+    """Compressed main-KV row stores."""
+
     def main_scatter(self, plane: torch.Tensor, latent: torch.Tensor, page: torch.Tensor,
                      row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
         """Store compressed latents ``latent [T, d]`` (already on the model's grid) at
@@ -50,6 +56,8 @@ class MainScatter(Protocol):
 
 
 class IndexKeyStore(Protocol):
+    """Index-key stores into the index plane(s)."""
+
     def index_key_store(self, planes: tuple[torch.Tensor, ...], key: torch.Tensor, key_scale: torch.Tensor | None,
                         page: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
         """Store index keys ``key [T, d_ih]`` produced by the shared key chain (norm, RoPE) and
@@ -58,6 +66,8 @@ class IndexKeyStore(Protocol):
 
 
 class Scorer(Protocol):
+    """The paged index scorer (one per plane format) and candidate blocks."""
+
     def score_topk(self, planes: tuple[torch.Tensor, ...], q: torch.Tensor, weights: torch.Tensor,
                    bound: torch.Tensor, pages: torch.Tensor, topk: int,
                    candidates: torch.Tensor | None) -> torch.Tensor:
@@ -79,6 +89,8 @@ class Scorer(Protocol):
 
 
 class AttentionGather(Protocol):
+    """Sparse-attention key gathers: window rows and selected compressed rows."""
+
     def gather_window(self, ring: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor,
                       position: torch.Tensor, window_lo: torch.Tensor, ring_until: torch.Tensor, window: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +108,15 @@ class AttentionGather(Protocol):
 
 
 class CursorWrite(Protocol):
+    """The cursor commit after a forward."""
+
     def cursor_write(self, cursor: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, sink_slot: int) -> None:
         """Commit ``[position, Engram history...]`` per request after the forward; slot -1 skipped."""
 
 
 class CheckpointCopy(Protocol):
+    """Checkpoint image byte copies."""
+
     def copy_image(self, backing: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy bytes ``backing[src] -> backing[dst]`` for byte-index tensors built from the
         checkpoint schedule's spans (STATE fields <-> PAGE units)."""
