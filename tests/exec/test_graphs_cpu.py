@@ -3,7 +3,9 @@
 ``DecodeForward`` (what a FULL graph captures) against the eager ``RuntimeModel.forward`` on
 decode steps: two models over the same weights run the same prefill, then each decode step
 runs eager on one and through the decode forward on the other. Logits must agree to float64
-summation order (observed: bit-equal) and the pools must hold the same bytes afterwards.
+summation order (observed: bit-equal) and the pools must hold the same bytes afterwards. TINY
+has every layer role (window, Full owners, Reindex, the candidate source, Engram); the 40-layer
+schedule runs in ``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -43,8 +45,7 @@ def _pair(spec_name, kv, ix):
     return spec, a, b, prompts, ids
 
 
-@pytest.mark.parametrize("spec_name,kv,ix", [("tiny", "bf16", "fp8"), ("tiny", "fp4", "fp4"),
-                                              ("tiny40", "bf16", "fp8")])
+@pytest.mark.parametrize("spec_name,kv,ix", [("tiny", "bf16", "fp8"), ("tiny", "fp4", "fp4")])
 def test_decode_forward_equals_eager_decode(spec_name, kv, ix):
     spec, eager, dec, prompts, ids = _pair(spec_name, kv, ix)
     d = DecodeForward(dec)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from v41plan.exec.layers import hc_collapse, hc_expand, hc_predict, rms_norm, sparse_attention
 from v41plan.exec.quant import dequant_fp8_blocks
+from v41plan.exec.tp import tp_score_candidates_topk, tp_score_topk
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +302,11 @@ class DecodeForward:
                 bound = (pos + 1) // info.ratio
                 planes = m._index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
-                    ids, cand = kb.score_candidates_topk(planes, qi, wts, bound, pages, cfg.index_topk,
+                    ids, cand = tp_score_candidates_topk(kb, m.tp, planes, qi, wts, bound, pages, cfg.index_topk,
                                                          cfg.candidate_block_size, cfg.candidate_topk_blocks)
                 else:
                     use = cand if (info.role == "reindex" and info.uses_candidates) else None
-                    ids = kb.score_topk(planes, qi, wts, bound, pages, cfg.index_topk, use)
+                    ids = tp_score_topk(kb, m.tp, planes, qi, wts, bound, pages, cfg.index_topk, use)
                 selections[L] = ids
             else:
                 ids = selections[info.topk_owner]
