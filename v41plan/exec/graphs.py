@@ -219,6 +219,8 @@ class DecodeForward:
     def load(self, plan, token_ids) -> None:
         """Copy a decode plan, its token ids, Engram rows and cursor values into the buffers."""
         m = self.model
+        if m.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise CaptureGuardError("decode inputs are prepared on the host, never while a stream is capturing")
         if plan.graph_key[0] != "decode":
             raise ValueError(f"the decode forward runs decode steps only, not {plan.graph_key[0]}")
         t, b = plan.running_tokens, plan.running_bs
