@@ -45,11 +45,9 @@ from v41plan.exec.tp import tp_score_candidates_topk, tp_score_topk
 
 log = logging.getLogger(__name__)
 
-GRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
-
-
 class CaptureGuardError(RuntimeError):
-    """Something happened during a capture that a replay would not repeat (sync, allocation, compile)."""
+    """A capture saw what a replay would not repeat (a host sync, a first compile), or changed
+    bytes it must leave alone."""
 
 
 # ---------------------------------------------------------------------------------------------
