@@ -53,28 +53,51 @@ def replay_table(spec, w, eng, cfg, lengths, decodes, dtype) -> list[dict]:
         table = tuple(range((n + decodes) // page + 1))
         out = {}
         for on in (False, True):
-            m = RuntimeModel(spec, w, eng, kv_cache_dtype="bf16", index_cache_dtype="fp8", num_pages=len(table) + 1,
-                             num_slots=2, max_tokens=n, max_bs=1, table_width=len(table), dtype=dtype, cfg=cfg)
+            m = RuntimeModel(
+                spec,
+                w,
+                eng,
+                kv_cache_dtype="bf16",
+                index_cache_dtype="fp8",
+                num_pages=len(table) + 1,
+                num_slots=2,
+                max_tokens=n,
+                max_bs=1,
+                table_width=len(table),
+                dtype=dtype,
+                cfg=cfg,
+            )
             m.pools.reset_slot(1)
             plan = plan_step(StepInput((RequestInput(1, table, n, 0, n),)), spec, decoder_replay=on)
             logits = [m.forward(plan, ids[:n]).logits[0]]
             for k in range(decodes):
-                p = plan_step(StepInput((RequestInput(1, table, n, n + k, 1, phase="decode"),)), spec,
-                              decoder_replay=on)
+                p = plan_step(
+                    StepInput((RequestInput(1, table, n, n + k, 1, phase="decode"),)),
+                    spec,
+                    decoder_replay=on,
+                )
                 logits.append(m.forward(p, ids[n + k : n + k + 1]).logits[0])
-            decoder_rows = sum(v for (L, s), v in m.row_counts.items()
-                               if L >= spec.last_kv_source and s in ("attention", "ffn"))
+            decoder_rows = sum(
+                v
+                for (L, s), v in m.row_counts.items()
+                if L >= spec.last_kv_source and s in ("attention", "ffn")
+            )
             out[on] = (logits, decoder_rows)
         last = _errors(out[True][0][0], out[False][0][0])
         dec = [_errors(a, b) for a, b in zip(out[True][0][1:], out[False][0][1:])]
-        rows.append({
-            "prompt": n,
-            "last_max": last[0], "last_mean": last[1], "last_top1": last[2],
-            "dec_max": max((e[0] for e in dec), default=0.0),
-            "dec_mean": statistics.fmean(e[1] for e in dec) if dec else 0.0,
-            "dec_top1": sum(e[2] for e in dec) / max(len(dec), 1),
-            "rows_on": out[True][1], "rows_off": out[False][1],
-        })
+        rows.append(
+            {
+                "prompt": n,
+                "last_max": last[0],
+                "last_mean": last[1],
+                "last_top1": last[2],
+                "dec_max": max((e[0] for e in dec), default=0.0),
+                "dec_mean": statistics.fmean(e[1] for e in dec) if dec else 0.0,
+                "dec_top1": sum(e[2] for e in dec) / max(len(dec), 1),
+                "rows_on": out[True][1],
+                "rows_off": out[False][1],
+            }
+        )
     return rows
 
 
@@ -89,12 +112,24 @@ def query_rounding_table(cfg, w, eng, lengths) -> list[dict]:
             runs[fmt] = (ref.prefill(ids), {k: v.clone() for k, v in ref.selections.items()})
         (l4, s4), (l8, s8) = runs[None], runs["fp8"]
         same = [bool((s4[k][i] == s8[k][i]).all()) for k in s4 for i in range(n)]
-        overlap = [len(set(s4[k][i].tolist()) & set(s8[k][i].tolist()) - {-1}) /
-                   max(len(set(s4[k][i].tolist()) - {-1}), 1) for k in s4 for i in range(n)]
+        overlap = [
+            len(set(s4[k][i].tolist()) & set(s8[k][i].tolist()) - {-1})
+            / max(len(set(s4[k][i].tolist()) - {-1}), 1)
+            for k in s4
+            for i in range(n)
+        ]
         err = _errors(l8[-1], l4[-1])
-        out.append({"prompt": n, "lists_identical": sum(same) / len(same), "ids_shared": statistics.fmean(overlap),
-                    "last_max": err[0], "last_mean": err[1], "top1": err[2],
-                    "top1_all_rows": float((l8.argmax(-1) == l4.argmax(-1)).double().mean())})
+        out.append(
+            {
+                "prompt": n,
+                "lists_identical": sum(same) / len(same),
+                "ids_shared": statistics.fmean(overlap),
+                "last_max": err[0],
+                "last_mean": err[1],
+                "top1": err[2],
+                "top1_all_rows": float((l8.argmax(-1) == l4.argmax(-1)).double().mean()),
+            }
+        )
     return out
 
 
@@ -103,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="tiny40", help="spec name under specs/ (default tiny40)")
     ap.add_argument("--lengths", default="96,160,256,384", help="prompt lengths, comma-separated")
-    ap.add_argument("--decodes", type=int, default=8, help="teacher-forced decode steps after each prompt")
-    ap.add_argument("--query-lengths", default="160,384", help="prompt lengths of the query-rounding table")
+    ap.add_argument(
+        "--decodes", type=int, default=8, help="teacher-forced decode steps after each prompt"
+    )
+    ap.add_argument(
+        "--query-lengths", default="160,384", help="prompt lengths of the query-rounding table"
+    )
     args = ap.parse_args(argv)
     spec = load_cache_spec_unchecked(str(ROOT / "specs" / f"{args.spec}.yaml"))
     cfg = config_from_cache_spec(spec)
@@ -114,25 +153,39 @@ def main(argv: list[str] | None = None) -> int:
     eng = ckpt.engram_host()
     lengths = [int(x) for x in args.lengths.split(",")]
     W = spec.dims.sliding_window
-    print(f"# decoder replay vs full prefill: spec {args.spec}, W={W}, PAGE={spec.geometry().page_tokens}, "
-          f"random weights seed 0, float32, bf16 main / fp8 index")
-    print("| prompt | last-row max err | last-row mean err | last-row top-1 | decode max err | decode mean err "
-          "| decode top-1 | decoder rows on/off |")
+    print(
+        f"# decoder replay vs full prefill: spec {args.spec}, W={W}, PAGE={spec.geometry().page_tokens}, "
+        f"random weights seed 0, float32, bf16 main / fp8 index"
+    )
+    print(
+        "| prompt | last-row max err | last-row mean err | last-row top-1 | decode max err | decode mean err "
+        "| decode top-1 | decoder rows on/off |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in replay_table(spec, w64, eng, cfg, lengths, args.decodes, torch.float32):
-        print(f"| {r['prompt']} | {r['last_max']:.3e} | {r['last_mean']:.3e} | {'yes' if r['last_top1'] else 'no'} "
-              f"| {r['dec_max']:.3e} | {r['dec_mean']:.3e} | {r['dec_top1']:.0%} | {r['rows_on']}/{r['rows_off']} |")
+        print(
+            f"| {r['prompt']} | {r['last_max']:.3e} | {r['last_mean']:.3e} | {'yes' if r['last_top1'] else 'no'} "
+            f"| {r['dec_max']:.3e} | {r['dec_mean']:.3e} | {r['dec_top1']:.0%} | {r['rows_on']}/{r['rows_off']} |"
+        )
     qlens = [int(x) for x in args.query_lengths.split(",")]
     print()
-    print("# index-query rounding: FP8 plane (scorer rounds q to E4M3 per row/head) vs published FP4 q/k;"
-          " dense reference, float64")
-    print("| prompt | top-k lists identical | ids shared | last-row max err | last-row mean err | last-row top-1 "
-          "| top-1 over rows |")
+    print(
+        "# index-query rounding: FP8 plane (scorer rounds q to E4M3 per row/head) vs published FP4 q/k;"
+        " dense reference, float64"
+    )
+    print(
+        "| prompt | top-k lists identical | ids shared | last-row max err | last-row mean err | last-row top-1 "
+        "| top-1 over rows |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in query_rounding_table(cfg, w64, eng, qlens):
-        print(f"| {r['prompt']} | {r['lists_identical']:.1%} | {r['ids_shared']:.1%} | {r['last_max']:.3e} "
-              f"| {r['last_mean']:.3e} | {'yes' if r['top1'] else 'no'} | {r['top1_all_rows']:.1%} |")
-    print(f"\n(errors are relative to the largest |logit| of the baseline; {time.perf_counter() - t0:.0f} s)")
+        print(
+            f"| {r['prompt']} | {r['lists_identical']:.1%} | {r['ids_shared']:.1%} | {r['last_max']:.3e} "
+            f"| {r['last_mean']:.3e} | {'yes' if r['top1'] else 'no'} | {r['top1_all_rows']:.1%} |"
+        )
+    print(
+        f"\n(errors are relative to the largest |logit| of the baseline; {time.perf_counter() - t0:.0f} s)"
+    )
     return 0
 
 

@@ -46,7 +46,14 @@ def reference(spec_name: str, index_fmt: str, seed: int, n: int):
 def runtime(spec_name: str, kv: str, ix: str, **kw) -> RuntimeModel:
     """A runtime model over the shared random weights."""
     spec, cfg, w, eng = model(spec_name)
-    args = {"num_pages": 24, "num_slots": 4, "max_tokens": 320, "max_bs": 4, "table_width": 12, "dtype": DTYPE}
+    args = {
+        "num_pages": 24,
+        "num_slots": 4,
+        "max_tokens": 320,
+        "max_bs": 4,
+        "table_width": 12,
+        "dtype": DTYPE,
+    }
     args.update(kw)
     return RuntimeModel(spec, w, eng, kv_cache_dtype=kv, index_cache_dtype=ix, cfg=cfg, **args)
 
@@ -54,13 +61,24 @@ def runtime(spec_name: str, kv: str, ix: str, **kw) -> RuntimeModel:
 def step(spec, requests, *, decoder_replay=False, encoder_replay=False, pad_tokens=0, pad_bs=0):
     """Plan one step of ``(slot, table, prompt_len, start, chunk_len, phase[, fresh])`` requests."""
     reqs = tuple(
-        RequestInput(slot=r[0], block_table=tuple(r[1]), prompt_len=r[2], start=r[3], chunk_len=r[4],
-                     phase=r[5], fresh_slot=r[6] if len(r) > 6 else False, token_ids=r[7] if len(r) > 7 else None)
+        RequestInput(
+            slot=r[0],
+            block_table=tuple(r[1]),
+            prompt_len=r[2],
+            start=r[3],
+            chunk_len=r[4],
+            phase=r[5],
+            fresh_slot=r[6] if len(r) > 6 else False,
+            token_ids=r[7] if len(r) > 7 else None,
+        )
         for r in requests
     )
     rows = sum(r.chunk_len for r in reqs)
-    si = StepInput(reqs, running_bs=len(reqs) + pad_bs if pad_bs else None,
-                   running_tokens=rows + pad_tokens if pad_tokens else None)
+    si = StepInput(
+        reqs,
+        running_bs=len(reqs) + pad_bs if pad_bs else None,
+        running_tokens=rows + pad_tokens if pad_tokens else None,
+    )
     return plan_step(si, spec, decoder_replay=decoder_replay, encoder_replay=encoder_replay)
 
 

@@ -28,14 +28,18 @@ def test_codecs_store_the_quantizers_grid_exactly():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g, dtype=torch.float64) * 3
     fp4 = Q.fake_fp4_e4m3(x, 16)
-    assert torch.equal(R.decode_fp4_e4m3_scales(R.encode_fp4_e4m3_scales(fp4), 64, torch.float64), fp4)
+    assert torch.equal(
+        R.decode_fp4_e4m3_scales(R.encode_fp4_e4m3_scales(fp4), 64, torch.float64), fp4
+    )
     k4 = Q.fake_fp4(x, 32)
     assert torch.equal(R.decode_fp4_e8m0(*R.encode_fp4_e8m0(k4), torch.float64), k4)
     assert torch.equal(R.decode_fp4_e8m0(*R.encode_fp4_e8m0(x), torch.float64), k4)
     w8 = Q.fake_fp8(x, 32)
     assert torch.equal(R.decode_fp8_e8m0(R.encode_fp8_e8m0(w8), 64, torch.float64), w8)
     codes, scale = Q.quant_fp8_rows(x)
-    assert torch.equal(R.decode_fp8_row(R.encode_fp8_row(x), 64, torch.float64), codes * scale.double())
+    assert torch.equal(
+        R.decode_fp8_row(R.encode_fp8_row(x), 64, torch.float64), codes * scale.double()
+    )
 
 
 def _reference_positions():
@@ -72,12 +76,30 @@ def test_every_scatter_bails_on_sentinels(tiny):
         pos = torch.arange(n)
         x = torch.randn(n, 64)
         K.ring_write(p.ring(0), x, none, pos, torch.zeros(n, dtype=torch.long), p.sink_slot)
-        K.compress_groups(x, x, pos, none, torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool),
-                          p.tail_values[:, 0], p.tail_scores[:, 0], p.sink_slot)
+        K.compress_groups(
+            x,
+            x,
+            pos,
+            none,
+            torch.ones(n, dtype=torch.bool),
+            torch.ones(n, dtype=torch.bool),
+            p.tail_values[:, 0],
+            p.tail_scores[:, 0],
+            p.sink_slot,
+        )
         addr = p.row_address(8, torch.tensor([[0, 1]]), none, pos)
-        K.main_scatter(p.main[8], x, addr.page, addr.row, torch.zeros(n, dtype=torch.bool), p.sink_page)
-        K.index_key_store(_planes(p, 8), x[:, :32], torch.ones(n, 1), addr.page, addr.row,
-                          torch.zeros(n, dtype=torch.bool), p.sink_page)
+        K.main_scatter(
+            p.main[8], x, addr.page, addr.row, torch.zeros(n, dtype=torch.bool), p.sink_page
+        )
+        K.index_key_store(
+            _planes(p, 8),
+            x[:, :32],
+            torch.ones(n, 1),
+            addr.page,
+            addr.row,
+            torch.zeros(n, dtype=torch.bool),
+            p.sink_page,
+        )
         assert torch.equal(p.backing, before), pair
 
 
@@ -93,9 +115,13 @@ def test_compress_groups_pairs_with_the_previous_row_or_the_tail(tiny):
     last = torch.tensor([0, 0, 1, 0, 0, 1, 0], dtype=torch.bool)
     v = torch.randn(7, 64)
     s = torch.randn(7, 64)
-    pv, ps = K.compress_groups(v, s, pos, slot, first, last, p.tail_values[:, 0], p.tail_scores[:, 0], p.sink_slot)
+    pv, ps = K.compress_groups(
+        v, s, pos, slot, first, last, p.tail_values[:, 0], p.tail_scores[:, 0], p.sink_slot
+    )
     assert torch.equal(pv[0, 0], torch.ones(64)) and torch.equal(ps[0, 0], torch.full((64,), -2.0))
-    assert torch.equal(pv[2], torch.stack((v[1], v[2]))) and torch.equal(ps[4], torch.stack((s[3], s[4])))
+    assert torch.equal(pv[2], torch.stack((v[1], v[2]))) and torch.equal(
+        ps[4], torch.stack((s[3], s[4]))
+    )
     assert torch.equal(p.tail_values[0, 0], v[5]) and torch.equal(p.tail_scores[0, 0], s[5])
     assert torch.equal(p.tail_values[1, 0], torch.ones(64))  # slot 1 ended on an odd position
 
@@ -141,8 +167,15 @@ def test_scorer_matches_the_models_dense_scores_and_tie_rule(tiny, index_dtype):
     key = torch.cat([k for k, _ in keys])
     scale = torch.cat([s for _, s in keys]) if index_dtype == "fp8" else None
     addr = p.row_address(2, table, torch.tensor(batch), torch.tensor(rows))
-    K.index_key_store(_planes(p, 2), key, scale, addr.page, addr.row, torch.ones(len(batch), dtype=torch.bool),
-                      p.sink_page)
+    K.index_key_store(
+        _planes(p, 2),
+        key,
+        scale,
+        addr.page,
+        addr.row,
+        torch.ones(len(batch), dtype=torch.bool),
+        p.sink_page,
+    )
     # query rows: request 0 at bounds 48, 7, 0 and request 1 at 20, one padding row
     qb = torch.tensor([0, 0, 0, 1, -1])
     bound = torch.tensor([48, 7, 0, 20, 0])
@@ -161,7 +194,7 @@ def test_scorer_matches_the_models_dense_scores_and_tie_rule(tiny, index_dtype):
             qc, qs = Q.fake_fp4(q[t : t + 1], 32), None
         kc, ks = keys[b]
         score = Attention.index_scores(qc, qs, w[t : t + 1], kc, ks)
-        score[:, int(bound[t]):] = float("-inf")
+        score[:, int(bound[t]) :] = float("-inf")
         assert ids[t].tolist() == topk_ids(score, 4)[0].tolist()
         assert ids[t].tolist() == _dense_topk(score[0], int(bound[t]), 4)
 
@@ -189,12 +222,22 @@ def test_window_gather_reads_ring_below_the_cut_and_forward_rows_above(tiny, kv_
     hist = Q.fake_fp8(torch.randn(20, 64, dtype=torch.float64))
     ring = p.ring(0)
     # ring of slot 1 holds positions 2..9 (a previous chunk ended at 10)
-    K.ring_write(ring, hist[:10], torch.full((10,), 1), torch.arange(10), torch.full((10,), 2), p.sink_slot)
+    K.ring_write(
+        ring, hist[:10], torch.full((10,), 1), torch.arange(10), torch.full((10,), 2), p.sink_slot
+    )
     fwd = Q.fake_fp8(torch.randn(5, 64, dtype=torch.float64))  # positions 10..14
     pos = torch.tensor([10, 11, 12, 13, 14])
     slot = torch.full((5,), 1)
-    keys, valid = K.gather_window(ring, fwd, torch.arange(5), slot, pos, torch.zeros(5, dtype=torch.long),
-                                  torch.full((5,), 10), 8)
+    keys, valid = K.gather_window(
+        ring,
+        fwd,
+        torch.arange(5),
+        slot,
+        pos,
+        torch.zeros(5, dtype=torch.long),
+        torch.full((5,), 10),
+        8,
+    )
     for t in range(5):
         for j in range(8):
             kp = int(pos[t]) - 7 + j

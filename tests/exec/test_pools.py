@@ -63,7 +63,12 @@ def test_byte_addresses_follow_the_geometry(tiny, pair):
     slot, layer, r = 1, 5, 3
     p.backing.zero_()
     p.rings[slot, layer, r].view(torch.uint8)[0] = 9
-    addr = p.state_region[0] + slot * g.state_bytes + f.offset + (layer * g.ring_rows + r) * g.ring_row_bytes
+    addr = (
+        p.state_region[0]
+        + slot * g.state_bytes
+        + f.offset
+        + (layer * g.ring_rows + r) * g.ring_row_bytes
+    )
     assert int(p.backing[addr]) == 9
     c = g.state_field("cursor")
     p.cursor[1, 2] = 258

@@ -52,7 +52,10 @@ def _run(spec_name, kv, ix, requests, pad_tokens=3, pad_bs=1):
     spec, _cfg, _w, eng = model(spec_name)
     m = runtime(spec_name, kv, ix)
     prompts = [sum(r["chunks"]) for r in requests]
-    refs = [reference(spec_name, _index_fmt(ix), r["seed"], p + DECODES) for r, p in zip(requests, prompts)]
+    refs = [
+        reference(spec_name, _index_fmt(ix), r["seed"], p + DECODES)
+        for r, p in zip(requests, prompts)
+    ]
     ids = [token_ids(p + DECODES, r["seed"]) for r, p in zip(requests, prompts)]
     for r in requests:
         m.pools.reset_slot(r["slot"])
@@ -70,17 +73,21 @@ def _run(spec_name, kv, ix, requests, pad_tokens=3, pad_bs=1):
             batch.append((r["slot"], r["table"], prompts[j], done[j], n, phase))
             order.append(j)
         plan = step(spec, batch, pad_tokens=pad_tokens, pad_bs=pad_bs)
-        flat = np.concatenate([ids[j][done[j] : done[j] + batch[k][4]] for k, j in enumerate(order)])
+        flat = np.concatenate(
+            [ids[j][done[j] : done[j] + batch[k][4]] for k, j in enumerate(order)]
+        )
         out = m.forward(plan, flat, all_row_logits=True)
         for k, j in enumerate(order):
             n = batch[k][4]
             _check_rows(m, out, plan, k, refs[j][0], refs[j][1], done[j], n)
             done[j] += n
-            assert m.pools.cursor[requests[j]["slot"]].tolist() == cursor_expected(eng, ids[j], done[j])
+            assert m.pools.cursor[requests[j]["slot"]].tolist() == cursor_expected(
+                eng, ids[j], done[j]
+            )
             # the last-row logits the sampler reads are the same rows
             last = out.row_logits[int(plan.last_rows[k])]
             assert (out.logits[k] - last).abs().max() <= REL_TOL * last.abs().max()
-        assert not out.logits[len(order):].any()  # padding requests read nothing
+        assert not out.logits[len(order) :].any()  # padding requests read nothing
     return m
 
 
@@ -94,8 +101,14 @@ def test_ragged_batches_match_the_reference_on_tiny(pair):
 
 
 def test_single_request_matches_the_reference_on_tiny():
-    _run("tiny", "bf16", "fp8", [{"slot": 3, "table": TABLE_A, "chunks": CHUNKS_A, "seed": 11}], pad_tokens=0,
-         pad_bs=0)
+    _run(
+        "tiny",
+        "bf16",
+        "fp8",
+        [{"slot": 3, "table": TABLE_A, "chunks": CHUNKS_A, "seed": 11}],
+        pad_tokens=0,
+        pad_bs=0,
+    )
 
 
 def test_tiny40_matches_the_reference():
@@ -111,9 +124,13 @@ def test_unsupported_formats_are_refused_before_weights_load(tmp_path):
     from v41plan.exec.runtime_model import RuntimeModel
 
     spec, *_ = model("tiny")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported; accepted: bf16, fp4"):
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='fp8' is not supported; accepted: bf16, fp4"
+    ):
         RuntimeModel.from_checkpoint(tmp_path / "missing", spec, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match=r"index_cache_dtype='bf16' is not supported; accepted: fp8, fp4"):
+    with pytest.raises(
+        ValueError, match=r"index_cache_dtype='bf16' is not supported; accepted: fp8, fp4"
+    ):
         RuntimeModel.from_checkpoint(tmp_path / "missing", spec, index_cache_dtype="bf16")
 
 

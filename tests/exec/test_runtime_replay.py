@@ -25,8 +25,15 @@ N_REPLAY = W + PAGE + 12  # a prompt longer than W + PAGE
 def _global_bytes(m) -> dict[str, torch.Tensor]:
     """Every owner's main and index planes (all pages) as bytes."""
     p = m.pools
-    out = {f"main.{o}": t.reshape(t.shape[0], -1).contiguous().view(torch.uint8).clone() for o, t in p.main.items()}
-    for name, views in (("index", p.index), ("index_values", p.index_values), ("index_scales", p.index_scales)):
+    out = {
+        f"main.{o}": t.reshape(t.shape[0], -1).contiguous().view(torch.uint8).clone()
+        for o, t in p.main.items()
+    }
+    for name, views in (
+        ("index", p.index),
+        ("index_values", p.index_values),
+        ("index_scales", p.index_scales),
+    ):
         for o, t in views.items():
             out[f"{name}.{o}"] = t.contiguous().clone()
     return out
@@ -40,7 +47,9 @@ def _prefill(m, spec, ids, chunks, slot=1, table=TABLE, decoder_replay=False):
     m.pools.reset_slot(slot)
     done, out, plans = 0, None, []
     for n in chunks:
-        plan = step(spec, [(slot, table, len(ids), done, n, "prefill")], decoder_replay=decoder_replay)
+        plan = step(
+            spec, [(slot, table, len(ids), done, n, "prefill")], decoder_replay=decoder_replay
+        )
         out = m.forward(plan, ids[plan.forward_start[0] : done + n])
         plans.append(plan)
         done += n
@@ -60,10 +69,18 @@ def test_decoder_replay_runs_fewer_decoder_rows_and_exactly_the_planned_rows():
                 promised[key] = promised.get(key, 0) + len(rows)
         ran = {k: v for k, v in m.row_counts.items() if k[1] != "compress_groups"}
         assert ran == {k: v for k, v in promised.items() if v}  # the rows the plan promised ran
-        counts[on] = sum(v for (L, sub), v in ran.items() if L >= spec.last_kv_source and sub in ("attention", "ffn"))
+        counts[on] = sum(
+            v
+            for (L, sub), v in ran.items()
+            if L >= spec.last_kv_source and sub in ("attention", "ffn")
+        )
         if on:  # the non-final chunk ran no decoder attention or FFN; the final one its tail only
             first = plans[0].layer_rows
-            assert all(len(first[(L, s)]) == 0 for L in range(spec.last_kv_source, 14) for s in ("attention", "ffn"))
+            assert all(
+                len(first[(L, s)]) == 0
+                for L in range(spec.last_kv_source, 14)
+                for s in ("attention", "ffn")
+            )
             last = plans[1].layer_rows
             assert len(last[(13, "attention")]) == 1 and len(last[(12, "attention")]) == W
             assert len(last[(spec.last_kv_source, "compress")]) == 26
@@ -97,7 +114,9 @@ def test_decoder_replay_keeps_the_encoder_and_global_path_exact(chunks):
     L = spec.last_kv_source
     assert torch.equal(m_on.selections[L][tail], ref_sel[L][torch.from_numpy(last.positions)[tail]])
     assert m_on.pools.cursor[1].tolist() == m_off.pools.cursor[1].tolist()
-    assert torch.isfinite(out_on.logits[0]).all() and not torch.equal(out_on.logits[0], out_off.logits[0])
+    assert torch.isfinite(out_on.logits[0]).all() and not torch.equal(
+        out_on.logits[0], out_off.logits[0]
+    )
 
 
 def test_encoder_replay_rebuilds_rings_in_a_fresh_slot_without_rewriting_cached_kv():
@@ -110,8 +129,11 @@ def test_encoder_replay_rebuilds_rings_in_a_fresh_slot_without_rewriting_cached_
     before = _global_bytes(m)
     # Y hits X's first two pages (64 tokens) and resumes in a fresh slot with its own last pages
     m.pools.reset_slot(2)
-    plan = step(spec, [(2, (9, 7, 5), 76, 64, 12, "prefill", True, tuple(int(t) for t in eng.compress(y_ids)))],
-                encoder_replay=True)
+    plan = step(
+        spec,
+        [(2, (9, 7, 5), 76, 64, 12, "prefill", True, tuple(int(t) for t in eng.compress(y_ids)))],
+        encoder_replay=True,
+    )
     assert plan.forward_start[0] == 32 and plan.write_from[0] == 64
     out = m.forward(plan, y_ids[32:76], all_row_logits=True)
     after = _global_bytes(m)
@@ -155,8 +177,10 @@ def test_restored_image_resumes_with_identical_logits_and_overwrites_its_own_tai
     units = (20, 17)[: g.units_per_image]
     cp = CopyPlanner(g, m.pools.num_pages, m.pools.num_slots)
     m.pools.state[3].fill_(0xFF)  # the destination slot's own tails: NaN bytes
-    for spans in (cp.store(ImageOp(1, units, g.layout_id, g.image_bytes)),
-                  cp.restore(ImageOp(3, units, g.layout_id, g.image_bytes))):
+    for spans in (
+        cp.store(ImageOp(1, units, g.layout_id, g.image_bytes)),
+        cp.restore(ImageOp(3, units, g.layout_id, g.image_bytes)),
+    ):
         m.backend.copy_image(m.pools.backing, *m.pools.span_addresses(cp.regions, spans))
     assert torch.isnan(m.pools.tail_values[3]).all()
     for i, n in enumerate(rest):

@@ -33,8 +33,14 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _typed(flat: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
-           outer: int, outer_stride_bytes: int) -> torch.Tensor:
+def _typed(
+    flat: torch.Tensor,
+    offset: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    outer: int,
+    outer_stride_bytes: int,
+) -> torch.Tensor:
     """A typed strided view ``[outer, *shape]`` of ``flat`` (uint8) starting at byte ``offset``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     assert offset % itemsize == 0 and outer_stride_bytes % itemsize == 0
@@ -56,8 +62,13 @@ class PageAddress:
     row: torch.Tensor
 
 
-def compressed_row_address(block_table: torch.Tensor, batch_id: torch.Tensor, row: torch.Tensor,
-                           rows_per_page: int, sink_page: int) -> PageAddress:
+def compressed_row_address(
+    block_table: torch.Tensor,
+    batch_id: torch.Tensor,
+    row: torch.Tensor,
+    rows_per_page: int,
+    sink_page: int,
+) -> PageAddress:
     """Address of compressed row ``row`` of request ``batch_id`` through its block table.
 
     Pure function of (block table, compressed row). A negative batch id, a negative row or a
@@ -71,8 +82,9 @@ def compressed_row_address(block_table: torch.Tensor, batch_id: torch.Tensor, ro
     return PageAddress(torch.where(ok, page, sink_page), torch.where(ok, c % rows_per_page, 0))
 
 
-def ring_row_address(slot: torch.Tensor, position: torch.Tensor, ring_rows: int,
-                     sink_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_row_address(
+    slot: torch.Tensor, position: torch.Tensor, ring_rows: int, sink_slot: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slot, ring row)`` of position ``position``: ``position mod ring_rows``; a negative slot
     or position goes to the sink slot."""
     ok = (slot >= 0) & (position >= 0)
@@ -96,8 +108,13 @@ class Pools:
       ``[slots+1, 1 + history]`` int64.
     """
 
-    def __init__(self, geometry: PoolGeometry, num_pages: int, num_slots: int,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        geometry: PoolGeometry,
+        num_pages: int,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+    ):
         g = geometry
         self.geometry = g
         self.num_pages = num_pages
@@ -135,63 +152,89 @@ class Pools:
                 self.rows_per_page[p.owner] = p.rows_per_page
                 self.ratio[p.owner] = p.ratio
                 if g.kv_cache_dtype == "bf16":
-                    self.main[p.owner] = _typed(flat, p.region_offset, (p.rows_per_page, p.row_bytes // 2),
-                                                torch.bfloat16, pages, g.page_bytes)
+                    self.main[p.owner] = _typed(
+                        flat,
+                        p.region_offset,
+                        (p.rows_per_page, p.row_bytes // 2),
+                        torch.bfloat16,
+                        pages,
+                        g.page_bytes,
+                    )
                 else:
-                    self.main[p.owner] = _typed(flat, p.region_offset, (p.rows_per_page, p.row_bytes),
-                                                torch.uint8, pages, g.page_bytes)
+                    self.main[p.owner] = _typed(
+                        flat,
+                        p.region_offset,
+                        (p.rows_per_page, p.row_bytes),
+                        torch.uint8,
+                        pages,
+                        g.page_bytes,
+                    )
                 continue
             base = plane_regions[p.name]
             if p.kind == "index":
                 rb = p.row_bytes
-                self.index[p.owner] = _typed(flat, base, (p.rows_per_page, rb), torch.uint8, pages,
-                                             p.bytes_per_page)
+                self.index[p.owner] = _typed(
+                    flat, base, (p.rows_per_page, rb), torch.uint8, pages, p.bytes_per_page
+                )
                 self.index_values[p.owner] = self.index[p.owner][..., : rb - 4]
                 # one fp32 scale per row, in the row's last 4 bytes
                 self.index_scale[p.owner] = flat.view(torch.float32).as_strided(
                     (pages, p.rows_per_page), (p.bytes_per_page // 4, rb // 4), (base + rb - 4) // 4
                 )
             elif p.kind == "index_values":
-                self.index_values[p.owner] = _typed(flat, base, (p.rows_per_page, p.row_bytes), torch.uint8,
-                                                    pages, p.bytes_per_page)
+                self.index_values[p.owner] = _typed(
+                    flat, base, (p.rows_per_page, p.row_bytes), torch.uint8, pages, p.bytes_per_page
+                )
             else:
-                self.index_scales[p.owner] = _typed(flat, base, (p.rows_per_page, p.row_bytes), torch.uint8,
-                                                    pages, p.bytes_per_page)
+                self.index_scales[p.owner] = _typed(
+                    flat, base, (p.rows_per_page, p.row_bytes), torch.uint8, pages, p.bytes_per_page
+                )
 
         s0 = self.state_region[0]
         self.state = _typed(flat, s0, (g.state_bytes,), torch.uint8, slots, g.state_bytes)
         views = {}
         for f in g.state_fields:
-            views[f.name] = _typed(flat, s0 + f.offset, tuple(f.shape), _DTYPES[f.dtype], slots, g.state_bytes)
+            views[f.name] = _typed(
+                flat, s0 + f.offset, tuple(f.shape), _DTYPES[f.dtype], slots, g.state_bytes
+            )
         self.rings = views["swa_rings"]
         self.tail_values = views["tail_values"]
         self.tail_scores = views["tail_scores"]
         self.cursor = views["cursor"]
         # ratio-2 owners in layer order own tail rows 0, 1, 2
-        self.tail_index = {o: i for i, o in enumerate(
-            sorted(o for o, r in self.ratio.items() if r == 2))}
+        self.tail_index = {
+            o: i for i, o in enumerate(sorted(o for o, r in self.ratio.items() if r == 2))
+        }
 
     # -- addressing -------------------------------------------------------------------------
     def ring(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s rings across slots: ``[slots+1, ring_rows, width]``."""
         return self.rings[:, layer]
 
-    def ring_address(self, slot: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def ring_address(
+        self, slot: torch.Tensor, position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slot, ring row)`` of a position (sentinels go to the sink slot)."""
         return ring_row_address(slot, position, self.geometry.ring_rows, self.sink_slot)
 
-    def row_address(self, owner: int, block_table: torch.Tensor, batch_id: torch.Tensor,
-                    row: torch.Tensor) -> PageAddress:
+    def row_address(
+        self, owner: int, block_table: torch.Tensor, batch_id: torch.Tensor, row: torch.Tensor
+    ) -> PageAddress:
         """Address of compressed row ``row`` of ``owner`` for request ``batch_id``."""
-        return compressed_row_address(block_table, batch_id, row, self.rows_per_page[owner], self.sink_page)
+        return compressed_row_address(
+            block_table, batch_id, row, self.rows_per_page[owner], self.sink_page
+        )
 
     @staticmethod
     def row_groups(plane: torch.Tensor, group_rows: int = 8) -> torch.Tensor:
         """View an fp4 index plane ``[pages, rows, bytes]`` as page-8 row groups
         ``[pages, rows // 8, 8, bytes]`` (the row-group scorer's unit)."""
         p, r, b = plane.shape
-        return plane.view(p, r // group_rows, group_rows, b) if plane.is_contiguous() else \
-            plane.unflatten(1, (r // group_rows, group_rows))
+        return (
+            plane.view(p, r // group_rows, group_rows, b)
+            if plane.is_contiguous()
+            else plane.unflatten(1, (r // group_rows, group_rows))
+        )
 
     # -- checkpoint images ---------------------------------------------------------------
     def image_addresses(self, slot: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,10 +247,13 @@ class Pools:
         """
         g = self.geometry
         dev = self.backing.device
-        state_off = torch.cat([
-            torch.arange(f.offset, f.offset + f.field_bytes, device=dev)
-            for f in g.state_fields if f.in_checkpoint
-        ])
+        state_off = torch.cat(
+            [
+                torch.arange(f.offset, f.offset + f.field_bytes, device=dev)
+                for f in g.state_fields
+                if f.in_checkpoint
+            ]
+        )
         n = state_off.numel()
         i = torch.arange(n, device=dev)
         unit, within = i // g.page_unit_bytes, i % g.page_unit_bytes
@@ -230,19 +276,27 @@ class Pools:
         and each index plane by its ``PlaneInfo.name``)."""
         return {"page": self.page_region[0], "state": self.state_region[0], **self._plane_regions}
 
-    def span_addresses(self, region_names: tuple[str, ...], spans) -> tuple[torch.Tensor, torch.Tensor]:
+    def span_addresses(
+        self, region_names: tuple[str, ...], spans
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Byte addresses ``(src, dst)`` of a planner span table (``planner.checkpoint.CopySpans``),
         for ``KernelBackend.copy_image``."""
         bases = self.region_bases()
-        missing = sorted({region_names[int(r)] for r in (*spans.src_region, *spans.dst_region)} - set(bases))
+        missing = sorted(
+            {region_names[int(r)] for r in (*spans.src_region, *spans.dst_region)} - set(bases)
+        )
         if missing:
-            raise ValueError(f"span table names regions this pool does not have: {', '.join(missing)}")
+            raise ValueError(
+                f"span table names regions this pool does not have: {', '.join(missing)}"
+            )
         n = torch.as_tensor(spans.nbytes, dtype=torch.long)
         within = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
 
         def side(regions, offsets) -> torch.Tensor:
-            start = torch.tensor([bases[region_names[int(r)]] + int(o) for r, o in zip(regions, offsets)],
-                                 dtype=torch.long)
+            start = torch.tensor(
+                [bases[region_names[int(r)]] + int(o) for r, o in zip(regions, offsets)],
+                dtype=torch.long,
+            )
             return (torch.repeat_interleave(start, n) + within).to(self.backing.device)
 
         return side(spans.src_region, spans.src_offset), side(spans.dst_region, spans.dst_offset)

@@ -87,28 +87,47 @@ class StepBuffers:
     @classmethod
     def allocate(cls, max_tokens: int, max_bs: int, table_width: int, device) -> StepBuffers:
         """Buffers for graph keys up to ``(max_bs, max_tokens)`` and ``table_width`` pages."""
+
         def z(*shape):
             return torch.zeros(*shape, dtype=torch.long, device=device)
 
-        return cls(z(max_tokens), z(max_tokens), z(max_bs), z(max_bs, table_width), *(z(max_bs) for _ in range(7)),
-                   z(max_bs))
+        return cls(
+            z(max_tokens),
+            z(max_tokens),
+            z(max_bs),
+            z(max_bs, table_width),
+            *(z(max_bs) for _ in range(7)),
+            z(max_bs),
+        )
 
     def load(self, plan) -> None:
         """Copy a plan's arrays in (padding keeps its sentinels); refuses a wider plan."""
         t, b = plan.running_tokens, plan.running_bs
         if t > self.positions.shape[0] or b > self.slots.shape[0]:
-            raise ValueError(f"step width ({b} requests, {t} rows) exceeds the buffers "
-                             f"({self.slots.shape[0]}, {self.positions.shape[0]})")
+            raise ValueError(
+                f"step width ({b} requests, {t} rows) exceeds the buffers "
+                f"({self.slots.shape[0]}, {self.positions.shape[0]})"
+            )
         w = plan.block_tables.shape[1]
         if w > self.block_tables.shape[1]:
-            raise ValueError(f"block table width {w} exceeds the buffers' {self.block_tables.shape[1]}")
+            raise ValueError(
+                f"block table width {w} exceeds the buffers' {self.block_tables.shape[1]}"
+            )
         self.positions[:t].copy_(torch.from_numpy(plan.positions))
         self.batch_ids[:t].copy_(torch.from_numpy(plan.batch_ids.astype(np.int64)))
         self.slots[:b].copy_(torch.from_numpy(plan.slots.astype(np.int64)))
         self.block_tables.fill_(-1)
         self.block_tables[:b, :w].copy_(torch.from_numpy(plan.block_tables.astype(np.int64)))
-        for name in ("forward_start", "forward_end", "cached_until", "swa_cached_until", "swa_replay_start",
-                     "encoder_window_floor", "tail_start", "last_rows"):
+        for name in (
+            "forward_start",
+            "forward_end",
+            "cached_until",
+            "swa_cached_until",
+            "swa_replay_start",
+            "encoder_window_floor",
+            "tail_start",
+            "last_rows",
+        ):
             getattr(self, name)[:b].copy_(torch.from_numpy(getattr(plan, name).astype(np.int64)))
 
 
@@ -125,11 +144,25 @@ class StepOutput:
 class RuntimeModel:
     """The paged V4.1 model over ``Pools`` for one (kv_cache_dtype, index_cache_dtype) pair."""
 
-    def __init__(self, cache_spec: CacheSpec, weights: dict[str, torch.Tensor], engram, *,
-                 kv_cache_dtype: str = "bf16", index_cache_dtype: str = "fp8", num_pages: int = 64,
-                 num_slots: int = 4, max_tokens: int = 512, max_bs: int = 8, table_width: int = 32,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 cfg: ModelConfig | None = None, backend=None, tp: TPGroup = SINGLE):
+    def __init__(
+        self,
+        cache_spec: CacheSpec,
+        weights: dict[str, torch.Tensor],
+        engram,
+        *,
+        kv_cache_dtype: str = "bf16",
+        index_cache_dtype: str = "fp8",
+        num_pages: int = 64,
+        num_slots: int = 4,
+        max_tokens: int = 512,
+        max_bs: int = 8,
+        table_width: int = 32,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        cfg: ModelConfig | None = None,
+        backend=None,
+        tp: TPGroup = SINGLE,
+    ):
         check_formats(kv_cache_dtype, index_cache_dtype)
         self.spec = cache_spec
         self.cfg = cfg = cfg or config_from_cache_spec(cache_spec)
@@ -146,14 +179,25 @@ class RuntimeModel:
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]
         self.head = w["head.weight"].to(self.acc)
-        self.attn, self.moe, self.hc_attn, self.hc_ffn, self.attn_norm, self.ffn_norm = [], [], [], [], [], []
+        self.attn, self.moe, self.hc_attn, self.hc_ffn, self.attn_norm, self.ffn_norm = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         self.engram_layers: dict[int, EngramLayer] = {}
         for info in cfg.layers:
             p = f"layers.{info.index}"
             self.attn.append(Attention(cfg, info, w, p, dtype, tp=tp))
             self.moe.append(MoE(cfg, w, p, dtype, tp=tp))
-            self.hc_attn.append(HcParams(*(w[f"{p}.hc_attn_{k}"].to(self.acc) for k in ("fn", "base", "scale"))))
-            self.hc_ffn.append(HcParams(*(w[f"{p}.hc_ffn_{k}"].to(self.acc) for k in ("fn", "base", "scale"))))
+            self.hc_attn.append(
+                HcParams(*(w[f"{p}.hc_attn_{k}"].to(self.acc) for k in ("fn", "base", "scale")))
+            )
+            self.hc_ffn.append(
+                HcParams(*(w[f"{p}.hc_ffn_{k}"].to(self.acc) for k in ("fn", "base", "scale")))
+            )
             self.attn_norm.append(w[f"{p}.attn_norm.weight"])
             self.ffn_norm.append(w[f"{p}.ffn_norm.weight"])
             if info.engram:
@@ -165,20 +209,40 @@ class RuntimeModel:
         rows that did not select)."""
 
     @classmethod
-    def from_checkpoint(cls, path, cache_spec: CacheSpec, *, kv_cache_dtype: str = "bf16",
-                        index_cache_dtype: str = "fp8", dtype: torch.dtype = torch.float32, **kw) -> RuntimeModel:
+    def from_checkpoint(
+        cls,
+        path,
+        cache_spec: CacheSpec,
+        *,
+        kv_cache_dtype: str = "bf16",
+        index_cache_dtype: str = "fp8",
+        dtype: torch.dtype = torch.float32,
+        **kw,
+    ) -> RuntimeModel:
         """Load a checkpoint directory; the format pair is refused before any weight is read."""
         check_formats(kv_cache_dtype, index_cache_dtype)
         from v41plan.exec.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(path, cache_spec, dtype=dtype, device=kw.get("device", "cpu"))
-        return cls(cache_spec, ckpt.weights, ckpt.engram_host(), kv_cache_dtype=kv_cache_dtype,
-                   index_cache_dtype=index_cache_dtype, dtype=dtype, cfg=ckpt.config, **kw)
+        return cls(
+            cache_spec,
+            ckpt.weights,
+            ckpt.engram_host(),
+            kv_cache_dtype=kv_cache_dtype,
+            index_cache_dtype=index_cache_dtype,
+            dtype=dtype,
+            cfg=ckpt.config,
+            **kw,
+        )
 
     # ------------------------------------------------------------------------------------
     def _index_planes(self, owner: int) -> tuple[torch.Tensor, ...]:
         p = self.pools
-        return (p.index[owner],) if owner in p.index else (p.index_values[owner], p.index_scales[owner])
+        return (
+            (p.index[owner],)
+            if owner in p.index
+            else (p.index_values[owner], p.index_scales[owner])
+        )
 
     def _rows(self, plan, layer: int, sub: str, t: int) -> torch.Tensor:
         """Flat rows of a sub-step: every row of the width when the plan runs all real rows."""
@@ -221,7 +285,9 @@ class RuntimeModel:
         if ids_np.shape[0] > t:
             raise ValueError(f"forward given {ids_np.shape[0]} rows but its step declares {t}")
         if ids_np.shape[0] < plan.scheduled_tokens:
-            raise ValueError(f"forward given {ids_np.shape[0]} rows but its step schedules {plan.scheduled_tokens}")
+            raise ValueError(
+                f"forward given {ids_np.shape[0]} rows but its step schedules {plan.scheduled_tokens}"
+            )
         if all_row_logits and plan.decoder_replay:
             raise ValueError("every row's logits are defined only with decoder replay off")
         ids_full = np.zeros(t, dtype=np.int64)
@@ -262,7 +328,9 @@ class RuntimeModel:
                 X[need] = self.engram_layers[L](X[need], emb)
             att = self.attn[L]
             Xn = X[need]
-            a_pre, a_post, a_C = hc_predict(Xn, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            a_pre, a_post, a_C = hc_predict(
+                Xn, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+            )
             xin = rms_norm(hc_collapse(Xn, pre[need]), self.attn_norm[L], eps)
             cos, sin = att.rope.cos_sin(pos[need], self.dtype)
             rwl = loc[rw]
@@ -270,15 +338,36 @@ class RuntimeModel:
             ring = pools.ring(L)
             ring_from = self._ring_write_from(info, plan, b, bid)
             if decode_graph:  # decode: write the ring row first, then read the window from the ring
-                kb.ring_write(ring, kv_full[rw], slot_tok[rw], pos[rw], ring_from[rw], pools.sink_slot)
+                kb.ring_write(
+                    ring, kv_full[rw], slot_tok[rw], pos[rw], ring_from[rw], pools.sink_slot
+                )
             if info.role == "full" and cp.numel():
                 self._compress(L, att, plan, xin[loc[cp]], cp, t, pos, bid, slot_tok, pages_tok)
             y = None
             if at.numel():
-                y, cand = self._attention(L, info, att, plan, xin[loc[at]], cos[loc[at]], sin[loc[at]], at, t,
-                                          pos, bid, b, slot_tok, pages_tok, kv_full, cand, decode_graph)
+                y, cand = self._attention(
+                    L,
+                    info,
+                    att,
+                    plan,
+                    xin[loc[at]],
+                    cos[loc[at]],
+                    sin[loc[at]],
+                    at,
+                    t,
+                    pos,
+                    bid,
+                    b,
+                    slot_tok,
+                    pages_tok,
+                    kv_full,
+                    cand,
+                    decode_graph,
+                )
             if not decode_graph:  # prefill: the old ring rows stay until every query has read them
-                kb.ring_write(ring, kv_full[rw], slot_tok[rw], pos[rw], ring_from[rw], pools.sink_slot)
+                kb.ring_write(
+                    ring, kv_full[rw], slot_tok[rw], pos[rw], ring_from[rw], pools.sink_slot
+                )
             if y is None:
                 continue
             atl = loc[at]
@@ -286,7 +375,9 @@ class RuntimeModel:
             if ff.numel() == 0:
                 continue
             Xf = X[ff]
-            f_pre, f_post, f_C = hc_predict(Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            f_pre, f_post, f_C = hc_predict(
+                Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+            )
             xf = rms_norm(hc_collapse(Xf, a_pre[loc[ff]]), self.ffn_norm[L], eps)
             yf, _ = self.moe[L](xf)
             X[ff] = hc_expand(yf, Xf, f_post, f_C)
@@ -301,8 +392,12 @@ class RuntimeModel:
             xa = rms_norm(hc_collapse(X, pre), self.norm, eps)
             row_logits = F.linear(xa.to(self.acc), self.head)
         # positions and Engram history advance after the forward
-        kb.cursor_write(pools.cursor, buf.slots[: plan.running_bs], torch.from_numpy(cursors).to(self.device),
-                        pools.sink_slot)
+        kb.cursor_write(
+            pools.cursor,
+            buf.slots[: plan.running_bs],
+            torch.from_numpy(cursors).to(self.device),
+            pools.sink_slot,
+        )
         return StepOutput(logits, row_logits)
 
     # ------------------------------------------------------------------------------------
@@ -344,8 +439,17 @@ class RuntimeModel:
             store = torch.zeros(t, dtype=torch.bool, device=self.device)
             store[torch.from_numpy(cpl.tail_store_rows.astype(np.int64))] = True
             ti = pools.tail_index[L]
-            pv, ps = kb.compress_groups(v_full, g_full, pos, slot_tok, first, store, pools.tail_values[:, ti],
-                                        pools.tail_scores[:, ti], pools.sink_slot)
+            pv, ps = kb.compress_groups(
+                v_full,
+                g_full,
+                pos,
+                slot_tok,
+                first,
+                store,
+                pools.tail_values[:, ti],
+                pools.tail_scores[:, ti],
+                pools.sink_slot,
+            )
             latent = att.pool(pv[g_rows, 0], ps[g_rows, 0], pv[g_rows, 1], ps[g_rows, 1])
         else:
             latent = att.ratio1_latent(v_full[g_rows])
@@ -355,7 +459,9 @@ class RuntimeModel:
         addr = pools.row_address(L, self.buf.block_tables, g_b, g_c)
         keep = g_b >= 0
         kb.main_scatter(pools.main[L], comp, addr.page, addr.row, keep, pools.sink_page)
-        kb.index_key_store(self._index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page)
+        kb.index_key_store(
+            self._index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page
+        )
         self.row_counts[(L, "compress_groups")] += n
 
     def _index_query(self, att, qr, x, cos, sin):
@@ -364,8 +470,26 @@ class RuntimeModel:
         wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
         return qi, wts
 
-    def _attention(self, L, info, att, plan, x, cos, sin, at, t, pos, bid, b, slot_tok, pages_tok, kv_full,
-                   cand, decode_graph):
+    def _attention(
+        self,
+        L,
+        info,
+        att,
+        plan,
+        x,
+        cos,
+        sin,
+        at,
+        t,
+        pos,
+        bid,
+        b,
+        slot_tok,
+        pages_tok,
+        kv_full,
+        cand,
+        decode_graph,
+    ):
         cfg, buf, pools, kb = self.cfg, self.buf, self.pools, self.backend
         W = cfg.sliding_window
         q, qr = att.q_path(x, cos, sin)
@@ -376,13 +500,19 @@ class RuntimeModel:
             ring_until = pa + 1
         else:
             scu = buf.swa_cached_until[ba]
-            floor = buf.swa_replay_start[ba] if info.segment == "decoder" else buf.encoder_window_floor[ba]
+            floor = (
+                buf.swa_replay_start[ba]
+                if info.segment == "decoder"
+                else buf.encoder_window_floor[ba]
+            )
             above = pa >= scu
             ring_until = torch.where(above, scu, fs)
             window_lo = torch.where(above, floor, torch.maximum(floor, fs))
             if info.segment == "decoder":  # a replayed tail reads only its own rows
                 ring_until = torch.where(buf.tail_start[ba] >= 0, fs, ring_until)
-        keys, valid = kb.gather_window(pools.ring(L), kv_full, at, slot_tok[at], pa, window_lo, ring_until, W)
+        keys, valid = kb.gather_window(
+            pools.ring(L), kv_full, at, slot_tok[at], pa, window_lo, ring_until, W
+        )
         parts, masks = [keys], [valid]
         if info.ratio > 0:
             owner = info.kv_owner
@@ -392,22 +522,34 @@ class RuntimeModel:
                 bound = (pa + 1) // info.ratio
                 planes = self._index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
-                    ids, cmask = tp_score_candidates_topk(kb, self.tp, planes, qi, wts, bound, pages,
-                                                          cfg.index_topk, cfg.candidate_block_size,
-                                                          cfg.candidate_topk_blocks)
+                    ids, cmask = tp_score_candidates_topk(
+                        kb,
+                        self.tp,
+                        planes,
+                        qi,
+                        wts,
+                        bound,
+                        pages,
+                        cfg.index_topk,
+                        cfg.candidate_block_size,
+                        cfg.candidate_topk_blocks,
+                    )
                     cand = torch.zeros(t, cmask.shape[1], dtype=torch.bool, device=self.device)
                     cand[at] = cmask
                 else:
                     use = cand[at] if (info.role == "reindex" and info.uses_candidates) else None
-                    ids = tp_score_topk(kb, self.tp, planes, qi, wts, bound, pages, cfg.index_topk, use)
+                    ids = tp_score_topk(
+                        kb, self.tp, planes, qi, wts, bound, pages, cfg.index_topk, use
+                    )
                 sel = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
                 sel[at] = ids
                 self.selections[L] = sel
             else:
                 ids = self.selections[info.topk_owner][at]
             ids = torch.where((bida >= 0).unsqueeze(1), ids, -1)
-            rows, ok = kb.gather_selected(pools.main[owner], ids, pages, pools.rows_per_page[owner], cfg.head_dim,
-                                          self.dtype)
+            rows, ok = kb.gather_selected(
+                pools.main[owner], ids, pages, pools.rows_per_page[owner], cfg.head_dim, self.dtype
+            )
             parts.append(rows)
             masks.append(ok)
         kv = torch.cat(parts, 1)

@@ -23,8 +23,15 @@ import torch
 class RingWrite(Protocol):
     """Window-KV ring writes."""
 
-    def ring_write(self, ring: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor, position: torch.Tensor,
-                   write_from: torch.Tensor, sink_slot: int) -> None:
+    def ring_write(
+        self,
+        ring: torch.Tensor,
+        kv: torch.Tensor,
+        slot: torch.Tensor,
+        position: torch.Tensor,
+        write_from: torch.Tensor,
+        sink_slot: int,
+    ) -> None:
         """Write window-KV rows ``kv [T, head_dim]`` into one layer's rings ``ring [slots+1, R, width]``
         at ``(slot[T], position mod R)``; rows with ``slot < 0`` or ``position < write_from[T]``
         write nothing. Packs to the ring's format (bf16, or E4M3 + E8M0/32 bytes)."""
@@ -33,10 +40,18 @@ class RingWrite(Protocol):
 class CompressGroups(Protocol):
     """Ratio-2 group pairing with the FP32 compressor tails."""
 
-    def compress_groups(self, values: torch.Tensor, scores: torch.Tensor, position: torch.Tensor,
-                        slot: torch.Tensor, first_row: torch.Tensor, last_row: torch.Tensor,
-                        tail_values: torch.Tensor, tail_scores: torch.Tensor, sink_slot: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress_groups(
+        self,
+        values: torch.Tensor,
+        scores: torch.Tensor,
+        position: torch.Tensor,
+        slot: torch.Tensor,
+        first_row: torch.Tensor,
+        last_row: torch.Tensor,
+        tail_values: torch.Tensor,
+        tail_scores: torch.Tensor,
+        sink_slot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio-2 compressor tails: every row's fp32 projections ``values/scores [T, d]`` are
         paired with the group's first token, taken from the forward (row - 1) or, at a
         request's first row, from the slot's tail. Returns ``(pair_values, pair_scores)
@@ -48,8 +63,15 @@ class CompressGroups(Protocol):
 class MainScatter(Protocol):
     """Compressed main-KV row stores."""
 
-    def main_scatter(self, plane: torch.Tensor, latent: torch.Tensor, page: torch.Tensor,
-                     row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
+    def main_scatter(
+        self,
+        plane: torch.Tensor,
+        latent: torch.Tensor,
+        page: torch.Tensor,
+        row: torch.Tensor,
+        keep: torch.Tensor,
+        sink_page: int,
+    ) -> None:
         """Store compressed latents ``latent [T, d]`` (already on the model's grid) at
         ``(page, row)`` of a main plane; rows with ``keep`` false (not a group boundary, a group
         ending below ``write_from``, a sentinel) write nothing. bf16 or FP4 E2M1 + E4M3/16."""
@@ -58,8 +80,16 @@ class MainScatter(Protocol):
 class IndexKeyStore(Protocol):
     """Index-key stores into the index plane(s)."""
 
-    def index_key_store(self, planes: tuple[torch.Tensor, ...], key: torch.Tensor, key_scale: torch.Tensor | None,
-                        page: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, sink_page: int) -> None:
+    def index_key_store(
+        self,
+        planes: tuple[torch.Tensor, ...],
+        key: torch.Tensor,
+        key_scale: torch.Tensor | None,
+        page: torch.Tensor,
+        row: torch.Tensor,
+        keep: torch.Tensor,
+        sink_page: int,
+    ) -> None:
         """Store index keys ``key [T, d_ih]`` produced by the shared key chain (norm, RoPE) and
         its plane rounding: fp8 E4M3 code values with the fp32 row scale ``key_scale [T, 1]``
         (one plane), fp4 values on the E2M1/E8M0-32 grid (values and scales planes)."""
@@ -68,22 +98,38 @@ class IndexKeyStore(Protocol):
 class Scorer(Protocol):
     """The paged index scorer (one per plane format) and candidate blocks."""
 
-    def score_topk(self, planes: tuple[torch.Tensor, ...], q: torch.Tensor, weights: torch.Tensor,
-                   bound: torch.Tensor, pages: torch.Tensor, topk: int,
-                   candidates: torch.Tensor | None) -> torch.Tensor:
+    def score_topk(
+        self,
+        planes: tuple[torch.Tensor, ...],
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        bound: torch.Tensor,
+        pages: torch.Tensor,
+        topk: int,
+        candidates: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Score every query row ``q [T, H, d_ih]`` (rotated, not rounded: the scorer quantizes
         it to the plane's grid) against the index rows of its own page list ``pages [T, P]``
         read in place, with its own visibility bound ``bound [T]`` (``(pos+1)//ratio``) and an
         optional candidate mask ``[T, P*rows_per_page]``. Returns top-``topk`` ids ``[T, K]``:
         ties to the smaller position, ascending, -1 padded."""
 
-    def score_candidates_topk(self, planes: tuple[torch.Tensor, ...], q: torch.Tensor, weights: torch.Tensor,
-                              bound: torch.Tensor, pages: torch.Tensor, topk: int, block_rows: int,
-                              topk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def score_candidates_topk(
+        self,
+        planes: tuple[torch.Tensor, ...],
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        bound: torch.Tensor,
+        pages: torch.Tensor,
+        topk: int,
+        block_rows: int,
+        topk_blocks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The candidate source: its own (unrestricted) top-k and the candidate mask, one scoring."""
 
-    def candidate_blocks(self, scores: torch.Tensor, bound: torch.Tensor, block_rows: int,
-                         topk_blocks: int) -> torch.Tensor:
+    def candidate_blocks(
+        self, scores: torch.Tensor, bound: torch.Tensor, block_rows: int, topk_blocks: int
+    ) -> torch.Tensor:
         """Candidate mask ``[T, N]`` from scores ``[T, N]``: top ``topk_blocks`` blocks by their max
         score, the block of the newest visible row forced in, ties to the smaller block."""
 
@@ -91,17 +137,31 @@ class Scorer(Protocol):
 class AttentionGather(Protocol):
     """Sparse-attention key gathers: window rows and selected compressed rows."""
 
-    def gather_window(self, ring: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor,
-                      position: torch.Tensor, window_lo: torch.Tensor, ring_until: torch.Tensor, window: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_window(
+        self,
+        ring: torch.Tensor,
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        slot: torch.Tensor,
+        position: torch.Tensor,
+        window_lo: torch.Tensor,
+        ring_until: torch.Tensor,
+        window: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys of query rows ``rows [Tq]`` (flat rows): positions ``[max(window_lo,
         pos-W+1), pos]``, those below ``ring_until`` read from the ring, the rest from this
         forward's rows ``kv [T, d]`` (a request's rows are contiguous). Returns ``(keys
         [Tq, W, d], valid [Tq, W])``."""
 
-    def gather_selected(self, plane: torch.Tensor, ids: torch.Tensor, pages: torch.Tensor,
-                        rows_per_page: int, head_dim: int, dtype: torch.dtype
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_selected(
+        self,
+        plane: torch.Tensor,
+        ids: torch.Tensor,
+        pages: torch.Tensor,
+        rows_per_page: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Selected compressed rows ``ids [T, K]`` (-1 = none) of each row's page list
         ``pages [T, P]``, dequantized: ``(rows [T, K, d], valid [T, K])``. Reads only the
         selected rows, never the whole history."""
@@ -110,7 +170,9 @@ class AttentionGather(Protocol):
 class CursorWrite(Protocol):
     """The cursor commit after a forward."""
 
-    def cursor_write(self, cursor: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, sink_slot: int) -> None:
+    def cursor_write(
+        self, cursor: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, sink_slot: int
+    ) -> None:
         """Commit ``[position, Engram history...]`` per request after the forward; slot -1 skipped."""
 
 
@@ -122,8 +184,17 @@ class CheckpointCopy(Protocol):
         checkpoint schedule's spans (STATE fields <-> PAGE units)."""
 
 
-class KernelBackend(RingWrite, CompressGroups, MainScatter, IndexKeyStore, Scorer, AttentionGather,
-                    CursorWrite, CheckpointCopy, Protocol):
+class KernelBackend(
+    RingWrite,
+    CompressGroups,
+    MainScatter,
+    IndexKeyStore,
+    Scorer,
+    AttentionGather,
+    CursorWrite,
+    CheckpointCopy,
+    Protocol,
+):
     """Everything the runtime model asks of a kernel backend."""
 
     name: str

@@ -31,10 +31,12 @@ def encode_fp4_e4m3_scales(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return torch.cat((Q.pack_e2m1(codes), Q.e4m3_encode(s.squeeze(-1)).view(torch.uint8)), dim=-1)
 
 
-def decode_fp4_e4m3_scales(row: torch.Tensor, d: int, dtype: torch.dtype, block: int = 16) -> torch.Tensor:
+def decode_fp4_e4m3_scales(
+    row: torch.Tensor, d: int, dtype: torch.dtype, block: int = 16
+) -> torch.Tensor:
     """Values of main-KV FP4 rows ``[..., d/2 + d/block]``."""
     v = _blocks(Q.unpack_e2m1(row[..., : d // 2]), block)
-    s = row[..., d // 2:].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    s = row[..., d // 2 :].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
     return (v * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
@@ -46,8 +48,9 @@ def encode_fp4_e8m0(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, tor
     return Q.pack_e2m1(codes), Q.e8m0_encode(s.squeeze(-1)).view(torch.uint8)
 
 
-def decode_fp4_e8m0(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                    block: int = 32) -> torch.Tensor:
+def decode_fp4_e8m0(
+    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = 32
+) -> torch.Tensor:
     """Values of index-key FP4 rows."""
     v = _blocks(Q.unpack_e2m1(values), block)
     return (v * Q.e8m0_decode(scales).unsqueeze(-1)).flatten(-2).to(dtype)
@@ -58,7 +61,9 @@ def encode_fp8_e8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     xb = _blocks(x.to(torch.float32), block)
     s = Q.pow2ceil(_amax(xb, Q.FP8_AMAX_FLOOR) / Q.E4M3_MAX)
     q = Q.round_e4m3(xb / s).flatten(-2)
-    return torch.cat((Q.e4m3_encode(q).view(torch.uint8), Q.e8m0_encode(s.squeeze(-1)).view(torch.uint8)), -1)
+    return torch.cat(
+        (Q.e4m3_encode(q).view(torch.uint8), Q.e8m0_encode(s.squeeze(-1)).view(torch.uint8)), -1
+    )
 
 
 def decode_fp8_e8m0(row: torch.Tensor, d: int, dtype: torch.dtype, block: int = 32) -> torch.Tensor:
@@ -92,8 +97,13 @@ def round_query(q: torch.Tensor, index_format: str) -> torch.Tensor:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _put_rows(dest: torch.Tensor, idx: tuple[torch.Tensor, ...], rows: torch.Tensor, keep: torch.Tensor,
-              sink: tuple[int, ...]) -> None:
+def _put_rows(
+    dest: torch.Tensor,
+    idx: tuple[torch.Tensor, ...],
+    rows: torch.Tensor,
+    keep: torch.Tensor,
+    sink: tuple[int, ...],
+) -> None:
     """``dest[idx] = rows`` where ``keep``; other rows go to ``sink`` with the bytes it already holds."""
     sink_idx = tuple(torch.full_like(i, s) for i, s in zip(idx, sink))
     idx = tuple(torch.where(keep, i, s) for i, s in zip(idx, sink_idx))
@@ -140,13 +150,27 @@ class TorchBackend:
         valid = (keypos >= window_lo.unsqueeze(1)) & (keypos >= 0) & (slot >= 0).unsqueeze(1)
         from_ring = keypos < ring_until.unsqueeze(1)
         rs = torch.where(slot >= 0, slot, ring.shape[0] - 1).unsqueeze(1).expand(t, window)
-        ring_keys = self.ring_values(ring[rs, keypos.clamp(min=0) % ring.shape[1]], kv.shape[1], kv.dtype)
-        fwd_keys = kv[(rows.unsqueeze(1) - (position.unsqueeze(1) - keypos)).clamp(0, kv.shape[0] - 1)]
+        ring_keys = self.ring_values(
+            ring[rs, keypos.clamp(min=0) % ring.shape[1]], kv.shape[1], kv.dtype
+        )
+        fwd_keys = kv[
+            (rows.unsqueeze(1) - (position.unsqueeze(1) - keypos)).clamp(0, kv.shape[0] - 1)
+        ]
         return torch.where(from_ring.unsqueeze(-1), ring_keys, fwd_keys), valid
 
     # -- compressor ---------------------------------------------------------------------------
-    def compress_groups(self, values, scores, position, slot, first_row, last_row,
-                        tail_values, tail_scores, sink_slot):
+    def compress_groups(
+        self,
+        values,
+        scores,
+        position,
+        slot,
+        first_row,
+        last_row,
+        tail_values,
+        tail_scores,
+        sink_slot,
+    ):
         t = values.shape[0]
         s = torch.where(slot >= 0, slot, sink_slot)
         prev = torch.arange(t, device=values.device).sub(1).clamp(min=0)
@@ -177,8 +201,13 @@ class TorchBackend:
     def index_key_store(self, planes, key, key_scale, page, row, keep, sink_page):
         if plane_format(planes) == "fp8":
             (plane,) = planes
-            data = torch.cat((Q.e4m3_encode(key).view(torch.uint8),
-                              key_scale.to(torch.float32).reshape(-1, 1).contiguous().view(torch.uint8)), -1)
+            data = torch.cat(
+                (
+                    Q.e4m3_encode(key).view(torch.uint8),
+                    key_scale.to(torch.float32).reshape(-1, 1).contiguous().view(torch.uint8),
+                ),
+                -1,
+            )
             _put_rows(plane, (page, row), data, keep, (sink_page, 0))
         else:
             vals, scales = planes
@@ -186,8 +215,9 @@ class TorchBackend:
             _put_rows(vals, (page, row), v, keep, (sink_page, 0))
             _put_rows(scales, (page, row), sc, keep, (sink_page, 0))
 
-    def index_keys(self, planes, pages: torch.Tensor, d: int, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def index_keys(
+        self, planes, pages: torch.Tensor, d: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Index keys of each query row's page list, ``([T, P*rows, d], fp32 row scales [T, P*rows]
         or None)``: fp8 gives E4M3 code values and the row scale, fp4 dequantized values. These are
         the scorer's tile reads; the plane is small (``d_ih`` bytes a row)."""
@@ -215,7 +245,9 @@ class TorchBackend:
         else:
             a = acc_dtype(q.dtype)
             codes, qs = Q.quant_fp8_rows(q)
-            logits = torch.einsum("thc,tmc->thm", codes.to(a), keys.to(a)) * k_scale.to(a)[:, None, :]
+            logits = (
+                torch.einsum("thc,tmc->thm", codes.to(a), keys.to(a)) * k_scale.to(a)[:, None, :]
+            )
             score = (torch.relu(logits) * (weights.to(a) * qs[..., 0].to(a))[:, :, None]).sum(1)
         rows = keys.shape[1] // pages.shape[1]
         n = torch.arange(keys.shape[1], device=q.device)
@@ -239,18 +271,24 @@ class TorchBackend:
             score = score.masked_fill(~candidates, float("-inf"))
         return self.topk_ids(score, topk)
 
-    def score_candidates_topk(self, planes, q, weights, bound, pages, topk, block_rows, topk_blocks):
+    def score_candidates_topk(
+        self, planes, q, weights, bound, pages, topk, block_rows, topk_blocks
+    ):
         """The candidate source's call: its own top-k (not restricted) and the candidate mask
         ``[T, P*rows]`` later Reindex layers score inside, from one score matrix."""
         score = self.scores(planes, q, weights, bound, pages)
-        return self.topk_ids(score, topk), self.candidate_blocks(score, bound, block_rows, topk_blocks)
+        return self.topk_ids(score, topk), self.candidate_blocks(
+            score, bound, block_rows, topk_blocks
+        )
 
     def candidate_blocks(self, scores, bound, block_rows, topk_blocks):
         t, n = scores.shape
         nb = n // block_rows
         bscore = scores.view(t, nb, block_rows).amax(-1)
-        newest = ((bound - 1).clamp(min=0) // block_rows)
-        force = (torch.arange(nb, device=scores.device).unsqueeze(0) == newest.unsqueeze(1)) & (bound > 0).unsqueeze(1)
+        newest = (bound - 1).clamp(min=0) // block_rows
+        force = (torch.arange(nb, device=scores.device).unsqueeze(0) == newest.unsqueeze(1)) & (
+            bound > 0
+        ).unsqueeze(1)
         bscore = torch.where(force, float("inf"), bscore)
         k = min(topk_blocks, nb)
         order = torch.sort(bscore, dim=1, descending=True, stable=True).indices[:, :k]
