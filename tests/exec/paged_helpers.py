@@ -73,13 +73,15 @@ def step(spec, requests, *, decoder_replay=False, encoder_replay=False, pad_toke
         )
         for r in requests
     )
-    rows = sum(r.chunk_len for r in reqs)
+    flags = {"decoder_replay": decoder_replay, "encoder_replay": encoder_replay}
+    # rows after any back-off, then the padded width
+    rows = plan_step(StepInput(reqs), spec, **flags).scheduled_tokens if reqs else 0
     si = StepInput(
         reqs,
         running_bs=len(reqs) + pad_bs if pad_bs else None,
         running_tokens=rows + pad_tokens if pad_tokens else None,
     )
-    return plan_step(si, spec, decoder_replay=decoder_replay, encoder_replay=encoder_replay)
+    return plan_step(si, spec, **flags)
 
 
 def cursor_expected(engram, ids: np.ndarray, end: int) -> list[int]:

@@ -227,3 +227,44 @@ def test_padding_rows_next_to_a_real_request_touch_only_its_slot_and_pages():
     s0 = m.pools.state_region[0] + 2 * g.state_bytes
     touched[s0 : s0 + g.state_bytes] = True
     assert changed.any() and not (changed & ~touched).any()
+
+
+def test_one_step_mixes_decode_a_rebuild_with_a_tail_and_a_nonfinal_chunk_under_both_replays():
+    spec, _, _, eng = model("tiny")
+    ids = {k: token_ids(120, 30 + k) for k in range(3)}
+    ids[1] = np.concatenate([ids[0][:64], ids[1][64:]])  # request 1 hits request 0's first 64
+    m = runtime("tiny", "fp4", "fp8")
+    for s in (1, 2, 3):
+        m.pools.reset_slot(s)
+    m.forward(step(spec, [(1, (9, 7, 4, 2), 120, 0, 120, "prefill")], decoder_replay=True), ids[0])
+    hit = _global_bytes(m)
+    c1 = tuple(int(x) for x in eng.compress(ids[1]))
+    plan = step(
+        spec,
+        [
+            (1, (9, 7, 4, 2, 5), 120, 120, 1, "decode"),
+            (2, (9, 7, 10, 11), 120, 64, 56, "prefill", True, c1),  # rebuild, finishes its prompt
+            (3, (12, 13, 14, 15), 120, 0, 40, "prefill"),  # does not finish its prompt
+        ],
+        decoder_replay=True,
+        encoder_replay=True,
+        pad_tokens=3,
+        pad_bs=1,
+    )
+    assert plan.forward_start.tolist()[:3] == [120, 32, 0] and plan.tail_start.tolist()[:3] == [
+        -1,
+        112,
+        -1,
+    ]
+    m.row_counts.clear()
+    flat = np.concatenate([[7], ids[1][32:120], ids[2][:40]])
+    out = m.forward(plan, flat)
+    promised = {k: len(v) for k, v in plan.layer_rows.items() if len(v)}
+    assert {k: v for k, v in m.row_counts.items() if k[1] != "compress_groups"} == promised
+    after = _global_bytes(m)
+    for name in hit:
+        assert torch.equal(after[name][[9, 7]], hit[name][[9, 7]]), name
+    assert torch.isfinite(out.logits[:3]).all() and not out.logits[3].any()
+    assert m.pools.cursor[1].tolist() == cursor_expected(eng, np.concatenate([ids[0], [7]]), 121)
+    assert m.pools.cursor[2].tolist() == cursor_expected(eng, ids[1], 120)
+    assert m.pools.cursor[3].tolist() == cursor_expected(eng, ids[2], 40)
