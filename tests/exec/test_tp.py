@@ -1,8 +1,8 @@
 """Tensor parallelism: refusals, load-time sharding, and TP-vs-world-size-1 parity under torchrun.
 
 The parity tests launch ``python -m torch.distributed.run --standalone --nproc_per_node=N
-tests/exec/tp_worker.py`` (gloo on CPU) on a checkpoint of ``tests/exec/tiny_tp.yaml`` (tiny with
-``o_groups`` 4 and ``moe_intermediate_size`` 128, so it splits at 1, 2 and 4). Float64 with the
+tests/exec/tp_worker.py`` (gloo on CPU) on a checkpoint of ``specs/tiny.yaml`` (``o_groups`` 4
+and ``moe_intermediate_size`` 128, so it splits at 1, 2 and 4). Float64 with the
 quantizers on: every row's logits of a prefill + decode schedule must agree with the
 world-size-1 run within ``REL_TOL * max|logits|`` (observed: exactly equal), every index
 selection must be equal, and every rank must hold bit-identical logits and selections.
@@ -25,13 +25,11 @@ from v41plan.geometry.derive import load_cache_spec_unchecked
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-TINY_TP = HERE / "tiny_tp.yaml"
 REL_TOL = 1e-12
 
 
 def _spec(name: str):
-    path = TINY_TP if name == "tiny_tp" else ROOT / "specs" / f"{name}.yaml"
-    return load_cache_spec_unchecked(str(path))
+    return load_cache_spec_unchecked(str(ROOT / "specs" / f"{name}.yaml"))
 
 
 # --- refusals -------------------------------------------------------------------------------
@@ -41,17 +39,19 @@ def test_refusals_name_the_dimension_and_the_accepted_sizes():
     tiny = _spec("tiny").model_config
     with pytest.raises(TPConfigError, match=r"tensor_parallel_size=3 is refused: num_attention_heads=4"):
         check_tp(tiny, 3, expert_parallel=True)
-    # tiny divides by 2, but each rank's shared-expert w2 input would be 16 lanes: half an FP8 block
+    # 32 expert lanes divide by 2, but each rank's shared-expert w2 input would be 16 lanes: half
+    # an FP8 block
+    half = dict(tiny, moe_intermediate_size=32, o_groups=2)
     with pytest.raises(TPConfigError, match=r"moe_intermediate_size/2 .* = 16 is not a multiple of the "
                                             r"32-lane FP8 activation block; accepted with this model: 1$"):
-        check_tp(tiny, 2, expert_parallel=False)
-    mc = dict(_spec("tiny_tp").model_config, n_routed_experts=6)
+        check_tp(half, 2, expert_parallel=False)
+    mc = dict(_spec("tiny").model_config, n_routed_experts=6)
     with pytest.raises(TPConfigError, match=r"n_routed_experts=6 must be divisible by it under expert"):
         check_tp(mc, 4, expert_parallel=True)
     check_tp(mc, 4, expert_parallel=False)  # sliced experts do not need whole experts per rank
     with pytest.raises(TPConfigError, match=r"tensor_parallel_size=0 is refused: accepted: an integer >= 1"):
         check_tp(mc, 0, expert_parallel=False)
-    assert accepted_sizes(_spec("tiny_tp").model_config, True) == [1, 2, 4]
+    assert accepted_sizes(_spec("tiny").model_config, True) == [1, 2, 4]
     assert accepted_sizes(_spec("deepseek_v41_flash").model_config, True) == [1, 2, 4, 8]
     assert accepted_sizes(_spec("medium").model_config, False) == [1, 2, 4]
 
@@ -59,10 +59,10 @@ def test_refusals_name_the_dimension_and_the_accepted_sizes():
 def test_the_engine_refuses_a_split_before_any_weight_loads(tmp_path):
     from v41plan.exec.engine import LLM
 
-    # every dimension of tiny divides by 2, but the split check refuses it (half-block w2 inputs),
-    # and it runs before the (missing) checkpoint is opened
-    with pytest.raises(TPConfigError, match="moe_intermediate_size/2"):
-        LLM(str(ROOT / "specs" / "tiny.yaml"), str(tmp_path / "no-checkpoint"), world_size=2, tensor_parallel_size=2,
+    # 3 does not divide tiny's 4 heads; the split check runs before the (missing) checkpoint
+    # is opened
+    with pytest.raises(TPConfigError, match="num_attention_heads=4"):
+        LLM(str(ROOT / "specs" / "tiny.yaml"), str(tmp_path / "no-checkpoint"), world_size=3, tensor_parallel_size=3,
             enable_expert_parallel=True)
 
 
@@ -70,16 +70,16 @@ def test_the_engine_refuses_a_split_before_any_weight_loads(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_tp_weights():
+def tiny_weights():
     from v41plan.exec.checkpoint import LoadedCheckpoint, random_state
 
-    cfg = config_from_cache_spec(_spec("tiny_tp"))
+    cfg = config_from_cache_spec(_spec("tiny"))
     return cfg, LoadedCheckpoint.from_state(cfg, random_state(cfg, 0)).process(torch.float64)
 
 
 @pytest.mark.parametrize("ep", [True, False], ids=["ep", "sliced"])
-def test_shards_are_the_rank_slices_and_tile_the_whole(tiny_tp_weights, ep):
-    cfg, w = tiny_tp_weights
+def test_shards_are_the_rank_slices_and_tile_the_whole(tiny_weights, ep):
+    cfg, w = tiny_weights
     shards = [shard_weights(w, cfg, TPGroup(r, 4), ep) for r in range(4)]
     H, d, G, R = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
     a, f = "layers.2.attn.", "layers.2.ffn."
@@ -114,17 +114,17 @@ def test_all_reduce_is_a_no_op_on_one_rank():
 
 
 @pytest.fixture(scope="module")
-def tiny_tp_checkpoint(tmp_path_factory):
+def tiny_checkpoint(tmp_path_factory):
     from v41plan.exec.checkpoint import write_checkpoint
 
-    out = tmp_path_factory.mktemp("tiny_tp_ckpt")
-    return write_checkpoint(out, config_from_cache_spec(_spec("tiny_tp")), seed=0)
+    out = tmp_path_factory.mktemp("tiny_ckpt")
+    return write_checkpoint(out, config_from_cache_spec(_spec("tiny")), seed=0)
 
 
 def _launch(nproc: int, ckpt: Path, out: Path, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "tp_worker.py"), "--spec", str(TINY_TP), "--checkpoint", str(ckpt), "--out", str(out),
+           str(HERE / "tp_worker.py"), "--spec", str(ROOT / "specs" / "tiny.yaml"), "--checkpoint", str(ckpt), "--out", str(out),
            *extra]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -144,21 +144,21 @@ def _check(res: dict, nproc: int) -> None:
     assert res["control_max_abs_err"] > 1e-3 * res["arrangements"]["ep"]["ref_max_abs"]
 
 
-def test_tp2_matches_world_size_1_in_both_expert_arrangements(tiny_tp_checkpoint, tmp_path):
+def test_tp2_matches_world_size_1_in_both_expert_arrangements(tiny_checkpoint, tmp_path):
     # bf16 main pool, fp8 index plane (the defaults), and the engine's generations
-    res = _launch(2, tiny_tp_checkpoint, tmp_path / "tp2.json", "--engine")
+    res = _launch(2, tiny_checkpoint, tmp_path / "tp2.json", "--engine")
     _check(res, 2)
     eng = res["engine"]
     assert eng["ep"] == eng["single"] and eng["tp"] == eng["single"]
     assert eng["ep_ranks_identical"] and eng["tp_ranks_identical"]
 
 
-def test_tp2_matches_world_size_1_with_fp4_planes(tiny_tp_checkpoint, tmp_path):
-    res = _launch(2, tiny_tp_checkpoint, tmp_path / "tp2_fp4.json", "--kv-cache-dtype", "fp4",
+def test_tp2_matches_world_size_1_with_fp4_planes(tiny_checkpoint, tmp_path):
+    res = _launch(2, tiny_checkpoint, tmp_path / "tp2_fp4.json", "--kv-cache-dtype", "fp4",
                   "--index-cache-dtype", "fp4")
     _check(res, 2)
 
 
 @pytest.mark.slow
-def test_tp4_matches_world_size_1_in_both_expert_arrangements(tiny_tp_checkpoint, tmp_path):
-    _check(_launch(4, tiny_tp_checkpoint, tmp_path / "tp4.json"), 4)
+def test_tp4_matches_world_size_1_in_both_expert_arrangements(tiny_checkpoint, tmp_path):
+    _check(_launch(4, tiny_checkpoint, tmp_path / "tp4.json"), 4)

@@ -9,7 +9,7 @@ import pytest
 from tests.runtime.helpers import ROOT, TINY, fake_factory, fake_llm, prompt
 from v41plan.exec.admission import ConfigError
 from v41plan.exec.block_manager import READY, BlockManager, replay_start
-from v41plan.exec.engine import LLM, resolve_spec
+from v41plan.exec.engine import LLM
 from v41plan.exec.sampling import SamplingParams
 from v41plan.exec.sequence import Sequence
 
@@ -417,16 +417,15 @@ def test_packed_speculative_cache_refused():
 
 
 def test_tensor_parallel_admission():
-    # tiny cannot split its 32-lane expert intermediate over 2 ranks: refused before load.
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*accepted with this model: 1"):
-        LLM(TINY, runner_factory=_never_load, world_size=2, tensor_parallel_size=2)
+    # 3 does not divide tiny's 4 heads: refused before load, naming the dimension.
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3.*num_attention_heads=4"):
+        LLM(TINY, runner_factory=_never_load, world_size=3, tensor_parallel_size=3)
     # 1 under a world of 2: every rank a full replica; 3 matches neither.
     LLM(TINY, runner_factory=fake_factory, world_size=2, tensor_parallel_size=1)
     with pytest.raises(ConfigError, match="world size \\(2\\), or 1"):
         LLM(TINY, runner_factory=_never_load, world_size=2, tensor_parallel_size=3)
-    tp_spec = resolve_spec(str(ROOT / "tests" / "exec" / "tiny_tp.yaml"))
     for ep in (True, False):
-        LLM(tp_spec, runner_factory=fake_factory, world_size=2, tensor_parallel_size=2, enable_expert_parallel=ep)
+        LLM(TINY, runner_factory=fake_factory, world_size=2, tensor_parallel_size=2, enable_expert_parallel=ep)
 
 
 def test_odd_page_and_short_page_refused():
