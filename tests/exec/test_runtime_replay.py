@@ -87,18 +87,20 @@ def test_decoder_replay_runs_fewer_decoder_rows_and_exactly_the_planned_rows():
     assert counts[True] < counts[False]
 
 
-@pytest.mark.parametrize("chunks", [(26, 26), (49, 3)], ids=["two-chunks", "short-final-backs-off"])
+# (97, 3): the short final chunk backs off to 64, recomputing rows 64..96 with windows truncated
+# at 64; the group (96, 97) straddling the resume point must pair with the slot's tail
+@pytest.mark.parametrize("chunks", [(26, 26), (97, 3)], ids=["two-chunks", "short-final-backs-off"])
 def test_decoder_replay_keeps_the_encoder_and_global_path_exact(chunks):
     spec, *_ = model("tiny")
-    ids = token_ids(N_REPLAY, 6)
+    ids = token_ids(sum(chunks), 6)
     runs = {}
     for on in (True, False):
         m = runtime("tiny", "fp4", "fp4")
         out, plans = _prefill(m, spec, ids, chunks, decoder_replay=on)
         runs[on] = (m, out, plans)
     (m_on, out_on, plans_on), (m_off, out_off, _) = runs[True], runs[False]
-    if chunks == (49, 3):
-        assert plans_on[-1].forward_start[0] == 0  # backed off a whole hash block, on the grid
+    if chunks == (97, 3):
+        assert plans_on[-1].forward_start[0] == 64  # backed off a whole hash block, on the grid
     for name, t in _global_bytes(m_on).items():
         assert torch.equal(t, _global_bytes(m_off)[name]), name
     enc = range(spec.last_kv_source)
@@ -106,7 +108,7 @@ def test_decoder_replay_keeps_the_encoder_and_global_path_exact(chunks):
     assert torch.equal(m_on.pools.tail_values[1], m_off.pools.tail_values[1])
     # the candidate source's selections on the tail rows from the resume point on equal the
     # dense reference's (rows a backed-off forward recomputes below it saw truncated windows)
-    _, ref_sel = reference("tiny", "fp4", 6, N_REPLAY)
+    _, ref_sel = reference("tiny", "fp4", 6, sum(chunks))
     last = plans_on[-1]
     tail = torch.from_numpy(last.tail_rows.astype(np.int64))
     tail = tail[torch.from_numpy(last.positions)[tail] >= int(last.resume_points[0])]
