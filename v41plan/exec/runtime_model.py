@@ -141,6 +141,39 @@ class StepOutput:
     """``[running_tokens, vocab]`` at every row when asked for (decoder replay off only)."""
 
 
+@dataclass
+class _Frame:
+    """The rows one graph stage runs, gathered once (or every row of the width, in place)."""
+
+    rows: torch.Tensor
+    """Flat row of each frame row ``[n]``."""
+    loc: torch.Tensor
+    """Frame row of each flat row ``[t]`` (-1 outside the frame)."""
+    X: torch.Tensor
+    pre: torch.Tensor
+    pos: torch.Tensor
+    bid: torch.Tensor
+    b: torch.Tensor
+    slot: torch.Tensor
+    pages: torch.Tensor
+    kv: torch.Tensor
+    """This stage's window-KV rows of the current layer ``[n, d]``."""
+
+    @classmethod
+    def of(cls, S, t, X, pre, pos, bid, slot, pages, d, dtype) -> _Frame:
+        """Gather rows ``S`` (None: every row, aliasing the full tensors)."""
+        dev = X.device
+        if S is None:
+            rows = torch.arange(t, device=dev)
+            kv = torch.zeros(t, d, dtype=dtype, device=dev)
+            return cls(rows, rows, X, pre, pos, bid, bid.clamp(min=0), slot, pages, kv)
+        loc = torch.full((t,), -1, dtype=torch.long, device=dev)
+        loc[S] = torch.arange(S.numel(), device=dev)
+        fb = bid[S]
+        kv = torch.zeros(S.numel(), d, dtype=dtype, device=dev)
+        return cls(S, loc, X[S], pre[S], pos[S], fb, fb.clamp(min=0), slot[S], pages[S], kv)
+
+
 class RuntimeModel:
     """The paged V4.1 model over ``Pools`` for one (kv_cache_dtype, index_cache_dtype) pair."""
 
@@ -306,82 +339,20 @@ class RuntimeModel:
         X = X[:, None, :].expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(t, cfg.hc_mult, dtype=self.acc, device=self.device)
         pre[:, 0] = 1
-        kv_full = torch.zeros(t, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.selections = {}
         cand: torch.Tensor | None = None
         eps = cfg.rms_norm_eps
-        for info in cfg.layers:
-            L = info.index
-            at = self._rows(plan, L, "attention", t)
-            rw = self._rows(plan, L, "ring_write", t)
-            cp = self._rows(plan, L, "compress", t) if info.role == "full" else rw[:0]
-            ff = self._rows(plan, L, "ffn", t)
-            need = cp if cp.numel() >= rw.numel() else rw
-            if need.numel() == 0:
-                continue
-            loc = torch.full((t,), -1, dtype=torch.long, device=self.device)
-            loc[need] = torch.arange(need.numel(), device=self.device)
-            if info.engram and engram_rows is not None:
-                li = cfg.engram_layer_ids.index(L)
-                codes, scales = self.engram.gather(li, engram_rows[need.cpu().numpy(), li])
-                emb = dequant_fp8_blocks(codes, scales, self.dtype).to(self.device)
-                X[need] = self.engram_layers[L](X[need], emb)
-            att = self.attn[L]
-            Xn = X[need]
-            a_pre, a_post, a_C = hc_predict(
-                Xn, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
-            )
-            xin = rms_norm(hc_collapse(Xn, pre[need]), self.attn_norm[L], eps)
-            cos, sin = att.rope.cos_sin(pos[need], self.dtype)
-            rwl = loc[rw]
-            kv_full[rw] = att.window_kv(xin[rwl], cos[rwl], sin[rwl])
-            ring = pools.ring(L)
-            ring_from = self._ring_write_from(info, plan, b, bid)
-            if decode_graph:  # decode: write the ring row first, then read the window from the ring
-                kb.ring_write(
-                    ring, kv_full[rw], slot_tok[rw], pos[rw], ring_from[rw], pools.sink_slot
-                )
-            if info.role == "full" and cp.numel():
-                self._compress(L, att, plan, xin[loc[cp]], cp, t, pos, bid, slot_tok, pages_tok)
-            y = None
-            if at.numel():
-                y, cand = self._attention(
-                    L,
-                    info,
-                    att,
-                    plan,
-                    xin[loc[at]],
-                    cos[loc[at]],
-                    sin[loc[at]],
-                    at,
-                    t,
-                    pos,
-                    bid,
-                    b,
-                    slot_tok,
-                    pages_tok,
-                    kv_full,
-                    cand,
-                    decode_graph,
-                )
-            if not decode_graph:  # prefill: the old ring rows stay until every query has read them
-                kb.ring_write(
-                    ring, kv_full[rw], slot_tok[rw], pos[rw], ring_from[rw], pools.sink_slot
-                )
-            if y is None:
-                continue
-            atl = loc[at]
-            X[at] = hc_expand(y, X[at], a_post[atl], a_C[atl])
-            if ff.numel() == 0:
-                continue
-            Xf = X[ff]
-            f_pre, f_post, f_C = hc_predict(
-                Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
-            )
-            xf = rms_norm(hc_collapse(Xf, a_pre[loc[ff]]), self.ffn_norm[L], eps)
-            yf, _ = self.moe[L](xf)
-            X[ff] = hc_expand(yf, Xf, f_post, f_C)
-            pre[ff] = f_pre
+        for stage in plan.stages:
+            S = self._stage_rows(plan, stage, t)
+            if S is not None and S.numel() == 0:
+                continue  # a stage the plan runs on no row (the decoder of a non-final chunk)
+            # the stage's rows gathered once (every row: the tensors themselves, updated in place)
+            fr = _Frame.of(S, t, X, pre, pos, bid, slot_tok, pages_tok, cfg.head_dim, self.dtype)
+            for L in range(stage.first_layer, stage.last_layer + 1):
+                cand = self._layer(L, plan, fr, t, cand, decode_graph, engram_rows)
+            if S is not None:
+                X[S] = fr.X
+                pre[S] = fr.pre
 
         last = buf.last_rows[: plan.running_bs]
         lr = last.clamp(min=0)
@@ -401,6 +372,90 @@ class RuntimeModel:
         return StepOutput(logits, row_logits)
 
     # ------------------------------------------------------------------------------------
+    def _stage_rows(self, plan, stage, t: int) -> torch.Tensor | None:
+        """Flat rows a graph stage runs (the union of its layers' row sets), or None for every
+        row of the width."""
+        sets = [
+            arr
+            for (layer, _), arr in plan.layer_rows.items()
+            if stage.first_layer <= layer <= stage.last_layer
+        ]
+        if any(len(arr) == plan.scheduled_tokens for arr in sets):
+            return None
+        rows = np.unique(np.concatenate(sets)) if sets else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(rows.astype(np.int64)).to(self.device)
+
+    def _layer(self, L, plan, fr, t, cand, decode_graph, engram_rows):
+        """One layer over a stage's rows ``fr``; returns the candidate mask (flat rows)."""
+        cfg, pools, kb = self.cfg, self.pools, self.backend
+        eps = cfg.rms_norm_eps
+        info = cfg.layers[L]
+        at = fr.loc[self._rows(plan, L, "attention", t)]
+        rw = fr.loc[self._rows(plan, L, "ring_write", t)]
+        cp = fr.loc[self._rows(plan, L, "compress", t)] if info.role == "full" else rw[:0]
+        ff = fr.loc[self._rows(plan, L, "ffn", t)]
+        need = cp if cp.numel() >= rw.numel() else rw
+        if need.numel() == 0:
+            return cand
+        n = fr.X.shape[0]
+        loc = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        loc[need] = torch.arange(need.numel(), device=self.device)
+        X, pre, pos = fr.X, fr.pre, fr.pos
+        if info.engram and engram_rows is not None:
+            li = cfg.engram_layer_ids.index(L)
+            flat = fr.rows[need].cpu().numpy()
+            codes, scales = self.engram.gather(li, engram_rows[flat, li])
+            emb = dequant_fp8_blocks(codes, scales, self.dtype).to(self.device)
+            X[need] = self.engram_layers[L](X[need], emb)
+        att = self.attn[L]
+        Xn = X[need]
+        a_pre, a_post, a_C = hc_predict(
+            Xn, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+        )
+        xin = rms_norm(hc_collapse(Xn, pre[need]), self.attn_norm[L], eps)
+        cos, sin = att.rope.cos_sin(pos[need], self.dtype)
+        rwl = loc[rw]
+        fr.kv[rw] = att.window_kv(xin[rwl], cos[rwl], sin[rwl])
+        ring = pools.ring(L)
+        ring_from = self._ring_write_from(info, plan, fr.b, fr.bid)
+        if decode_graph:  # decode: write the ring row first, then read the window from the ring
+            kb.ring_write(ring, fr.kv[rw], fr.slot[rw], pos[rw], ring_from[rw], pools.sink_slot)
+        if info.role == "full" and cp.numel():
+            self._compress(L, att, plan, xin[loc[cp]], cp, fr)
+        y = None
+        if at.numel():
+            y, cand = self._attention(
+                L,
+                info,
+                att,
+                xin[loc[at]],
+                cos[loc[at]],
+                sin[loc[at]],
+                at,
+                t,
+                fr,
+                cand,
+                decode_graph,
+            )
+        if not decode_graph:  # prefill: the old ring rows stay until every query has read them
+            kb.ring_write(ring, fr.kv[rw], fr.slot[rw], pos[rw], ring_from[rw], pools.sink_slot)
+        if y is None:
+            return cand
+        atl = loc[at]
+        X[at] = hc_expand(y, X[at], a_post[atl], a_C[atl])
+        if ff.numel() == 0:
+            return cand
+        Xf = X[ff]
+        f_pre, f_post, f_C = hc_predict(
+            Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+        )
+        xf = rms_norm(hc_collapse(Xf, a_pre[loc[ff]]), self.ffn_norm[L], eps)
+        yf, _ = self.moe[L](xf)
+        X[ff] = hc_expand(yf, Xf, f_post, f_C)
+        pre[ff] = f_pre
+        return cand
+
+    # ------------------------------------------------------------------------------------
     def _ring_write_from(self, info, plan, b: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
         """Per row, the lowest position whose window KV a ring keeps: the request's last ``W``
         rows, at or past ``cached_until`` (the rows a backed-off forward recomputes stay as the
@@ -412,9 +467,10 @@ class RuntimeModel:
             keep_from = torch.where(buf.tail_start[b] >= 0, buf.forward_start[b], keep_from)
         return torch.where(bid >= 0, torch.maximum(lo, keep_from), torch.iinfo(torch.long).max)
 
-    def _compress(self, L, att, plan, xin_cp, cp, t, pos, bid, slot_tok, pages_tok) -> None:
+    def _compress(self, L, att, plan, xin_cp, cp, fr) -> None:
         """Close every group of this owner's ratio in the batch in one call and store it."""
         pools, kb = self.pools, self.backend
+        t, pos, bid = fr.X.shape[0], fr.pos, fr.bid
         r = att.ratio
         cpl = plan.compress[r]
         # the plan's groups, padded to the width with sentinel batch id -1 (a fixed shape)
@@ -422,7 +478,9 @@ class RuntimeModel:
         g_b = torch.full((t,), -1, dtype=torch.long, device=self.device)
         g_c = torch.zeros(t, dtype=torch.long, device=self.device)
         n = len(cpl.rows)
-        g_rows[:n] = torch.from_numpy(cpl.rows.astype(np.int64))
+        g_rows[:n] = fr.loc[torch.from_numpy(cpl.rows.astype(np.int64)).to(self.device)].clamp(
+            min=0
+        )
         g_b[:n] = torch.from_numpy(cpl.batch_ids.astype(np.int64))
         g_c[:n] = torch.from_numpy(cpl.compressed_rows.astype(np.int64))
         v, g = att.compress_project(xin_cp)
@@ -437,13 +495,15 @@ class RuntimeModel:
             scu = self.buf.swa_cached_until[bid.clamp(min=0)]
             first = (pos % 2 == 1) & (pos - 1 < scu) & (pos >= scu) & (bid >= 0)
             store = torch.zeros(t, dtype=torch.bool, device=self.device)
-            store[torch.from_numpy(cpl.tail_store_rows.astype(np.int64))] = True
+            store[
+                fr.loc[torch.from_numpy(cpl.tail_store_rows.astype(np.int64)).to(self.device)]
+            ] = True
             ti = pools.tail_index[L]
             pv, ps = kb.compress_groups(
                 v_full,
                 g_full,
                 pos,
-                slot_tok,
+                fr.slot,
                 first,
                 store,
                 pools.tail_values[:, ti],
@@ -470,30 +530,14 @@ class RuntimeModel:
         wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
         return qi, wts
 
-    def _attention(
-        self,
-        L,
-        info,
-        att,
-        plan,
-        x,
-        cos,
-        sin,
-        at,
-        t,
-        pos,
-        bid,
-        b,
-        slot_tok,
-        pages_tok,
-        kv_full,
-        cand,
-        decode_graph,
-    ):
+    def _attention(self, L, info, att, x, cos, sin, at, t, fr, cand, decode_graph):
+        """Index selection and sparse attention of the query rows ``at`` (local to ``fr``);
+        selections and the candidate mask are kept by flat row."""
         cfg, buf, pools, kb = self.cfg, self.buf, self.pools, self.backend
         W = cfg.sliding_window
         q, qr = att.q_path(x, cos, sin)
-        pa, ba, bida = pos[at], b[at], bid[at]
+        pa, ba, bida = fr.pos[at], fr.b[at], fr.bid[at]
+        flat = fr.rows[at]
         fs = buf.forward_start[ba]
         if decode_graph:
             window_lo = torch.zeros_like(pa)
@@ -511,12 +555,12 @@ class RuntimeModel:
             if info.segment == "decoder":  # a replayed tail reads only its own rows
                 ring_until = torch.where(buf.tail_start[ba] >= 0, fs, ring_until)
         keys, valid = kb.gather_window(
-            pools.ring(L), kv_full, at, slot_tok[at], pa, window_lo, ring_until, W
+            pools.ring(L), fr.kv, at, fr.slot[at], pa, window_lo, ring_until, W
         )
         parts, masks = [keys], [valid]
         if info.ratio > 0:
             owner = info.kv_owner
-            pages = pages_tok[at]
+            pages = fr.pages[at]
             if info.role in ("full", "reindex"):
                 qi, wts = self._index_query(att, qr, x, cos, sin)
                 bound = (pa + 1) // info.ratio
@@ -535,17 +579,17 @@ class RuntimeModel:
                         cfg.candidate_topk_blocks,
                     )
                     cand = torch.zeros(t, cmask.shape[1], dtype=torch.bool, device=self.device)
-                    cand[at] = cmask
+                    cand[flat] = cmask
                 else:
-                    use = cand[at] if (info.role == "reindex" and info.uses_candidates) else None
+                    use = cand[flat] if (info.role == "reindex" and info.uses_candidates) else None
                     ids = tp_score_topk(
                         kb, self.tp, planes, qi, wts, bound, pages, cfg.index_topk, use
                     )
                 sel = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
-                sel[at] = ids
+                sel[flat] = ids
                 self.selections[L] = sel
             else:
-                ids = self.selections[info.topk_owner][at]
+                ids = self.selections[info.topk_owner][flat]
             ids = torch.where((bida >= 0).unsqueeze(1), ids, -1)
             rows, ok = kb.gather_selected(
                 pools.main[owner], ids, pages, pools.rows_per_page[owner], cfg.head_dim, self.dtype
