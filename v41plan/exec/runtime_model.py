@@ -5,7 +5,8 @@ fixed-address buffers sized to the largest width the model was built for, and ev
 runs each sub-step (``ring_write``, ``compress``, ``attention``, ``ffn``) on the rows the plan
 gives it. With decoder replay off (or in decode) that is every row of the flat batch; with it
 on, the stage table narrows the decoder to each finishing request's tail and the last layer's
-query to its last row. Model arithmetic comes from ``v41plan.exec.layers`` (the pieces the
+query to its last row. Layers run by the plan's graph stages, each stage's rows gathered
+once. Model arithmetic comes from ``v41plan.exec.layers`` (the pieces the
 dense reference calls); pool reads and writes go through a kernel backend
 (``kernels.backend``).
 
