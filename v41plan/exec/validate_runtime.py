@@ -144,13 +144,18 @@ def byte_prompt(llm_or_tok, text: str) -> list[int]:
     return list(llm_or_tok.encode(text))
 
 
+def repeat_to(ids: list[int], n: int) -> list[int]:
+    """``ids`` repeated until it holds ``n`` tokens, cut there (prompt lengths scale with PAGE)."""
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
+
+
 def scenarios(v: Validator, tok) -> dict[str, dict]:
     """Run every scenario; returns ``{name: {"passed": bool, ...}}``."""
     P, W = v.P, v.W
     # Lengths keep every cold route's last chunk at least W rows long (no final back-off), so a
     # route chunked differently runs the same final forward; back-offs are exercised on purpose.
-    base = byte_prompt(tok, "Facts about water, clouds, sunlight and the atmosphere. " * 3)[: 4 * P + 10]
-    other = byte_prompt(tok, "A Python function can return a list of prime numbers. " * 3)[: 2 * P + 12]
+    base = repeat_to(byte_prompt(tok, "Facts about water, clouds, sunlight and the atmosphere. "), 4 * P + 10)
+    other = repeat_to(byte_prompt(tok, "A Python function can return a list of prime numbers. "), 2 * P + 12)
     unique = byte_prompt(tok, "Discuss a different topic: binary search. ") + base
     cancelled = byte_prompt(tok, "A cancelled request: ") + other
     long_prompt = (base * 3)[: 9 * P + 20]

@@ -177,7 +177,8 @@ class CompressPlan:
     rope_positions: np.ndarray
     """int64 first position of the group ``compressed_row * r``: RoPE of the latent and index key."""
     first_from_tail: np.ndarray
-    """bool: the group's first member is the slot's FP32 tail (the group began before the forward)."""
+    """bool: the group's first member is the slot's FP32 tail: the group began below
+    ``swa_cached_until`` (before the forward, or before the resume point of a backed-off one)."""
     tail_store_rows: np.ndarray
     """int32 flat rows whose group is still open at the forward's end: their projection is stored
     into the slot's FP32 tail (empty for ratio 1)."""
@@ -668,6 +669,9 @@ def plan_step(
     compress = {}
     lo = np.maximum(fs, rp["write_from"])
     row0 = cu[:n] - fs  # flat row of position p of request i is row0[i] + p
+    # A group straddling the point where rows start reading the slot's state takes its first
+    # member from the slot's tail (exact), not from a recomputed row of a backed-off forward.
+    scu = np.asarray(rp["swa_cached_until"], dtype=np.int64)
     for r, comp_sigs in st.owner_ratios:
         if one_row and len(_union([sig_arrays[sig] for sig in comp_sigs])) == total:
             compress[r] = _compress_one_row(pos, r)
@@ -697,9 +701,9 @@ def plan_step(
             batch_ids=bids,
             compressed_rows=crow,
             rope_positions=first,
-            first_from_tail=first < np.repeat(fs, count)
+            first_from_tail=first < np.repeat(scu, count)
             if len(allowed) == total
-            else first < fs[bids],
+            else first < scu[bids],
             tail_store_rows=store,
             tail_store_batch_ids=store_bids,
         )
