@@ -119,6 +119,26 @@ def test_prompt_logprobs_match_dense_reference(runners):
     assert runner is not off
 
 
+def test_prompt_logprobs_under_decoder_replay(runners):
+    # A scoring request runs every row through every layer even when the engine replays the
+    # decoder: its prompt log-probabilities equal the dense reference's, next to a replayed
+    # request in the same batches.
+    from v41plan.exec.engine_runner import load_weights
+    from v41plan.exec.reference import ReferenceModel
+
+    llm = engine(runners[True], long_prefill_token_threshold=P)
+    assert llm.options.decoder_swa_bounded_replay
+    p = prompt(70, 5)
+    outs = llm.generate([p, prompt(60, 2)], [SamplingParams(max_tokens=1, prompt_logprobs=True),
+                                             SamplingParams(max_tokens=2)])
+    ref = ReferenceModel.from_checkpoint(load_weights(TINY, None, llm.options), torch.float64,
+                                         index_cache_dtype=llm.options.index_cache_dtype)
+    lp = torch.log_softmax(ref.prefill(p).double(), -1)
+    want = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
+    assert outs[0].prompt_logprobs == pytest.approx(want, abs=1e-6)
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
+
+
 def test_bad_requests_fail_alone_on_real_engine(runners):
     llm = engine(runners[True])
     outs = llm.generate([prompt(40), [5, 300], prompt(30, 1)],

@@ -358,8 +358,9 @@ def test_prompt_logprobs_independent_of_chunking():
     llm.preempt(seq)
     llm.run_until_done()
     assert seq.prompt_logprobs == pytest.approx(whole.prompt_logprobs)
-    refused = fake_llm().generate([p], sp)[0]
-    assert refused.error and "decoder_swa_bounded_replay=False" in refused.error
+    # with decoder replay on, a scoring request opts out of it and scores every row
+    replayed = fake_llm(long_prefill_token_threshold=16).generate([p], sp)[0]
+    assert replayed.error is None and replayed.prompt_logprobs == pytest.approx(whole.prompt_logprobs)
 
 
 def test_bad_requests_fail_alone():

@@ -140,9 +140,6 @@ class LLM:
         params.validate(self.vocab_size)
         if len(ids) >= self.options.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.options.max_model_len}")
-        if params.prompt_logprobs and self.options.decoder_swa_bounded_replay:
-            raise ValueError("prompt_logprobs needs every prefill row: start the engine with "
-                             "decoder_swa_bounded_replay=False")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Sequence:
         """Validate and queue one request; a bad one comes back finished with ``error`` set."""

@@ -322,8 +322,6 @@ class RuntimeModel:
             raise ValueError(
                 f"forward given {ids_np.shape[0]} rows but its step schedules {plan.scheduled_tokens}"
             )
-        if all_row_logits and plan.decoder_replay:
-            raise ValueError("every row's logits are defined only with decoder replay off")
         ids_full = np.zeros(t, dtype=np.int64)
         ids_full[: ids_np.shape[0]] = ids_np
         self.buf.load(plan)
@@ -363,6 +361,13 @@ class RuntimeModel:
         if all_row_logits:
             xa = rms_norm(hc_collapse(X, pre), self.norm, eps)
             row_logits = F.linear(xa.to(self.acc), self.head)
+            if plan.decoder_replay:
+                # Under decoder replay only the rows of requests that ran every layer (decode or a
+                # full-rows scoring request) are defined; the rest read as NaN, never as numbers.
+                bids = plan.batch_ids
+                full = (plan.row_phase == 2)[np.maximum(bids, 0)] & (bids >= 0)
+                undefined = torch.from_numpy(~full).to(self.device)
+                row_logits = row_logits.masked_fill(undefined.unsqueeze(1), float("nan"))
         # positions and Engram history advance after the forward
         kb.cursor_write(
             pools.cursor,
