@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The tests run tiny tensors: one thread per process avoids oversubscribing small CI machines
+# (two threads on two busy cores made tiny forwards many times slower). Set before torch loads,
+# so subprocesses (torchrun launches) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

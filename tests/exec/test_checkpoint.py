@@ -70,9 +70,9 @@ def test_layout_is_sharded_with_an_index(tiny_dir):
     )
     wm = index["weight_map"]
     with safe_open(str(tiny_dir / wm["layers.3.ffn.experts.5.w2.weight"]), "pt") as f:
-        assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_shape() == [64, 16]
+        assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_shape() == [64, 64]  # [hidden, moe_intermediate / 2]: E2M1 pairs
         assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_dtype() == "I8"
-        assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_shape() == [64, 1]
+        assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_shape() == [64, 4]  # one E8M0 per 32 along K
         assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_dtype() == "F8_E8M0"
     with safe_open(str(tiny_dir / wm["layers.2.attn.wq_b.weight"]), "pt") as f:
         assert f.get_slice("layers.2.attn.wq_b.weight").get_dtype() == "F8_E4M3"
@@ -223,7 +223,7 @@ def test_post_load_processing_runs_exactly_once(tiny_dir, specs):
     with pytest.raises(RuntimeError, match="exactly once"):
         ckpt.process(torch.float32)
     w = ckpt.weights
-    assert w["layers.2.ffn.experts.w1"].shape == (8, 32, 64)  # fused [E, I, D]
+    assert w["layers.2.ffn.experts.w1"].shape == (8, 128, 64)  # fused [E, I, D]
     assert w["layers.2.attn.wq_a.weight"].dtype == torch.float32
     assert model.prefill(IDS[:5]).shape == (5, 260)
 

@@ -3,7 +3,7 @@
 A checkpoint directory holds ``config.json`` (published field names, ``ModelConfig.to_hf``),
 sharded safetensors ``model-XXXXX-of-YYYYY.safetensors`` and ``model.safetensors.index.json``.
 ``tensor_table(config)`` is the single list of published names, shapes and dtypes that both the
-writer and the loader follow (documented in ``docs/readme/model.md``). The loader checks the
+writer and the loader follow (documented in the README's model section). The loader checks the
 config against the spec before any weight loads, checks every tensor's presence, shape and
 dtype, and runs post-load processing (dequantizing FP8/FP4 weights into the compute dtype and
 fusing experts) exactly once. Engram tables are never loaded whole: they stay memory-mapped.
