@@ -111,8 +111,9 @@ def test_single_request_matches_the_reference_on_tiny():
     )
 
 
-def test_tiny40_matches_the_reference():
-    pair = ("fp4", "fp4")  # the 890 B/token pair, on the released 40-layer topology
+@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_tiny40_matches_the_reference(pair):
+    # every format pair on the released 40-layer topology
     reqs = [
         {"slot": 1, "table": TABLE_B, "chunks": CHUNKS_A, "seed": 21},
         {"slot": 3, "table": TABLE_A, "chunks": CHUNKS_B, "seed": 22},
