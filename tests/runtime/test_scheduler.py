@@ -8,7 +8,8 @@ import pytest
 
 from tests.runtime.helpers import ROOT, TINY, fake_factory, fake_llm, prompt
 from v41plan.exec.admission import ConfigError
-from v41plan.exec.block_manager import READY, BlockManager, replay_start
+from v41plan.exec.block_manager import READY, BlockManager
+from v41plan.planner.replay import grid_back_off
 from v41plan.exec.engine import LLM
 from v41plan.exec.sampling import SamplingParams
 from v41plan.exec.sequence import Sequence
@@ -56,11 +57,11 @@ def assert_idle(llm: LLM):
 
 
 def test_replay_start_grid():
-    assert replay_start(64, 32) == 32
-    assert replay_start(70, 32) == 32
-    assert replay_start(40, 32) == 0
-    assert replay_start(31, 32) == 0
-    assert replay_start(0, 32) == 0
+    assert grid_back_off(64, 32) == 32
+    assert grid_back_off(70, 32) == 32
+    assert grid_back_off(40, 32) == 0
+    assert grid_back_off(31, 32) == 0
+    assert grid_back_off(0, 32) == 0
 
 
 @pytest.mark.parametrize("enc", TRANSFERS)

@@ -48,14 +48,6 @@ def chain_hashes(token_ids: list[int], page_tokens: int, num_blocks: int) -> lis
     return out
 
 
-def replay_start(resume_tokens: int, page_tokens: int) -> int:
-    """Where a backed-off forward starts: a whole hash block below ``resume_tokens``, on the grid.
-
-    ``max(0, (floor(r / B) - 1) * B)``: for a resume point on the grid this is ``r - B``.
-    """
-    return max(0, (resume_tokens // page_tokens - 1) * page_tokens)
-
-
 @dataclass
 class Image:
     """One checkpoint image: a STATE entry's rings and cursor copied into PAGE units."""

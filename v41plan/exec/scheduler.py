@@ -5,11 +5,11 @@ requests are admitted in order (phase 2), and only a step with no prefill decode
 requests. Where a forward starts:
 
 - a fresh admission with a prefix hit ``h`` under the ``replay`` transfer starts at
-  ``replay_start(h)`` in a fresh slot (encoder bounded replay rebuilds the windows);
+  ``grid_back_off(h)`` in a fresh slot (encoder bounded replay rebuilds the windows);
 - under ``copy`` the hit is gated to the largest boundary with a READY image, restored into a
   fresh slot before the forward; no image means recompute from a recoverable boundary;
 - with decoder bounded replay, a forward that finishes the prefill and resumes fewer than
-  ``min_final_prefill_rows`` rows before the end starts at ``replay_start(resume)`` keeping its
+  ``min_final_prefill_rows`` rows before the end starts at ``grid_back_off(resume)`` keeping its
   slot (the cursor steps back; cached rows are recomputed, not rewritten).
 
 The long-prefill cap counts from the resume point; a forward the budget cannot carry past its
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from v41plan.exec.batch import RunnerOutput, ScheduledBatch, ScheduledRequest
-from v41plan.exec.block_manager import BlockManager, replay_start
+from v41plan.exec.block_manager import BlockManager
 from v41plan.exec.sampling import sample
 from v41plan.exec.sequence import SeqStatus, Sequence
-from v41plan.planner.replay import choose_prefill_chunk
+from v41plan.planner.replay import choose_prefill_chunk, grid_back_off
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ class Scheduler:
         if hit == 0:
             fresh_start = 0
         elif cfg.transfer == "replay":
-            fresh_start = replay_start(hit, cfg.page_tokens)
+            fresh_start = grid_back_off(hit, cfg.page_tokens)
         seq.prefill_end = n
         seq.num_cached_tokens = hit
         span = self._chunk(seq, hit, fresh_start, budget)
