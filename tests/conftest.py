@@ -11,6 +11,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# CI draws the same hypothesis examples on every run (a red CI is then reproducible); local
+# runs keep drawing fresh ones.
+settings.register_profile("ci", derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.planner.helpers import spec, variant
@@ -21,7 +21,7 @@ TINY = spec("tiny")  # W 8, hash block 32, min_final 8
 WIDE = variant(TINY, name="tiny_w16", sliding_window=16, replay={"min_final_prefill_rows": 16})
 SPECS = {"tiny": TINY, "wide": WIDE}
 
-SETTINGS = settings(max_examples=300, deadline=None)
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class Cache:
