@@ -97,17 +97,20 @@ def to_step_input(batch: ScheduledBatch, compress=None, running_bs: int | None =
     from v41plan.planner.step import RequestInput, StepInput
 
     reqs = []
+    decode = batch.phase == "decode"
     for r in batch.requests:
-        ids = np.asarray(r.token_ids, dtype=np.int64)
-        if compress is not None:
-            ids = np.asarray(compress(ids), dtype=np.int64)
+        ids = None
+        if not decode:  # only a prefill can back off below the cursor and read plan history
+            ids = np.asarray(r.token_ids[: r.end], dtype=np.int64)
+            if compress is not None:
+                ids = np.asarray(compress(ids), dtype=np.int64)
         reqs.append(RequestInput(
             slot=r.slot,
             block_table=tuple(r.block_table),
             prompt_len=r.prompt_len,
             start=r.resume,
             chunk_len=r.end - r.resume,
-            phase="decode" if batch.phase == "decode" else "prefill",
+            phase="decode" if decode else "prefill",
             prefix_hit=r.prefix_hit,
             fresh_slot=r.fresh_slot,
             token_ids=ids,
