@@ -40,5 +40,5 @@ run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --
 run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.exec.validate_runtime --spec specs/medium.yaml --graph --device cuda \
-    --dtype float32 --transfer replay --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
+    --dtype float64 --transfer replay --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
 exit $status
