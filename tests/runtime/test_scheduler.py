@@ -435,10 +435,21 @@ def test_odd_page_and_short_page_refused():
     with pytest.raises(ConfigError, match="must be even"):
         LLM(odd, runner_factory=_never_load, world_size=1)
     dims = dataclasses.replace(TINY.dims, sliding_window=64)
-    wide = dataclasses.replace(TINY, dims=dims)
+    wide = dataclasses.replace(TINY, dims=dims,
+                               replay=dataclasses.replace(TINY.replay, min_final_prefill_rows=64))
     with pytest.raises(ConfigError, match="encoder_swa_bounded_replay.*window - 1 = 63"):
         LLM(wide, runner_factory=_never_load, world_size=1)
     LLM(wide, runner_factory=fake_factory, world_size=1, encoder_swa_bounded_replay=False)
+
+
+def test_decoder_replay_switched_on_needs_the_final_rows_rule():
+    # A spec compiled with decoder replay off may keep min_final_prefill_rows below W; switching
+    # the replay on at launch would let a final forward hold fewer than W rows: refused.
+    short = dataclasses.replace(TINY, replay=dataclasses.replace(
+        TINY.replay, decoder_swa_bounded_replay=False, min_final_prefill_rows=1))
+    with pytest.raises(ConfigError, match="decoder_swa_bounded_replay.*min_final_prefill_rows >= window = 8"):
+        LLM(short, runner_factory=_never_load, world_size=1, decoder_swa_bounded_replay=True)
+    LLM(short, runner_factory=fake_factory, world_size=1)
 
 
 def test_graph_mode_needs_eager_off():

@@ -135,6 +135,10 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     max_len = o.max_model_len or int(spec.model_config.get("max_position_embeddings", 4096))
     enc = spec.replay.encoder_swa_bounded_replay if o.encoder_swa_bounded_replay is None else o.encoder_swa_bounded_replay
     dec = spec.replay.decoder_swa_bounded_replay if o.decoder_swa_bounded_replay is None else o.decoder_swa_bounded_replay
+    if dec and spec.replay.min_final_prefill_rows < d.sliding_window:
+        raise _fail("decoder_swa_bounded_replay", True,
+                    f"needs min_final_prefill_rows >= window = {d.sliding_window} (the spec has "
+                    f"{spec.replay.min_final_prefill_rows}); accepted with this spec: False")
     if enc and page < d.sliding_window - 1:
         raise _fail("encoder_swa_bounded_replay", True,
                     f"needs page_tokens >= window - 1 = {d.sliding_window - 1}; accepted with this spec: False")

@@ -8,9 +8,11 @@ requests. Where a forward starts:
   ``grid_back_off(h)`` in a fresh slot (encoder bounded replay rebuilds the windows);
 - under ``copy`` the hit is gated to the largest boundary with a READY image, restored into a
   fresh slot before the forward; no image means recompute from a recoverable boundary;
-- with decoder bounded replay, a forward that finishes the prefill and resumes fewer than
-  ``min_final_prefill_rows`` rows before the end starts at ``grid_back_off(resume)`` keeping its
-  slot (the cursor steps back; cached rows are recomputed, not rewritten).
+- with decoder bounded replay, a prefill forward that resumes fewer than
+  ``min_final_prefill_rows`` rows before the prompt's end starts at ``grid_back_off(resume)``
+  keeping its slot (the cursor steps back; cached rows are recomputed, not rewritten); the
+  decision is on the resume point, so a chunk the budget cuts short backs off too (and the next
+  pass backs off again: the specification's wait rule makes such a chunk rare).
 
 The long-prefill cap counts from the resume point; a forward the budget cannot carry past its
 resume point waits for a step that can. A cancelled request finishes with reason ``aborted``

@@ -24,7 +24,8 @@ Declared readers (the liveness sinks and edges):
 
 Replay rules: under decoder replay every decoder layer's window starts at the tail
 (``swa_replay_start``) in a prefill forward; under encoder replay an encoder-replay rebuild's
-encoder windows start at the forward's first row. Decode never floors.
+windows start at the forward's first row (every layer not floored at the tail). Decode never
+floors.
 
 This module imports networkx only inside ``derive_stage_table``: the generated
 ``stages.py`` builds a ``StageTable`` from literals and loads on the GPU image unchanged.
@@ -193,7 +194,7 @@ def _floors(layers, phase: str, decoder_replay: bool, encoder_replay: bool) -> t
             out.append("none")
         elif layer.segment == "decoder" and decoder_replay:
             out.append("tail")
-        elif layer.segment == "encoder" and encoder_replay:
+        elif encoder_replay:  # a rebuild's fresh rings hold nothing below its first row
             out.append("forward_start")
         else:
             out.append("none")

@@ -370,6 +370,7 @@ def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
         and (not hit.any() or (hit.min() >= 0 and not (hit > st).any() and not _mod(hit, B).any()))
         and not (np.where(prefill, end > pl, st < pl) if prefill.any() else st < pl).any()
         and (encoder_replay or not (prefill & fresh & (st > 0)).any())
+        and not (prefill & fresh & (_mod(st, B) != 0)).any()
     ) if n else True  # fmt: skip
     bad = not ok
     if bad:
@@ -386,8 +387,13 @@ def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
             (hit > st, "prefix_hit {hit} is past the resume point {st}"),
             (hit % B != 0, "prefix_hit {hit} is not on the hash-block grid ({B} tokens)"),
             (
-                prefill & fresh & (st > 0),
+                prefill & fresh & (st > 0) & (not encoder_replay),
                 "a fresh slot resuming at {st} needs a restored image (encoder replay is off)",
+            ),
+            (
+                prefill & fresh & (st % B != 0),
+                "a fresh-slot rebuild resumes at {st}, off the hash-block grid ({B} tokens): "
+                "a rebuild starts from a prefix hit",
             ),
             (short, "block table holds {pages} pages ({P} tokens each), short of position {end}"),
         )
