@@ -59,6 +59,7 @@ class PagedRunner:
         self.flags = {"encoder_replay": bool(options.encoder_swa_bounded_replay),
                       "decoder_replay": bool(options.decoder_swa_bounded_replay)}
         self.stats: Counter = Counter()
+        self._copies = None  # the pool's CopyPlanner, built at the first image copy
 
     def graph_stats(self) -> dict:
         """Capture report and replay counters (empty under eager execution)."""
@@ -69,13 +70,19 @@ class PagedRunner:
 
     # ---- state copies ------------------------------------------------------------------------
     def _copy_image(self, slot: int, units: tuple[int, ...], store: bool) -> None:
+        """Store or restore one image through the generated span table (checked against the
+        pool's layout id and byte totals) and the backend's copy."""
+        from v41plan.planner.checkpoint import CopyPlanner, ImageOp, load_image_layout
+
         pools = self.model.pools
-        pages = torch.tensor(units, dtype=torch.long, device=pools.backing.device)
-        state_addr, unit_addr = pools.image_addresses(slot, pages)
-        if store:
-            pools.backing[unit_addr] = pools.backing[state_addr]
-        else:
-            pools.backing[state_addr] = pools.backing[unit_addr]
+        if self._copies is None:
+            g = pools.geometry
+            self._copies = CopyPlanner(g, pools.num_pages, pools.num_slots, load_image_layout(g, self.spec.name))
+        g = self._copies.geometry
+        op = ImageOp(slot, tuple(units), g.layout_id, g.image_bytes)
+        spans = self._copies.store(op) if store else self._copies.restore(op)
+        src, dst = pools.span_addresses(self._copies.regions, spans)
+        self.model.backend.copy_image(pools.backing, src, dst)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Stores, restores, fresh-slot resets, then the planned forward."""
