@@ -45,3 +45,15 @@ def test_strings_prefer_double_quotes():
     assert py_string("plain") == '"plain"'
     assert py_string('say "hi"') == "'say \"hi\"'"
     assert py_string("tab\there") == '"tab\\there"'
+
+
+def test_one_element_tuples_follow_the_formatter():
+    """``(x,)`` stays on one line only when ``x`` is flat and the line fits; otherwise the
+    element goes on its own line (as ``ruff format`` leaves it)."""
+    assert py_literal((3,), "", "Y = ") == "(3,)"
+    assert py_literal((("backbone", 0, 13),), "", "W = ") == '(("backbone", 0, 13),)'
+    assert py_literal((Point("p", (), {}),), "", "X = ") == (
+        '(\n    Point(\n        name="p",\n        shape=(),\n        extra={},\n    ),\n)'
+    )
+    long = "a" * 95
+    assert py_literal((long,), "", "Z = ") == f'(\n    "{long}",\n)'

@@ -230,3 +230,11 @@ def test_section_of_wrong_kind(spec_error):
         spec_error(text)
         == "specs/spec.yaml:56:1: roles must be a mapping, not a list (write a mapping)"
     )
+
+
+def test_display_path_does_not_depend_on_the_working_directory(monkeypatch, specs_dir):
+    from v41plan.geometry.spec import display_path
+
+    assert display_path(specs_dir / "tiny.yaml") == "specs/tiny.yaml"
+    monkeypatch.chdir(specs_dir)
+    assert display_path(Path("tiny.yaml")) == "specs/tiny.yaml"

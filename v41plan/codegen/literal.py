@@ -31,7 +31,13 @@ def py_literal(value: Any, indent: str = "", prefix: str = "", suffix: str = "")
     if isinstance(value, tuple | list):
         open_, close = ("(", ")") if isinstance(value, tuple) else ("[", "]")
         if isinstance(value, tuple) and len(value) == 1:
-            return f"({py_literal(value[0], indent, prefix + '(', ',)' + suffix)},)"
+            # ruff keeps ``(x,)`` on one line only when ``x`` itself is flat and the whole fits;
+            # otherwise the single element goes on its own line
+            inner = py_literal(value[0], indent, prefix + "(", ",)" + suffix)
+            flat = f"({inner},)"
+            if "\n" not in inner and len(indent) + len(prefix) + len(flat) + len(suffix) <= LINE_LENGTH:
+                return flat
+            return _exploded(open_, close, [("", value[0])], indent)
         if not value:
             return open_ + close
         if all(_is_scalar(v) for v in value):

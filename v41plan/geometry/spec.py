@@ -16,6 +16,8 @@ never load pydantic or ruamel.yaml.
 
 from __future__ import annotations
 
+import os
+
 import hashlib
 import re
 from dataclasses import dataclass
@@ -291,8 +293,10 @@ class LoadedSpec:
 
 
 def display_path(path: Path) -> str:
-    """``<parent folder>/<file name>``: stable whatever the working directory."""
-    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+    """``<parent folder>/<file name>``: stable whatever the working directory (the absolute
+    path decides the folder, so ``tiny.yaml`` typed inside ``specs/`` is ``specs/tiny.yaml``)."""
+    a = Path(os.path.abspath(path))
+    return f"{a.parent.name}/{a.name}" if a.parent.name else a.name
 
 
 def compile_spec(path: str | Path) -> CacheSpec:
