@@ -191,8 +191,6 @@ class DecodeForward:
         cfg = m.cfg
         T, B = m.buf.positions.shape[0], m.buf.slots.shape[0]
         dev = m.device
-        for att in m.attn:  # RoPE tables live beside the weights (no host copy per call)
-            att.rope.freqs = att.rope.freqs.to(dev)
         h = cfg.engram_max_ngram_size - 1
         codes, scales = [], []
         if cfg.engram_layer_ids and m.engram.tables:

@@ -268,7 +268,7 @@ class Attention:
         a = acc_dtype(dtype)
         self.cfg, self.info, self.dtype, self.tp = cfg, info, dtype, tp
         self.ratio, self.role = info.ratio, info.role
-        self.H, self.d, self.rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+        self.d, self.rd = cfg.head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         if info.ratio > 0:
@@ -277,6 +277,8 @@ class Attention:
             self.rope = Rope(self.rd, cfg.rope_theta, None)
         p = prefix + ".attn."
         self.wq_a = Linear(w[p + "wq_a.weight"].to(dtype))
+        # the RoPE table lives beside the weights: no host-to-device copy per call
+        self.rope.freqs = self.rope.freqs.to(self.wq_a.weight.device)
         self.q_norm = w[p + "q_norm.weight"]
         self.wq_b = Linear(w[p + "wq_b.weight"].to(dtype))
         self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
@@ -433,8 +435,9 @@ class MoE:
         self.w1 = w[p + "experts.w1"].to(dtype)  # fused [E, I, D]
         self.w3 = w[p + "experts.w3"].to(dtype)
         self.w2 = w[p + "experts.w2"].to(dtype)  # [E, D, I]
-        self.s1 = Linear(w[p + "shared_experts.w1.weight"].to(dtype))
-        self.s3 = Linear(w[p + "shared_experts.w3.weight"].to(dtype))
+        # the shared expert reads the routed experts' quantized input (quantized once)
+        self.s1 = Linear(w[p + "shared_experts.w1.weight"].to(dtype), act_quant=False)
+        self.s3 = Linear(w[p + "shared_experts.w3.weight"].to(dtype), act_quant=False)
         self.s2 = Linear(w[p + "shared_experts.w2.weight"].to(dtype))
         self.limit = cfg.swiglu_limit
         # expert parallel: this rank holds the router's experts [first, first + count)
@@ -474,7 +477,7 @@ class MoE:
         h3 = torch.einsum("nd,eid->eni", xq, self.w3)
         act = (self._swiglu(h1, h3) * weights.T[:, :, None].to(a)).to(self.dtype)
         y = torch.einsum("eni,edi->end", fake_fp8(act, 32), self.w2).to(a).sum(0)
-        shared = self.s2(self._swiglu(self.s1(x), self.s3(x)).to(self.dtype))
+        shared = self.s2(self._swiglu(self.s1(xq), self.s3(xq)).to(self.dtype))
         # one reduction per layer: routed + shared partials, in acc, rounded after the sum
         return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids
 

@@ -117,9 +117,11 @@ class PagedRunner:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
         cu = plan.cu_seqlens_q
+        logits = res.logits.float().cpu()  # one device-to-host copy per step, not per request
+        row_logits = res.row_logits.float().cpu() if want_rows and res.row_logits is not None else None
         for i, r in enumerate(batch.requests):
             if r.is_final_chunk:
-                out.last_logits[r.seq_id] = res.logits[i].float().cpu()
-            if r.all_logits and res.row_logits is not None:
-                out.row_logits[r.seq_id] = res.row_logits[int(cu[i]) : int(cu[i + 1])].float().cpu()
+                out.last_logits[r.seq_id] = logits[i]
+            if r.all_logits and row_logits is not None:
+                out.row_logits[r.seq_id] = row_logits[int(cu[i]) : int(cu[i + 1])]
         return out

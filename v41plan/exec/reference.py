@@ -142,6 +142,7 @@ class ReferenceModel:
     ) -> ReferenceModel:
         """Build from a ``LoadedCheckpoint`` (runs its post-load processing if not done yet)."""
         weights = ckpt.weights if ckpt.weights is not None else ckpt.process(dtype, device)
+        weights = {k: v.to(device) for k, v in weights.items()}  # no-op when already there
         return cls(ckpt.config, weights, ckpt.engram_host(), dtype, device, index_cache_dtype)
 
     # --- public API -----------------------------------------------------------------------

@@ -97,8 +97,7 @@ class StepBuffers:
             z(max_tokens),
             z(max_bs),
             z(max_bs, table_width),
-            *(z(max_bs) for _ in range(7)),
-            z(max_bs),
+            *(z(max_bs) for _ in range(8)),
         )
 
     def load(self, plan) -> None:

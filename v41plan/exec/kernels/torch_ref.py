@@ -87,15 +87,6 @@ def decode_fp8_row(row: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tenso
     return q * row[..., d:].contiguous().view(torch.float32).to(dtype)
 
 
-def round_query(q: torch.Tensor, index_format: str) -> torch.Tensor:
-    """The paged scorer's own query rounding: the plane's grid, per (row, head) for fp8, per 32
-    lanes E8M0 for fp4 (the published model FP4-rounds q and k alike)."""
-    if index_format == "fp8":
-        return decode_fp8_row(encode_fp8_row(q), q.shape[-1], q.dtype)
-    v, s = encode_fp4_e8m0(q)
-    return decode_fp4_e8m0(v, s, q.dtype)
-
-
 # -- helpers ------------------------------------------------------------------------------------
 def _put_rows(
     dest: torch.Tensor,
