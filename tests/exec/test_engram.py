@@ -134,7 +134,7 @@ def test_token_map_from_a_tokenizers_tokenizer():
     assert len(set(tmap.tolist())) == 4
 
 
-def test_table_reads_through_safetensors_slices(tmp_path):
+def test_table_reads_through_the_memory_mapped_file(tmp_path):
     from safetensors.torch import save_file
 
     rows = torch.randn(434, 32)
@@ -158,6 +158,9 @@ def test_table_reads_through_safetensors_slices(tmp_path):
     assert torch.equal(dequant_fp8_blocks(c1, s1, torch.float32), want)
     with pytest.raises(IndexError):
         table.read(np.array([434]))
+    # an empty request (no Engram rows in a step) keeps its shape
+    c0, s0 = table.read(np.zeros((0, 24), dtype=np.int64))
+    assert c0.shape == (0, 24, 32) and s0.shape == (0, 24, 1)
 
 
 def test_host_half_imports_without_triton_or_cuda():

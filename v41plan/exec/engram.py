@@ -14,6 +14,8 @@ coprime with ``size`` (7 for tiny's 200; 9 for 99092, which 7 divides).
 
 from __future__ import annotations
 
+import json
+
 import math
 import re
 import unicodedata
@@ -241,8 +243,8 @@ def advance_history(
 class EngramTable:
     """One Engram table (FP8 E4M3 rows + E8M0 per-32 scales), read row by row.
 
-    Backed by a safetensors file opened with ``safe_open`` and read through ``get_slice`` (the
-    file is memory-mapped; only the requested rows are touched), or by in-memory tensors.
+    Backed by a safetensors file memory-mapped as raw bytes (only the requested rows are
+    touched; one gather per read, never a copy of the table), or by in-memory tensors.
     """
 
     def __init__(self, codes: Any, scales: Any, rows: int, width: int):
@@ -258,44 +260,41 @@ class EngramTable:
 
     @classmethod
     def open(cls, path: str | Path, prefix: str, handle: Any | None = None) -> EngramTable:
-        """Open ``{prefix}.embed.weight`` / ``.embed.scale`` in a safetensors file (no copy)."""
-        from safetensors import safe_open
+        """Map ``{prefix}.embed.weight`` / ``.embed.scale`` of a safetensors file (no copy).
 
-        f = handle if handle is not None else safe_open(str(path), framework="pt")
-        codes = f.get_slice(f"{prefix}.embed.weight")
-        scales = f.get_slice(f"{prefix}.embed.scale")
-        rows, width = codes.get_shape()
-        t = cls(codes, scales, rows, width)
-        t._handle = f  # keep the mapping alive
-        return t
+        The file is mapped once as bytes and each tensor viewed at its header offsets; both are
+        one byte per element (E4M3 codes, E8M0 scales). ``handle`` (an open ``safe_open``) is
+        accepted for callers that hold one; the mapping does not need it.
+        """
+        path = Path(path)
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        base = 8 + header_len
+
+        def view(name: str) -> np.ndarray:
+            meta = header[name]
+            lo, hi = meta["data_offsets"]
+            return mm[base + lo : base + hi].reshape(meta["shape"][0], -1)
+
+        codes = view(f"{prefix}.embed.weight")
+        scales = view(f"{prefix}.embed.scale")
+        return cls(codes, scales, codes.shape[0], codes.shape[1])
 
     def read(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(``float8_e4m3fn`` ``[*rows.shape, width]``, ``float8_e8m0fnu`` ``[*rows.shape, width/32]``)."""
         flat = np.asarray(rows, dtype=np.int64).reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= self.rows):
             raise IndexError(f"Engram row id out of range [0, {self.rows})")
-        uniq, inv = np.unique(flat, return_inverse=True)
-        if isinstance(self._codes, torch.Tensor):
-            idx = torch.from_numpy(uniq)
-            codes, scales = self._codes[idx], self._scales[idx]
-        else:
-            cparts, sparts = [], []
-            i = 0
-            while i < len(uniq):  # coalesce consecutive rows into one slice
-                j = i
-                while j + 1 < len(uniq) and uniq[j + 1] == uniq[j] + 1:
-                    j += 1
-                cparts.append(self._codes[int(uniq[i]) : int(uniq[j]) + 1])
-                sparts.append(self._scales[int(uniq[i]) : int(uniq[j]) + 1])
-                i = j + 1
-            if cparts:
-                codes, scales = torch.cat(cparts), torch.cat(sparts)
-            else:
-                codes = torch.zeros(0, self.width, dtype=torch.float8_e4m3fn)
-                scales = torch.zeros(0, self.width // 32, dtype=torch.float8_e8m0fnu)
-        sel = torch.from_numpy(inv.reshape(-1))
         shape = tuple(np.asarray(rows).shape)
-        return codes[sel].reshape(*shape, self.width), scales[sel].reshape(*shape, -1)
+        if isinstance(self._codes, torch.Tensor):
+            idx = torch.from_numpy(flat)
+            codes, scales = self._codes[idx], self._scales[idx]
+        else:  # memory-mapped bytes: one gather touches only the requested rows
+            codes = torch.from_numpy(np.ascontiguousarray(self._codes[flat])).view(torch.float8_e4m3fn)
+            scales = torch.from_numpy(np.ascontiguousarray(self._scales[flat])).view(torch.float8_e8m0fnu)
+        return codes.reshape(*shape, self.width), scales.reshape(*shape, self.width // 32)
 
 
 class EngramHost:
