@@ -249,6 +249,10 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     specs = tensor_table(cfg)
     shards = _plan_shards(specs, shard_bytes)
+    names = {f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)}
+    for old in out.glob("model-*-of-*.safetensors"):  # shards of an earlier, different split
+        if old.name not in names:
+            old.unlink()
     weight_map: dict[str, str] = {}
     total = 0
     for n, shard in enumerate(shards, 1):
