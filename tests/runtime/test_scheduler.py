@@ -450,6 +450,11 @@ def test_decoder_replay_switched_on_needs_the_final_rows_rule():
     with pytest.raises(ConfigError, match="decoder_swa_bounded_replay.*min_final_prefill_rows >= window = 8"):
         LLM(short, runner_factory=_never_load, world_size=1, decoder_swa_bounded_replay=True)
     LLM(short, runner_factory=fake_factory, world_size=1)
+    # an Engram layer in the decoder reads every row: decoder replay cannot be switched on
+    late = dataclasses.replace(short, dims=dataclasses.replace(short.dims, engram_layer_ids=(1, 9)),
+                               replay=dataclasses.replace(short.replay, min_final_prefill_rows=8))
+    with pytest.raises(ConfigError, match=r"Engram layers \[9\] read every row"):
+        LLM(late, runner_factory=_never_load, world_size=1, decoder_swa_bounded_replay=True)
 
 
 def test_graph_mode_needs_eager_off():

@@ -135,6 +135,11 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     max_len = o.max_model_len or int(spec.model_config.get("max_position_embeddings", 4096))
     enc = spec.replay.encoder_swa_bounded_replay if o.encoder_swa_bounded_replay is None else o.encoder_swa_bounded_replay
     dec = spec.replay.decoder_swa_bounded_replay if o.decoder_swa_bounded_replay is None else o.decoder_swa_bounded_replay
+    late_engram = [e for e in d.engram_layer_ids if e >= max(d.kv_source_layer_ids)]
+    if dec and late_engram:
+        raise _fail("decoder_swa_bounded_replay", True,
+                    f"needs every Engram layer before the decoder (layer {max(d.kv_source_layer_ids)}); "
+                    f"Engram layers {late_engram} read every row; accepted with this spec: False")
     if dec and spec.replay.min_final_prefill_rows < d.sliding_window:
         raise _fail("decoder_swa_bounded_replay", True,
                     f"needs min_final_prefill_rows >= window = {d.sliding_window} (the spec has "

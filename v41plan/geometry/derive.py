@@ -24,9 +24,8 @@ from v41plan.geometry.runtime import (
     StateField,
 )
 
-# A block id names this many index rows (one scorer tile); fp4 planes use page-8 row groups.
+# A block id names this many index rows (one scorer tile).
 INDEX_BLOCK_ROWS = 16
-FP4_ROW_GROUP = 8
 STATE_LAYOUT_VERSION = "state-tails-v1"
 
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from v41plan.geometry.derive import build_cache_spec, dims_from_model
+from v41plan.geometry.derive import INDEX_BLOCK_ROWS, build_cache_spec, dims_from_model
 from v41plan.geometry.errors import Location, Locator, SpecError
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 
@@ -34,7 +34,6 @@ SPEC_VERSION = 1
 IMAGE_FIELDS = ("swa_rings", "tail_values", "tail_scores", "cursor")
 REQUIRED_IMAGE_FIELDS = ("swa_rings", "cursor")
 RATIOS = (0, 1, 2)
-INDEX_BLOCK_ROWS = 16
 PAGE_TOKENS_FLOOR = 32
 HEAD_DIM_MULTIPLE = 32
 README_HINT = "see specs/README.md"
