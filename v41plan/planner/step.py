@@ -436,7 +436,6 @@ class _Static:
 
 
 _STATIC: dict = {}
-_TABLES: dict = {}
 
 
 def _static(spec, table) -> _Static:
@@ -552,13 +551,8 @@ def plan_step(
     rules = spec.replay
     dec_on = rules.decoder_swa_bounded_replay if decoder_replay is None else decoder_replay
     enc_on = rules.encoder_swa_bounded_replay if encoder_replay is None else encoder_replay
-    if table is None:
-        key = (id(spec), dec_on, enc_on)
-        hit = _TABLES.get(key)
-        if hit is None or hit[0] is not spec:
-            hit = (spec, stage_table(spec, decoder_replay=dec_on, encoder_replay=enc_on))
-            _TABLES[key] = hit
-        table = hit[1]
+    if table is None:  # cached per spec object and switches by stage_table itself
+        table = stage_table(spec, decoder_replay=dec_on, encoder_replay=enc_on)
     st = _static(spec, table)
     a = step if isinstance(step, StepArrays) else step_arrays(step)
     n = len(a.slots)
