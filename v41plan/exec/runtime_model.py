@@ -283,9 +283,16 @@ class RuntimeModel:
         if arr is None:
             return torch.zeros(0, dtype=torch.long, device=self.device)
         self.row_counts[(layer, sub)] += len(arr)
-        if len(arr) == plan.scheduled_tokens:
-            return torch.arange(t, device=self.device)
-        return torch.from_numpy(arr.astype(np.int64)).to(self.device)
+        # layers share a handful of row arrays: copy each to the device once per forward
+        key = ("all", t) if len(arr) == plan.scheduled_tokens else id(arr)
+        hit = self._row_cache.get(key)
+        if hit is None:
+            if isinstance(key, tuple):
+                hit = torch.arange(t, device=self.device)
+            else:
+                hit = torch.from_numpy(arr.astype(np.int64)).to(self.device)
+            self._row_cache[key] = hit
+        return hit
 
     def _engram_rows(self, plan, token_ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """Host Engram preparation: row ids ``[T, n_layers, cols]`` and the committed cursors."""
@@ -323,6 +330,7 @@ class RuntimeModel:
             )
         ids_full = np.zeros(t, dtype=np.int64)
         ids_full[: ids_np.shape[0]] = ids_np
+        self._row_cache: dict = {}  # per forward: the plan's arrays stay alive, so ids are stable
         self.buf.load(plan)
         engram_rows, cursors = self._engram_rows(plan, ids_full)
         cfg, buf, pools, kb = self.cfg, self.buf, self.pools, self.backend
