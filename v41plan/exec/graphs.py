@@ -600,8 +600,9 @@ def pad_for_graphs(graphs: GraphRunner | None, step, is_decode: bool):
 
 
 def graph_validation(graph_results: dict, eager_results: dict, graph_stats: dict, events: list[dict]) -> dict:
-    """The ``--graph`` acceptance case: every scenario's tokens equal eager's, decode steps
-    replayed (at most 2 replays each), and the capture's untouched-page check passed."""
+    """The ``--graph`` acceptance case: every scenario that records tokens matches eager's,
+    decode steps are replayed (FULL: one replay each; at most 2 allowed), and the capture's
+    untouched-page check passed."""
     mismatched = sorted(k for k, r in graph_results.items()
                         if "tokens" in r and r.get("tokens") != eager_results.get(k, {}).get("tokens"))
     stats = graph_stats.get("stats", {})

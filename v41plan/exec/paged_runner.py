@@ -8,7 +8,8 @@ restores, fresh resets, replay rows, decoder-replay steps and tail rows.
 
 Under torchrun every rank runs the identical schedule on its tensor-parallel shard of the
 weights (``v41plan.exec.tp``: heads, index heads, output groups, experts) and a full replica of
-the cache; ``tensor_parallel_size`` must equal the launched world size.
+the cache; ``tensor_parallel_size`` is the launched world size, or 1 for a full replica of the
+model on every rank.
 """
 
 from __future__ import annotations

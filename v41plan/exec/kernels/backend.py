@@ -53,11 +53,13 @@ class CompressGroups(Protocol):
         sink_slot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio-2 compressor tails: every row's fp32 projections ``values/scores [T, d]`` are
-        paired with the group's first token, taken from the forward (row - 1) or, at a
-        request's first row, from the slot's tail. Returns ``(pair_values, pair_scores)
-        [T, 2, d]`` (meaningful on rows whose position is odd), then stores each request's
-        last row into its tail when its group is incomplete. ``first_row``/``last_row [T]``
-        flag a request's first and last rows in this forward."""
+        paired with the group's first token, taken from the forward (row - 1) or, where
+        ``first_row`` is set, from the slot's tail. Returns ``(pair_values, pair_scores)
+        [T, 2, d]`` (meaningful on rows whose position is odd), then stores the rows flagged by
+        ``last_row`` into their slot's tail. ``first_row [T]`` flags the closing rows whose first
+        member lies below the point the forward reads the slot's state from (the forward's start,
+        or the resume point of a backed-off forward); ``last_row [T]`` flags the first members
+        of groups still open at the forward's end (the planner's tail-store rows)."""
 
 
 class MainScatter(Protocol):
