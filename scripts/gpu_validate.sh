@@ -5,8 +5,8 @@
 #   STEPS="tests tiny40 ckpt decode prefill medium" TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests 30 s, tiny40 both transfers about 230 s, ckpt 20 s,
-# decode 60 s, prefill 150 s, medium several minutes); split it, e.g. STEPS="tests tiny40",
-# then STEPS="ckpt decode prefill", then STEPS="ckpt medium" TRANSFER=replay.
+# decode 60 s, prefill 150 s, medium (float64) about 240 s per transfer); split it, e.g.
+# STEPS="tests tiny40", then STEPS="ckpt decode prefill", then STEPS="ckpt medium".
 set -u -o pipefail
 OUT=${OUT:-reports/gpu}
 STEPS=${STEPS:-"tests tiny40 ckpt decode prefill medium"}
@@ -40,5 +40,5 @@ run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --
 run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.exec.validate_runtime --spec specs/medium.yaml --graph --device cuda \
-    --dtype float64 --transfer replay --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
+    --dtype float64 --transfer "$TRANSFER" --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
 exit $status
