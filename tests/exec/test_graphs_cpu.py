@@ -21,6 +21,7 @@ from v41plan.exec.graphs import (
     GraphRunner,
     build_graph_runner,
     capture_buckets,
+    graph_validation,
     pad_for_graphs,
     select_bucket,
     synthetic_plan,
@@ -164,3 +165,29 @@ def test_admission_refuses_graph_combinations_before_loading(opts, msg):
     for ok in ({"enforce_eager": False, "cudagraph_mode": "FULL", "compilation_level": 3},
                {"compilation_level": 3}, {"enforce_eager": False, "cudagraph_mode": "PIECEWISE"}):
         check_options(ok, spec)
+
+
+def _graph_case(graph_steps=3, replays=3, eager_steps=0, eager_tokens=None, mode="FULL"):
+    graph = {"baseline": {"passed": True, "tokens": [[1, 2]]}, "fork": {"passed": True, "tokens": [[3]]},
+             "ranks_agree": {"passed": True}}
+    eager = {"baseline": {"passed": True, "tokens": [[1, 2]]},
+             "fork": {"passed": True, "tokens": eager_tokens or [[3]]}}
+    stats = {"mode": mode, "stats": {"replays": replays, "graph_steps": graph_steps,
+                                     "eager_decode_steps": eager_steps},
+             "capture": {"graph_shapes": [[1, 1, 1]], "untouched_from_page": 1,
+                         "pages_untouched": True, "slots_untouched": True}}
+    events = [{"phase": "prefill"}] + [{"phase": "decode"}] * 3 + [{"phase": "decode", "runner": "replay_off"}]
+    return graph_validation(graph, eager, stats, events)
+
+
+def test_graph_validation_compares_every_scenario_and_accounts_every_decode_step():
+    ok = _graph_case()
+    assert ok["passed"] and ok["scenarios_compared"] == ["baseline", "fork"]
+    assert ok["decode_steps"] == 3 and ok["replays_per_decode_step"] == 1.0  # other runner's step not counted
+    assert _graph_case(graph_steps=2, eager_steps=1, replays=2)["passed"]
+    bad = _graph_case(eager_tokens=[[4]])
+    assert not bad["passed"] and bad["mismatched"] == ["fork"]
+    lost = _graph_case(graph_steps=2, replays=2)
+    assert not lost["passed"] and "3 decode steps, but 2 replayed" in lost["error"]
+    assert "replays per decode step" in _graph_case(replays=9)["error"]
+    assert "no decode step replayed" in _graph_case(graph_steps=0, replays=0, eager_steps=3)["error"]

@@ -600,24 +600,26 @@ def pad_for_graphs(graphs: GraphRunner | None, step, is_decode: bool):
 
 
 def graph_validation(graph_results: dict, eager_results: dict, graph_stats: dict, events: list[dict]) -> dict:
-    """The ``--graph`` acceptance case: every scenario that records tokens matches eager's,
-    decode steps are replayed (FULL: one replay each; at most 2 allowed), and the capture's
-    untouched-page check passed."""
-    mismatched = sorted(k for k, r in graph_results.items()
-                        if "tokens" in r and r.get("tokens") != eager_results.get(k, {}).get("tokens"))
+    """The ``--graph`` acceptance case: every scenario's tokens match eager's, every decode step
+    of the graph runner is accounted for (FULL: one replay each; at most 2 allowed), and the
+    capture's untouched-page check passed. ``events`` tagged with a ``runner`` ran on another
+    runner and are not counted."""
+    compared = sorted(k for k, r in graph_results.items() if "tokens" in r)
+    mismatched = [k for k in compared if graph_results[k]["tokens"] != eager_results.get(k, {}).get("tokens")]
     stats = graph_stats.get("stats", {})
     capture = graph_stats.get("capture", {})
-    decode_steps = sum(1 for ev in events if ev.get("phase") == "decode")
+    decode_steps = sum(1 for ev in events if ev.get("phase") == "decode" and "runner" not in ev)
     graph_steps = stats.get("graph_steps", 0)
+    eager_steps = stats.get("eager_decode_steps", 0)
     per_step = stats.get("replays", 0) / graph_steps if graph_steps else 0.0
     out = {
-        "scenarios_compared": sorted(k for k, r in graph_results.items() if "tokens" in r),
+        "scenarios_compared": compared,
         "tokens_equal_eager": not mismatched,
         "mismatched": mismatched,
         "graph_shapes": capture.get("graph_shapes", []),
         "decode_steps": decode_steps,
         "graph_steps": graph_steps,
-        "eager_decode_steps": stats.get("eager_decode_steps", 0),
+        "eager_decode_steps": eager_steps,
         "replays": stats.get("replays", 0),
         "replays_per_decode_step": per_step,
         "untouched_from_page": capture.get("untouched_from_page"),
@@ -629,6 +631,8 @@ def graph_validation(graph_results: dict, eager_results: dict, graph_stats: dict
         errors.append(f"tokens differ from eager in {mismatched}")
     if not graph_steps:
         errors.append("no decode step replayed a graph (CUDA graphs need --device cuda)")
+    if graph_steps + eager_steps != decode_steps:
+        errors.append(f"{decode_steps} decode steps, but {graph_steps} replayed and {eager_steps} ran eager")
     if graph_stats.get("mode") == "FULL" and per_step > 2:
         errors.append(f"{per_step:.1f} replays per decode step (at most 2)")
     if not (out["pages_untouched"] and out["slots_untouched"]):

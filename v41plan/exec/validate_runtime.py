@@ -200,7 +200,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         ragged = sum(1 for ev in r.events if ev["phase"] == "prefill" and len(ev["ids"]) > 1)
         check(ragged > 0, "no ragged multi-request prefill batch")
         check(r.tokens == [gold["base"], gold["other"]], f"tokens {r.tokens} != baseline")
-        return {"ragged_prefill_batches": ragged, "batches": len(r.events)}
+        return {"ragged_prefill_batches": ragged, "batches": len(r.events), "tokens": r.tokens}
 
     @case("prefix_fork")
     def _():
@@ -217,7 +217,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             check(r.replay_rows >= P, "no encoder replay rows in the replay fork")
         ref = v.resumed_reference(base, [base], hit, **opts)
         check(r.tokens[1] == ref, f"forked request {r.tokens[1]} != uninterrupted route {ref}")
-        return {"hit": hit, "restores": r.restores, "replay_rows": r.replay_rows}
+        return {"hit": hit, "restores": r.restores, "replay_rows": r.replay_rows, "tokens": r.tokens}
 
     @case("missing_image_replay")
     def _():
@@ -236,7 +236,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             check(s.hits[0] > 0 and s.replay_rows >= P, "no imageless hit with encoder replay")
             ref = v.resumed_reference(base, [base], s.hits[0], **chunked)
             check(r.tokens[0] == ref, "imageless replay differs from its uninterrupted route")
-        return {"dropped_images": dropped, "hits": s.hits, "replay_rows": s.replay_rows}
+        return {"dropped_images": dropped, "hits": s.hits, "replay_rows": s.replay_rows, "tokens": r.tokens}
 
     @case("preempt_resume")
     def _():
@@ -261,7 +261,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         ref = v.resumed_reference(unique, [unique], s.hits[-1], **chunked)
         check(r.tokens[0] == ref, f"resumed {r.tokens[0]} != uninterrupted {ref}")
         return {"preempted_at": state["cursor"], "hits": s.hits, "restores": s.restores,
-                "replay_rows": s.replay_rows}
+                "replay_rows": s.replay_rows, "tokens": r.tokens}
 
     @case("cancel_middle_chunk")
     def _():
@@ -285,7 +285,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         check(r2.events[0]["slots"] == [state["slot"]], "the new request did not get the freed slot")
         check(r2.tokens[0] == gold["other"], "recycled slot leaked state into a new request")
         results["slot_recycle"] = {"passed": True, "slot": state["slot"], "tokens": r2.tokens[0]}
-        return {"slot": state["slot"]}
+        return {"slot": state["slot"], "tokens": r.tokens}
 
     @case("cancel_first_deferred_step")
     def _():
@@ -304,7 +304,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
               "request cancelled before its first token produced output")
         check(r.seqs[0].finish_reason == "length", "the surviving request did not finish")
         check(len(llm.block_manager.free_slots) == llm.block_manager.num_slots, "slot not freed")
-        return {"step": state["step"]}
+        return {"step": state["step"], "tokens": r.tokens}
 
     @case("decoder_replay_long_prompt")
     def _():
@@ -327,7 +327,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         if stats is not None:
             taken = {k: stats.get(k, 0) - before.get(k, 0) for k in ("decoder_replay_steps", "tail_rows")}
             check(taken["decoder_replay_steps"] >= 1, "the runner ran no decoder-replay step")
-        return {"final_rows": rows, "plan": plan, "runner": taken}
+        return {"final_rows": rows, "plan": plan, "runner": taken, "tokens": one.tokens + two.tokens}
 
     @case("decoder_replay_off")
     def _():
@@ -342,13 +342,13 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         prompt = long_prompt[: 5 * P + 3]
         one = off.drive(off.engine(long_prefill_token_threshold=0), [prompt], case="decoder_replay_off")
         two = off.drive(off.engine(**chunked), [prompt], case="decoder_replay_off_chunked")
-        v.events.extend(off.events)
+        v.events.extend(dict(ev, runner="replay_off") for ev in off.events)  # not the graph runner's
         check(all(s == r for ev in two.events for s, r in zip(ev["starts"], ev["resumes"])),
               "a forward backed off with decoder replay off")
         stats = getattr(runner, "stats", {})
         check(stats.get("decoder_replay_steps", 0) == 0, "decoder replay ran with the switch off")
         check(one.tokens == two.tokens, f"whole {one.tokens} != chunked {two.tokens} with replay off")
-        return {"tokens": one.tokens[0]}
+        return {"tokens": one.tokens + two.tokens}
 
     @case("prefix_hit_short_suffix")
     def _():
@@ -364,7 +364,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             check(s.restores == 1, "no restore for the short suffix")
         ref = v.resumed_reference(short_suffix, [base], s.hits[0], **chunked)
         check(r.tokens[0] == ref, f"short-suffix hit {r.tokens[0]} != uninterrupted {ref}")
-        return {"hits": s.hits, "starts": s.starts, "replay_rows": s.replay_rows}
+        return {"hits": s.hits, "starts": s.starts, "replay_rows": s.replay_rows, "tokens": r.tokens}
 
     return results
 
