@@ -141,6 +141,33 @@ def test_capture_guard_alone_catches_sync_inside_a_graph():
         (x * 2).sum().item()
 
 
+def test_capture_guard_refuses_a_segment_outside_the_graph_pool():
+    from v41plan.exec.graphs import CaptureGuardError, capture_guard
+
+    x = torch.ones(1 << 20, device="cuda")
+    (x * 2).sum()
+    torch.cuda.synchronize()
+    guarded, other = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+    g, record = torch.cuda.CUDAGraph(), []
+    # the capture allocates into a fresh pool the guard was not told about: a new segment
+    # outside the guarded pool, as an allocation escaping the graph's pool would be
+    with pytest.raises(CaptureGuardError, match="outside the graph pool"), \
+            capture_guard("planted", guarded, record), torch.cuda.graph(g, pool=other):
+        x * 3
+    assert record and record[0]["outside_pool"]
+
+
+def test_runner_capture_allocates_only_inside_its_pool():
+    from v41plan.exec.graphs import GraphRunner, capture_buckets
+
+    spec, _, (m, _) = _models("tiny40")
+    runner = GraphRunner(m, spec, capture_buckets(spec, 4, 64), "FULL")
+    report = runner.capture()  # refuses a segment outside the pool after the primer
+    assert report["segments_outside_graph_pool"] == []
+    assert report["pool_ids_reported"]
+    print("primer segments outside the pool:", report["primer_segments_outside_graph_pool"])
+
+
 def test_engine_with_full_graphs_generates_eager_tokens():
     from v41plan.exec.engine import LLM
     from v41plan.exec.sampling import SamplingParams

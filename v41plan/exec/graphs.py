@@ -21,10 +21,10 @@ every block-table entry, starting behind a full window. Every page from ``ceil((
 page_tokens)`` on and every slot from the largest bucket on is checked byte-identical across
 warm-up and capture, then the whole pool is restored. A warm-up runs every captured width
 eagerly first; capture runs under ``capture_guard``: a host sync (``set_sync_debug_mode
-("error")``) or a first Triton compile fails the capture; caching-allocator segments a capture
-creates outside the graph pool are recorded in the capture report (on the H200 one 2 MiB
-default-pool segment appears at the first capture, most likely the capture stream's cuBLAS
-workspace (not verified); it is reported, not refused).
+("error")``), a first Triton compile or a caching-allocator segment created outside the graph
+pool fails the capture. A primer capture of the smallest width runs first (checked for syncs and
+compiles) and takes the one-time allocations a process's first capture makes outside the pool
+(on the H200 one 2 MiB default-pool segment); the capture report lists them.
 """
 
 from __future__ import annotations
@@ -119,10 +119,11 @@ def _triton_cache_size() -> int:
 
 
 @contextmanager
-def capture_guard(what: str, pool=None, record: list | None = None):
-    """Fail loudly on a host sync or a first compile inside the block (a capture): each would be
-    frozen into, or missing from, every replay. Segments the block creates outside the graph
-    pool ``pool`` (where the allocator reports pool ids) are appended to ``record``."""
+def capture_guard(what: str, pool=None, record: list | None = None, refuse_outside: bool = True):
+    """Fail loudly on a host sync, a first compile or (with ``pool`` given and ``refuse_outside``)
+    a caching-allocator segment created outside the graph pool ``pool`` inside the block (a
+    capture): each would be frozen into, missing from, or leaked past every replay. Segments the
+    block creates are appended to ``record``."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # as the capture's own entry does, so the comparison below is stable
     before = {seg["address"] for seg in _segments()}
@@ -137,13 +138,17 @@ def capture_guard(what: str, pool=None, record: list | None = None):
         torch.cuda.set_sync_debug_mode("default")
     if _triton_cache_size() != compiled:
         raise CaptureGuardError(f"capture of {what} compiled a kernel for the first time (warm-up missed it)")
-    if record is not None:
+    if record is not None or pool is not None:
+        record = record if record is not None else []
         new = [seg for seg in _segments() if seg["address"] not in before]
         ids = [tuple(seg["segment_pool_id"]) if "segment_pool_id" in seg else None for seg in new]
         outside = [(i, seg["total_size"]) for i, seg in zip(ids, new, strict=True)
                    if pool is not None and i is not None and i != tuple(pool)]
         record.append({"what": what, "new_segments": len(new), "pool_ids_reported": all(i is not None for i in ids),
                        "outside_pool": outside})
+        if outside and refuse_outside:
+            raise CaptureGuardError(f"capture of {what} allocated outside the graph pool {tuple(pool)}: "
+                                    f"{outside} (pool id, bytes)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +428,9 @@ class GraphRunner:
         self.pool = None
         self.allocations: list[dict] = []
         """Per capture: segments it created and those outside the graph pool (see ``capture_guard``)."""
+        self.primer_allocations: list[dict] = []
+        """The same for the primer capture (see ``_prime``)."""
+        self._primer = None
 
     # -- capture ------------------------------------------------------------------------------
     def capture(self) -> dict:
@@ -440,6 +448,7 @@ class GraphRunner:
         torch.cuda.synchronize()
         find_triton_kernels()
         self.pool = torch.cuda.graph_pool_handle()
+        self._prime()
         for bs, q in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
             plan = synthetic_plan(m, spec, bs, q)
             self.decode.load(plan, np.zeros(bs * q, dtype=np.int64))
@@ -464,12 +473,11 @@ class GraphRunner:
             "pages_untouched": untouched_pages,
             "slots_untouched_from": max_bs,
             "slots_untouched": untouched_slots,
+            "primer_segments_outside_graph_pool": [o for a in self.primer_allocations for o in a["outside_pool"]],
             "new_segments_in_capture": sum(a["new_segments"] for a in self.allocations),
             "segments_outside_graph_pool": [o for a in self.allocations for o in a["outside_pool"]],
             "pool_ids_reported": all(a["pool_ids_reported"] for a in self.allocations),
         }
-        if self.report["segments_outside_graph_pool"]:
-            log.warning("capture allocated outside the graph pool: %s", self.report["segments_outside_graph_pool"])
         if not (untouched_pages and untouched_slots):
             raise CaptureGuardError(f"capture changed bytes it must not touch: {self.report}")
         return self.report
@@ -491,6 +499,27 @@ class GraphRunner:
             if not torch.equal(before[start:end], after[start:end]):
                 return False
         return True
+
+    def _prime(self) -> None:
+        """Capture the smallest width once, unreplayed and kept alive, before the guarded captures.
+
+        The first capture of a process (or after every graph was freed) makes one-time allocations
+        outside the graph pool: on the H200 one 2 MiB default-pool segment (the graph machinery's
+        own state, or the capture stream's workspace). The primer takes them, still checked for
+        host syncs and first compiles, and reports them as ``primer_segments_outside_graph_pool``;
+        every serving graph captured after it must allocate inside the pool or fail."""
+        bs, q = min(self.buckets)
+        d = self.decode
+        w = None if self.mode == "FULL" else d.width(bs * q, bs)
+        L = self.model.cfg.layers[0].index
+        self._primer = torch.cuda.CUDAGraph()
+        with torch.no_grad(), \
+                capture_guard(f"primer[bs={bs}, q={q}]", self.pool, self.primer_allocations, refuse_outside=False), \
+                torch.cuda.graph(self._primer, pool=self.pool):
+            if w is None:
+                d.run(bs * q, bs)
+            else:
+                d.pre_attention(L, w)
 
     def _capture_full(self, bs: int, q: int) -> None:
         g = torch.cuda.CUDAGraph()
