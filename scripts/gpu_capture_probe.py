@@ -13,6 +13,13 @@ from __future__ import annotations
 import torch
 
 
+def _internal(name: str) -> bool:
+    """Allocator, dispatcher and unwinder frames (the same for every allocation)."""
+    return any(k in name for k in ("unwind", "Traceback", "gather_with", "CachingAllocator", "empty_generic",
+                                   "wrap_kernel_functor", "redispatch", "RegisterCUDA", "wrapper_CUDA",
+                                   "empty_cuda", "empty_memory_format"))
+
+
 def capture_once(x: torch.Tensor, pool, keep: list) -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -27,8 +34,9 @@ def capture_once(x: torch.Tensor, pool, keep: list) -> None:
         print(f"  segment pool={tuple(seg.get('segment_pool_id', ()))} bytes={seg['total_size']} stream={seg['stream']}")
         for tr in snap["device_traces"][0]:
             if tr["action"] == "segment_alloc" and tr["addr"] == seg["address"]:
-                for fr in tr.get("frames", [])[:14]:
-                    print(f"    {fr['name']}  {fr['filename']}:{fr['line']}")
+                frames = [fr for fr in tr.get("frames", []) if not _internal(fr["name"])]
+                for fr in frames[:12]:
+                    print(f"    {fr['name'][:160]}  {fr['filename']}:{fr['line']}")
     if not new:
         print("  no new segment")
 
@@ -46,7 +54,10 @@ def main() -> None:
     capture_once(x, pool, keep)
     keep.clear()
     print("third capture (earlier graphs freed):")
-    capture_once(x, pool, keep)
+    try:
+        capture_once(x, pool, keep)
+    except RuntimeError as exc:
+        print(f"  capture failed: {exc}")
 
 
 if __name__ == "__main__":
