@@ -36,7 +36,7 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 2 << 30, iters: int = 20) -> float:
     dst.copy_(src)
     torch.cuda.synchronize()
     seconds = _time_cuda(lambda: dst.copy_(src), iters)
-    del src, dst
+    src = dst = None  # release both buffers before emptying the cache
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
 

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from tests.runtime.helpers import ROOT, TINY, fake_factory, fake_llm, prompt
+from tests.runtime.helpers import TINY, fake_factory, fake_llm, prompt
 from v41plan.exec.admission import ConfigError
 from v41plan.exec.block_manager import READY, BlockManager
-from v41plan.planner.replay import grid_back_off
 from v41plan.exec.engine import LLM
 from v41plan.exec.sampling import SamplingParams
 from v41plan.exec.sequence import Sequence
+from v41plan.planner.replay import grid_back_off
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 TRANSFERS = [True, False]  # encoder_swa_bounded_replay: replay / copy

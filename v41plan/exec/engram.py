@@ -15,7 +15,6 @@ coprime with ``size`` (7 for tiny's 200; 9 for 99092, which 7 divides).
 from __future__ import annotations
 
 import json
-
 import math
 import re
 import unicodedata

@@ -504,8 +504,9 @@ class GraphRunner:
         """Capture the smallest width once, unreplayed and kept alive, before the guarded captures.
 
         The first capture of a process (or after every graph was freed) makes one-time allocations
-        outside the graph pool: on the H200 one 2 MiB default-pool segment (the graph machinery's
-        own state, or the capture stream's workspace). The primer takes them, still checked for
+        outside the graph pool: torch's graph-safe RNG state (``CUDAGeneratorState::register_graph``
+        in ``capture_begin``, one 2 MiB default-pool segment on the H200, found with
+        ``scripts/gpu_capture_probe.py``). The primer takes them, still checked for
         host syncs and first compiles, and reports them as ``primer_segments_outside_graph_pool``;
         every serving graph captured after it must allocate inside the pool or fail."""
         bs, q = min(self.buckets)

@@ -14,8 +14,8 @@ from typing import Any
 from v41plan.geometry.runtime import (
     INDEX_CACHE_DTYPES,
     KV_CACHE_DTYPES,
-    CaptureBuckets,
     CacheSpec,
+    CaptureBuckets,
     LayerInfo,
     ModelDims,
     PlaneInfo,

@@ -16,9 +16,8 @@ never load pydantic or ruamel.yaml.
 
 from __future__ import annotations
 
-import os
-
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
