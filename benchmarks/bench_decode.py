@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode.py needs a CUDA device")
         return 2
-    from v41plan.exec.graphs import GraphRunner, capture_buckets
-    from v41plan.exec.runtime_model import RuntimeModel
     from v41plan.planner.step import RequestInput, StepInput, plan_step
+    from v41plan.runtime.graphs import GraphRunner, capture_buckets
+    from v41plan.runtime.paged_model import RuntimeModel
 
     ceil = measure_ceilings()
     spec = load_spec()

@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_prefill.py needs a CUDA device")
         return 2
-    from v41plan.exec.runtime_model import RuntimeModel
     from v41plan.planner.step import RequestInput, StepInput, plan_step
+    from v41plan.runtime.paged_model import RuntimeModel
 
     ceil = measure_ceilings()
     spec = load_spec()

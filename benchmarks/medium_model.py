@@ -31,15 +31,15 @@ SPEC = Path(__file__).resolve().parents[1] / "specs" / "medium.yaml"
 
 def load_spec(path: str | Path = SPEC):
     """The MEDIUM ``CacheSpec`` (compiled package when present, else the YAML)."""
-    from v41plan.exec.engine import resolve_spec
+    from v41plan.serving.engine import resolve_spec
 
     return resolve_spec("medium" if Path(path) == SPEC else str(path))
 
 
 def load_weights(spec, checkpoint: str | None, seed: int = 0):
     """``(cfg, bf16 CUDA weights, Engram host)`` from a checkpoint directory or the seeded random one."""
-    from v41plan.exec.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
-    from v41plan.exec.config import config_from_cache_spec
+    from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
 
     if checkpoint:
         ckpt = load_checkpoint(checkpoint, spec, dtype=None)

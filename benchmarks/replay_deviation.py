@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from v41plan.exec.checkpoint import LoadedCheckpoint, random_state
-from v41plan.exec.config import config_from_cache_spec
-from v41plan.exec.reference import ReferenceModel
-from v41plan.exec.runtime_model import RuntimeModel
 from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+from v41plan.model.config import config_from_cache_spec
+from v41plan.model.reference import ReferenceModel
 from v41plan.planner.step import RequestInput, StepInput, plan_step
+from v41plan.runtime.paged_model import RuntimeModel
 
 ROOT = Path(__file__).resolve().parent.parent
 

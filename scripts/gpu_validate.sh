@@ -34,11 +34,11 @@ run_step() {  # name, time limit in seconds, command...
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$LOG"
 
 run_step tests 150 python3 -m pytest tests/gpu -q -p no:cacheprovider
-run_step tiny40 300 python3 -m v41plan.exec.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
+run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
     --transfer "$TRANSFER" --output "$OUT/validate_tiny40_graph.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
 run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
-run_step medium 540 python3 -m v41plan.exec.validate_runtime --spec specs/medium.yaml --graph --device cuda \
+run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
     --dtype float64 --transfer "$TRANSFER" --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
 exit $status

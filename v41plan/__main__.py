@@ -1,5 +1,5 @@
 """``python -m v41plan`` runs the CLI."""
 
-from v41plan.cli import main
+from v41plan.cli.main import main
 
 raise SystemExit(main())

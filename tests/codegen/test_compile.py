@@ -11,10 +11,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from v41plan.cli import main
+from v41plan.cli.main import main
 from v41plan.codegen import targets
-from v41plan.codegen.emit import GENERATED_ROOT, header, render_spec, render_template, sha256_text
-from v41plan.codegen.targets import Target
+from v41plan.codegen.emit import GENERATED_ROOT, header, render_template, sha256_text
+from v41plan.codegen.targets import Target, render_spec
 from v41plan.geometry.runtime import file_sha256
 from v41plan.geometry.spec import compile_spec
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from v41plan.cli import main
+from v41plan.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = str(ROOT / "specs" / "deepseek_v41_flash.yaml")

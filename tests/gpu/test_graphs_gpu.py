@@ -22,9 +22,9 @@ DECODES = 4
 def _weights(spec_name: str):
     """(compiled spec, config, float32 CUDA weights, Engram host) of the seeded random checkpoint
     (the compiled spec: the GPU image has no YAML reader)."""
-    from v41plan.exec.checkpoint import LoadedCheckpoint, random_state
-    from v41plan.exec.config import config_from_cache_spec
-    from v41plan.exec.engine import resolve_spec
+    from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.serving.engine import resolve_spec
 
     spec = resolve_spec(spec_name)
     cfg = config_from_cache_spec(spec)
@@ -34,7 +34,7 @@ def _weights(spec_name: str):
 
 def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float32):
     """Two CUDA runtime models over the same random weights."""
-    from v41plan.exec.runtime_model import RuntimeModel
+    from v41plan.runtime.paged_model import RuntimeModel
 
     spec, cfg, wc, eng = _weights(spec_name)
     args = {"num_pages": 24, "num_slots": 4, "max_tokens": 64, "max_bs": 4, "table_width": 12, "dtype": dtype,
@@ -44,7 +44,7 @@ def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float
 
 
 def _prefill(spec, m, ids):
-    from tests.exec.paged_helpers import step
+    from tests.runtime.paged_helpers import step
 
     for slot in range(3):
         m.pools.reset_slot(slot)
@@ -53,9 +53,9 @@ def _prefill(spec, m, ids):
 
 
 def _graph_vs_eager(spec_name: str, mode: str, kv: str = "bf16", ix: str = "fp8"):
-    from tests.exec.paged_helpers import token_ids
-    from v41plan.exec.graphs import GraphRunner, capture_buckets, pad_decode_step, select_bucket
+    from tests.runtime.paged_helpers import token_ids
     from v41plan.planner.step import RequestInput, StepInput, plan_step
+    from v41plan.runtime.graphs import GraphRunner, capture_buckets, pad_decode_step, select_bucket
 
     spec, _, (eager, graphed) = _models(spec_name, kv, ix)
     runner = GraphRunner(graphed, spec, capture_buckets(spec, 4, 64), mode)
@@ -99,7 +99,7 @@ def test_piecewise_replay_equals_eager_decode():
 
 
 def test_capture_restores_the_pools_and_checks_untouched_pages():
-    from v41plan.exec.graphs import GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import GraphRunner, capture_buckets
 
     spec, _, (m, _) = _models("tiny")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -114,7 +114,7 @@ def test_capture_restores_the_pools_and_checks_untouched_pages():
 
 
 def test_capture_guard_catches_a_planted_host_sync():
-    from v41plan.exec.graphs import CaptureGuardError, GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import CaptureGuardError, GraphRunner, capture_buckets
 
     spec, _, (m, _) = _models("tiny")
     runner = GraphRunner(m, spec, capture_buckets(spec, 1, 64), "FULL")
@@ -131,7 +131,7 @@ def test_capture_guard_catches_a_planted_host_sync():
 
 
 def test_capture_guard_alone_catches_sync_inside_a_graph():
-    from v41plan.exec.graphs import CaptureGuardError, capture_guard
+    from v41plan.runtime.graphs import CaptureGuardError, capture_guard
 
     x = torch.ones(4, device="cuda")
     x.sum()
@@ -142,7 +142,7 @@ def test_capture_guard_alone_catches_sync_inside_a_graph():
 
 
 def test_capture_guard_refuses_a_segment_outside_the_graph_pool():
-    from v41plan.exec.graphs import CaptureGuardError, capture_guard
+    from v41plan.runtime.graphs import CaptureGuardError, capture_guard
 
     x = torch.ones(1 << 20, device="cuda")
     (x * 2).sum()
@@ -158,7 +158,7 @@ def test_capture_guard_refuses_a_segment_outside_the_graph_pool():
 
 
 def test_runner_capture_allocates_only_inside_its_pool():
-    from v41plan.exec.graphs import GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import GraphRunner, capture_buckets
 
     spec, _, (m, _) = _models("tiny40")
     runner = GraphRunner(m, spec, capture_buckets(spec, 4, 64), "FULL")
@@ -169,8 +169,8 @@ def test_runner_capture_allocates_only_inside_its_pool():
 
 
 def test_engine_with_full_graphs_generates_eager_tokens():
-    from v41plan.exec.engine import LLM
-    from v41plan.exec.sampling import SamplingParams
+    from v41plan.serving.engine import LLM
+    from v41plan.serving.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 40))]

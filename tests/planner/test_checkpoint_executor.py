@@ -12,7 +12,7 @@ from tests.planner.helpers import spec
 from v41plan.planner.checkpoint import CopyPlanner, ImageOp
 
 torch = pytest.importorskip("torch")
-pools_mod = pytest.importorskip("v41plan.exec.pools")
+pools_mod = pytest.importorskip("v41plan.runtime.pools")
 
 
 @pytest.mark.parametrize("pair", [("bf16", "fp8"), ("bf16", "fp4"), ("fp4", "fp8"), ("fp4", "fp4")])

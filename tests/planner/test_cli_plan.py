@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from v41plan.cli import main
+from v41plan.cli.main import main
 
 
 def run_plan(tmp_path, capsys, batch, *extra, spec="tiny"):

@@ -11,7 +11,7 @@ import pytest
 from v41plan.geometry.derive import load_cache_spec_unchecked, resolve_layers
 from v41plan.geometry.errors import SpecError
 from v41plan.geometry.spec import compile_spec
-from v41plan.planner.graph import build_layer_graph, layers_from_graph, readers
+from v41plan.geometry.topology import build_layer_graph, layers_from_graph, readers
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """Rendering and writing generated code: headers, templates, manifests, write-if-changed.
 
-``render_spec`` turns one compiled spec into its files (every target of
-``v41plan.codegen.targets`` plus ``MANIFEST.json``); ``write_tree`` writes a set of rendered
+``v41plan.codegen.targets.render_spec`` turns one compiled spec into its files (every target
+plus ``MANIFEST.json``); ``write_tree`` writes a set of rendered
 specs under a generated root, touching only files whose bytes change and removing files of a
 spec package (one holding a ``MANIFEST.json``) that no target produces any more.
 """
@@ -63,22 +63,6 @@ def render_template(name: str, **context: object) -> str:
 def sha256_text(text: str) -> str:
     """sha256 of a file's UTF-8 bytes."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def render_spec(cs: CacheSpec) -> list[GeneratedFile]:
-    """Every file of one spec's package, manifest last."""
-    from v41plan.codegen.targets import TARGETS
-
-    files = [GeneratedFile(f"{cs.name}/{t.file_name}", t.render(cs)) for t in TARGETS]
-    manifest = {
-        "generator": "v41plan",
-        "generator_version": GENERATOR_VERSION,
-        "spec": cs.spec_path,
-        "spec_sha256": cs.spec_sha256,
-        "files": {f.relpath.split("/", 1)[1]: sha256_text(f.content) for f in files},
-    }
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    return [*files, GeneratedFile(f"{cs.name}/{MANIFEST}", text)]
 
 
 def spec_packages(root: Path, folder: str | None = None) -> list[str]:

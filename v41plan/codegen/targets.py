@@ -6,10 +6,18 @@ returns the whole file (start it with ``emit.header(cache_spec)``) and must be d
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from v41plan.codegen.emit import header, render_template
+from v41plan.codegen.emit import (
+    GENERATOR_VERSION,
+    MANIFEST,
+    GeneratedFile,
+    header,
+    render_template,
+    sha256_text,
+)
 from v41plan.codegen.literal import py_literal
 from v41plan.codegen.planner_targets import render_checkpoint, render_stages
 from v41plan.geometry.runtime import CacheSpec
@@ -79,3 +87,17 @@ TARGETS: list[Target] = [
     Target("stages.py", render_stages),
     Target("checkpoint.py", render_checkpoint),
 ]
+
+
+def render_spec(cs: CacheSpec) -> list[GeneratedFile]:
+    """Every file of one spec's package, manifest last."""
+    files = [GeneratedFile(f"{cs.name}/{t.file_name}", t.render(cs)) for t in TARGETS]
+    manifest = {
+        "generator": "v41plan",
+        "generator_version": GENERATOR_VERSION,
+        "spec": cs.spec_path,
+        "spec_sha256": cs.spec_sha256,
+        "files": {f.relpath.split("/", 1)[1]: sha256_text(f.content) for f in files},
+    }
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    return [*files, GeneratedFile(f"{cs.name}/{MANIFEST}", text)]

@@ -1,7 +1,7 @@
 """Located spec errors: every problem in a spec is one ``SpecError`` printed
 ``file:line:col: message (hint)``.
 
-Plain Python: the topology checks in ``v41plan.planner.graph`` raise these too, and they run
+Plain Python: the topology checks in ``v41plan.geometry.topology`` raise these too, and they run
 on machines without pydantic or ruamel.yaml. A ``Locator`` turns a path into the loaded YAML
 (``("model", "compress_ratios", 3)``) into a 1-based line and column by reading the
 ``.lc`` position records ruamel.yaml's round-trip loader attaches to mappings and sequences.

@@ -2,7 +2,7 @@
 
 These frozen dataclasses are what the compiler emits into ``v41plan/generated/<spec>/`` and
 what the planner and executor consume. They import nothing beyond the standard library, so
-``generated/`` and ``v41plan.exec`` load on machines without pydantic or ruamel.yaml.
+``generated/``, ``v41plan.model``, ``v41plan.runtime`` and ``v41plan.serving`` load on machines without pydantic or ruamel.yaml.
 """
 
 from __future__ import annotations

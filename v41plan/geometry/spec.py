@@ -6,7 +6,7 @@ three tiers and returns the runtime ``CacheSpec``:
 
 1. field tier: the pydantic models below (``extra="forbid"``, strict types, frozen);
 2. entity tier: rules inside one section or between sections (``_check_*``);
-3. cross-entity tier: the layer/plane graph of ``v41plan.planner.graph`` (owners, top-k
+3. cross-entity tier: the layer/plane graph of ``v41plan.geometry.topology`` (owners, top-k
    owners, candidates, segments, Engram), then the declared ``roles:`` against the resolved ones.
 
 Every problem is one ``SpecError`` printed ``file:line:col: message (hint)``; the first problem
@@ -328,7 +328,7 @@ def load_spec(path: str | Path) -> LoadedSpec:
     _check_checkpoint(model.checkpoint, loc)
     _check_capture(model.capture, loc)
 
-    from v41plan.planner.graph import build_layer_graph, layers_from_graph
+    from v41plan.geometry.topology import build_layer_graph, layers_from_graph
 
     dims = dims_from_model(raw["model"])
     graph = build_layer_graph(

@@ -1,0 +1,167 @@
+"""Engine options: defaults, and every refusal made before any weight loads.
+
+``check_options`` returns a resolved ``EngineOptions`` or raises ``ConfigError`` naming the
+option and the values it accepts. It reads only the compiled ``CacheSpec`` and the world size,
+so a refused configuration costs no loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
+from v41plan.model.config import ConfigError
+
+__all__ = ["ConfigError", "EngineOptions", "check_options", "default_tensor_parallel_size"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Resolved engine options (names as in the specification)."""
+
+    kv_cache_dtype: str = "bf16"
+    index_cache_dtype: str = "fp8"
+    enforce_eager: bool = True
+    cudagraph_mode: str = "NONE"
+    compilation_level: int = 0
+    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
+    max_model_len: int | None = None
+    num_pages: int | None = None
+    """PAGEs of the pool; None sizes it for ``max_num_seqs`` requests of ``max_model_len``."""
+    encoder_swa_bounded_replay: bool | None = None
+    """None takes the spec's default (on)."""
+    decoder_swa_bounded_replay: bool | None = None
+    enable_prefix_caching: bool = True
+    device: str | None = None
+    """``cpu`` or ``cuda``; None picks CUDA when available."""
+    dtype: str = "float32"
+    """Activation dtype of the executor (``float32``, ``float64``, ``bfloat16``)."""
+    seed: int = 0
+    """Seed of the embedded random checkpoint and of unseeded sampled requests."""
+
+
+# Options refused whatever their value, unless equal to the value shown (the "off" value).
+_REFUSED: dict[str, tuple[object, str]] = {
+    "pipeline_parallel_size": (1, "pipeline parallelism is not supported; accepted: 1"),
+    "context_parallel_size": (1, "context parallelism is not supported; accepted: 1"),
+    "prefill_context_parallel_size": (1, "context parallelism is not supported; accepted: 1"),
+    "decode_context_parallel_size": (1, "context parallelism is not supported; accepted: 1"),
+    "data_parallel_size": (1, "data parallelism is not supported; accepted: 1"),
+    "enable_dp_attention": (False, "DP attention is not supported; accepted: False"),
+    "enable_tbo": (None, "two-batch overlap (TBO) is not supported; accepted: None"),
+    "enable_eplb": (False, "EPLB is not supported; accepted: False"),
+    "enable_rapidserve": (False, "RapidServe is not supported; accepted: False"),
+    "plugin": (None, "plugin execution is not supported; accepted: None"),
+    "multimodal_speculation": (False, "multimodal speculation is not supported; accepted: False"),
+}
+CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
+KV_TRANSFER_CONNECTORS = ("lmcache_mp",)
+
+
+def _fail(option: str, value: object, accepted: str) -> ConfigError:
+    return ConfigError(f"{option}={value!r} is refused: {accepted}")
+
+
+def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> EngineOptions:
+    """Resolve ``options`` against ``spec`` or raise ``ConfigError`` (before any load)."""
+    opts = dict(options)
+    for name, (off, why) in _REFUSED.items():
+        if name in opts:
+            value = opts.pop(name)
+            if value != off and not (off is None and value in (False, 0, "")):
+                raise _fail(name, value, why)
+    kv_transfer = opts.pop("kv_transfer_config", None)
+    if kv_transfer is not None:
+        connector = kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else kv_transfer
+        if connector not in KV_TRANSFER_CONNECTORS:
+            raise _fail("kv_transfer_config", connector, f"accepted KV transfer: {', '.join(KV_TRANSFER_CONNECTORS)}")
+        raise _fail("kv_transfer_config", connector,
+                    "lmcache_mp is admitted by the specification but not implemented by this executor")
+    speculative = opts.pop("speculative_config", None)
+    block_size = opts.pop("block_size", None)
+    known = {f.name for f in fields(EngineOptions)}
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
+    o = EngineOptions(**opts)
+    if o.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise _fail("kv_cache_dtype", o.kv_cache_dtype, f"accepted: {', '.join(KV_CACHE_DTYPES)}")
+    if o.index_cache_dtype not in INDEX_CACHE_DTYPES:
+        raise _fail("index_cache_dtype", o.index_cache_dtype, f"accepted: {', '.join(INDEX_CACHE_DTYPES)}")
+    if (o.kv_cache_dtype, o.index_cache_dtype) not in spec.geometries:
+        pairs = ", ".join(f"{k}/{i}" for k, i in sorted(spec.geometries))
+        raise _fail("kv_cache_dtype/index_cache_dtype", (o.kv_cache_dtype, o.index_cache_dtype),
+                    f"spec {spec.name} declares: {pairs}")
+    page = spec.replay.hash_block_tokens
+    if block_size is not None and block_size != page:
+        raise _fail("block_size", block_size, f"the PAGE is the spec's page_tokens; accepted: {page}")
+    if page % 2:
+        raise _fail("page_tokens", page, "the cache block size must be even")
+    if speculative is not None:
+        if o.kv_cache_dtype == "fp4":
+            raise _fail("speculative_config", speculative,
+                        "packed (kv_cache_dtype='fp4') speculative caches are refused; accepted: None")
+        raise _fail("speculative_config", speculative, "speculative decoding is not implemented; accepted: None")
+    mode = str(o.cudagraph_mode).split(".")[-1].upper()
+    if mode not in CUDAGRAPH_MODES:
+        raise _fail("cudagraph_mode", o.cudagraph_mode, f"accepted: {', '.join(CUDAGRAPH_MODES)}")
+    if mode != "NONE" and o.enforce_eager:
+        raise _fail("cudagraph_mode", o.cudagraph_mode, "graph modes need enforce_eager=False")
+    if o.compilation_level not in (0, 3):
+        raise _fail("compilation_level", o.compilation_level, "accepted: 0, 3")
+    if o.compilation_level == 3 and mode == "PIECEWISE":
+        raise _fail("compilation_level", 3, "level 3 is admitted with FULL graphs or eager execution only")
+    d = spec.dims
+    tp = o.tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1 or (tp != world_size and tp != 1):
+        raise _fail("tensor_parallel_size", tp,
+                    f"accepted: the launched world size ({world_size}), or 1 (every rank a full replica)")
+    if tp > 1:
+        from v41plan.model.sharding import (
+            check_tp,  # names the dimension and the sizes this model admits
+        )
+
+        check_tp(spec.model_config, tp, o.enable_expert_parallel)
+    if o.max_num_seqs < 1:
+        raise _fail("max_num_seqs", o.max_num_seqs, "accepted: an integer >= 1")
+    if o.max_num_batched_tokens < 2 * page:
+        raise _fail("max_num_batched_tokens", o.max_num_batched_tokens,
+                    f"accepted: >= 2 * page_tokens = {2 * page} (a backed-off forward must fit)")
+    if o.long_prefill_token_threshold < 0:
+        raise _fail("long_prefill_token_threshold", o.long_prefill_token_threshold, "accepted: 0 (off) or >= 1")
+    max_len = o.max_model_len or int(spec.model_config.get("max_position_embeddings", 4096))
+    enc = spec.replay.encoder_swa_bounded_replay if o.encoder_swa_bounded_replay is None else o.encoder_swa_bounded_replay
+    dec = spec.replay.decoder_swa_bounded_replay if o.decoder_swa_bounded_replay is None else o.decoder_swa_bounded_replay
+    late_engram = [e for e in d.engram_layer_ids if e >= max(d.kv_source_layer_ids)]
+    if dec and late_engram:
+        raise _fail("decoder_swa_bounded_replay", True,
+                    f"needs every Engram layer before the decoder (layer {max(d.kv_source_layer_ids)}); "
+                    f"Engram layers {late_engram} read every row; accepted with this spec: False")
+    if dec and spec.replay.min_final_prefill_rows < d.sliding_window:
+        raise _fail("decoder_swa_bounded_replay", True,
+                    f"needs min_final_prefill_rows >= window = {d.sliding_window} (the spec has "
+                    f"{spec.replay.min_final_prefill_rows}); accepted with this spec: False")
+    if enc and page < d.sliding_window - 1:
+        raise _fail("encoder_swa_bounded_replay", True,
+                    f"needs page_tokens >= window - 1 = {d.sliding_window - 1}; accepted with this spec: False")
+    if o.device not in (None, "cpu", "cuda"):
+        raise _fail("device", o.device, "accepted: cpu, cuda")
+    if o.dtype not in ("float32", "float64", "bfloat16"):
+        raise _fail("dtype", o.dtype, "accepted: float32, float64, bfloat16")
+    num_pages = o.num_pages or o.max_num_seqs * (-(-max_len // page) + 1) + 16
+    return EngineOptions(**{**o.__dict__, "cudagraph_mode": mode, "max_model_len": max_len,
+                            "encoder_swa_bounded_replay": enc, "decoder_swa_bounded_replay": dec,
+                            "num_pages": num_pages})
+
+
+def default_tensor_parallel_size(spec: CacheSpec, world_size: int, expert_parallel: bool) -> int:
+    """The world size when the model splits over it, else 1 (every rank a full replica)."""
+    if world_size == 1:
+        return 1
+    from v41plan.model.sharding import accepted_sizes
+
+    return world_size if world_size in accepted_sizes(spec.model_config, expert_parallel, world_size) else 1

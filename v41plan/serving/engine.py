@@ -1,0 +1,283 @@
+"""Offline engine API: ``LLM(spec=..., checkpoint=..., **options).generate(prompts, params)``.
+
+Options are checked before anything loads (``admission.check_options``). A bad request (too
+long, bad sampling values, token ids out of range) gets an output with ``error`` set and
+finish reason ``error``; the other requests run on. The step-level methods (``add_request``,
+``step``, ``abort``, ``preempt``) drive the same scheduler one batch at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from collections.abc import Sequence as SeqT
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from v41plan.geometry.runtime import CacheSpec, load_cache_spec
+from v41plan.serving.admission import ConfigError, EngineOptions, check_options
+from v41plan.serving.batch import ModelRunner
+from v41plan.serving.block_manager import BlockManager
+from v41plan.serving.sampling import SamplingParams
+from v41plan.serving.scheduler import Scheduler, SchedulerConfig
+from v41plan.serving.sequence import SeqStatus, Sequence
+
+__all__ = ["LLM", "CompletionOutput", "ConfigError", "RequestOutput", "SamplingParams", "resolve_spec"]
+
+
+@dataclass
+class CompletionOutput:
+    """The generated continuation of one request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """One request's result, in the order the prompts were given."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    error: str | None = None
+    """Why this request failed alone (None when it ran)."""
+    prompt_logprobs: list[float] | None = None
+    """Log-probability of each prompt token after the first (``SamplingParams.prompt_logprobs``)."""
+    stats: dict = field(default_factory=dict)
+
+
+def resolve_spec(spec: str | Path | CacheSpec) -> CacheSpec:
+    """A ``CacheSpec`` from a compiled spec name/path, falling back to reading the YAML."""
+    if isinstance(spec, CacheSpec):
+        return spec
+    try:
+        return load_cache_spec(spec)
+    except ValueError:
+        p = Path(spec)
+        if p.suffix not in (".yaml", ".yml"):
+            p = Path(__file__).resolve().parents[2] / "specs" / f"{spec}.yaml"
+        if not p.exists():
+            raise
+        from v41plan.geometry.derive import load_cache_spec_unchecked  # needs ruamel.yaml
+
+        return load_cache_spec_unchecked(str(p))
+
+
+RunnerFactory = Callable[[CacheSpec, str | None, EngineOptions], ModelRunner]
+
+
+class LLM:
+    """The engine: scheduler, block manager and a model runner for one spec."""
+
+    def __init__(self, spec: str | Path | CacheSpec = "tiny", checkpoint: str | None = None, *,
+                 runner_factory: RunnerFactory | None = None, tokenizer=None, world_size: int | None = None,
+                 **options) -> None:
+        self.spec = resolve_spec(spec)
+        if world_size is None:
+            from v41plan.runtime.dist import world_info
+
+            world_size = world_info().world_size
+        self.options = check_options(options, self.spec, world_size)  # refuses before any load
+        o = self.options
+        mc = self.spec.model_config
+        self.vocab_size = int(mc.get("vocab_size", 0))
+        self.eos_token_id = mc.get("eos_token_id")
+        geom = self.spec.geometry(o.kv_cache_dtype, o.index_cache_dtype)
+        self.page_tokens = geom.page_tokens
+        if runner_factory is None:
+            from v41plan.serving.runner import build_runner
+
+            runner_factory = build_runner
+        self.runner = runner_factory(self.spec, checkpoint, o)
+        self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(self.spec, checkpoint)
+        self.block_manager = BlockManager(
+            num_pages=o.num_pages,
+            page_tokens=self.page_tokens,
+            num_slots=o.max_num_seqs,
+            transfer="replay" if o.encoder_swa_bounded_replay else "copy",
+            units_per_image=geom.units_per_image,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_tokens=self.page_tokens,
+                max_num_seqs=o.max_num_seqs,
+                max_num_batched_tokens=o.max_num_batched_tokens,
+                long_prefill_token_threshold=o.long_prefill_token_threshold,
+                max_model_len=o.max_model_len,
+                encoder_swa_bounded_replay=o.encoder_swa_bounded_replay,
+                decoder_swa_bounded_replay=o.decoder_swa_bounded_replay,
+                min_final_prefill_rows=self.spec.replay.min_final_prefill_rows,
+                eos_token_id=self.eos_token_id,
+                enable_prefix_caching=o.enable_prefix_caching,
+            ),
+            self.block_manager,
+        )
+        self._ids = itertools.count()
+        self.batches = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt."""
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
+        return list(self.tokenizer.encode(prompt))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids ('' without a tokenizer)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        if len(ids) >= self.options.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.options.max_model_len}")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Sequence:
+        """Validate and queue one request; a bad one comes back finished with ``error`` set."""
+        params = params or SamplingParams()
+        ids = list(prompt_token_ids)
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id, ids, len(ids), params,
+                       seed=params.seed if params.seed is not None else self.options.seed + seq_id)
+        try:
+            self._validate(ids, params)
+        except ValueError as exc:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = "error"
+            seq.error = str(exc)
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a request; it finishes with reason ``aborted`` and frees what it holds."""
+        self.scheduler.abort(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running request (it is re-admitted first and resumes via the prefix cache)."""
+        self.scheduler.preempt(seq)
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one batch; returns the requests it finished."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        output = self.runner.execute(batch)
+        self.batches += 1
+        return self.scheduler.postprocess(batch, output)
+
+    def has_unfinished(self) -> bool:
+        """Requests waiting or running."""
+        return not self.scheduler.is_finished()
+
+    def run_until_done(self, max_steps: int = 100_000, on_step=None) -> None:
+        """Step until nothing waits or runs (raises if the scheduler cannot make progress)."""
+        for _ in range(max_steps):
+            if not self.has_unfinished():
+                return
+            before = self.scheduler.step_count
+            self.step()
+            if on_step is not None:
+                on_step()
+            if self.scheduler.step_count == before:
+                raise RuntimeError("scheduler made no progress with requests still queued")
+        raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
+
+    # ---- offline API ------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | SeqT[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (text, token id list, or ``{"prompt_token_ids": [...]}``)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params or SamplingParams()] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        seqs, texts = [], []
+        for prompt, params in zip(prompts, params_list):
+            text = prompt if isinstance(prompt, str) else None
+            try:
+                if isinstance(prompt, str):
+                    ids = self.encode(prompt)
+                elif isinstance(prompt, dict):
+                    ids = list(prompt["prompt_token_ids"])
+                else:
+                    ids = list(prompt)
+            except (ValueError, KeyError, TypeError) as exc:
+                ids = []
+                seq = Sequence(next(self._ids), [], 0, params or SamplingParams(), status=SeqStatus.FINISHED,
+                               finish_reason="error", error=f"bad prompt: {exc}")
+                seqs.append(seq)
+                texts.append(text)
+                continue
+            seqs.append(self.add_request(ids, params))
+            texts.append(text)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            total = sum(s.params.max_tokens for s in seqs if s.error is None)
+            bar = tqdm(total=total, desc="generate", unit="tok")
+        done_before = 0
+
+        def _tick() -> None:
+            nonlocal done_before
+            done = sum(len(s.output_ids) if not s.is_finished else s.params.max_tokens
+                       for s in seqs if s.error is None)
+            if done != done_before:
+                bar.update(done - done_before)
+                done_before = done
+
+        self.run_until_done(on_step=_tick if bar is not None else None)
+        if bar is not None:
+            bar.close()
+        return [self._output(s, t) for s, t in zip(seqs, texts)]
+
+    def _output(self, seq: Sequence, text: str | None) -> RequestOutput:
+        out = seq.output_ids
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=text,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[CompletionOutput(0, self.decode(out) if seq.error is None else "", list(out),
+                                      seq.finish_reason)],
+            error=seq.error,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
+            stats={"hits": list(seq.hits), "starts": list(seq.starts), "replay_rows": seq.replay_rows,
+                   "restores": seq.restores, "preemptions": seq.preemptions},
+        )
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255 (the tiny specs' vocabulary), specials dropped on decode."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` (ids above 255 are specials and are skipped)."""
+        return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+def _default_tokenizer(spec: CacheSpec, checkpoint: str | None):
+    """``tokenizer.json`` beside the checkpoint, else byte-level ids (the tiny specs' vocabulary)."""
+    try:
+        from v41plan.model.config import config_from_cache_spec
+        from v41plan.serving.tokenizer import load_tokenizer
+    except ImportError:
+        load_tokenizer = None
+    if load_tokenizer is not None:
+        return load_tokenizer(checkpoint, config_from_cache_spec(spec))
+    if int(spec.model_config.get("vocab_size", 0)) >= 256:
+        return ByteTokenizer()
+    return None

@@ -1,0 +1,403 @@
+"""Continuous-batching scheduler: chunked prefill, decode, prefix reuse, preemption, cancellation.
+
+A step is prefill-only or decode-only: partial prefills resume first (phase 1), waiting
+requests are admitted in order (phase 2), and only a step with no prefill decodes the running
+requests. Where a forward starts:
+
+- a fresh admission with a prefix hit ``h`` under the ``replay`` transfer starts at
+  ``grid_back_off(h)`` in a fresh slot (encoder bounded replay rebuilds the windows);
+- under ``copy`` the hit is gated to the largest boundary with a READY image, restored into a
+  fresh slot before the forward; no image means recompute from a recoverable boundary;
+- with decoder bounded replay, a prefill forward that resumes fewer than
+  ``min_final_prefill_rows`` rows before the prompt's end starts at ``grid_back_off(resume)``
+  keeping its slot (the cursor steps back; cached rows are recomputed, not rewritten); the
+  decision is on the resume point, so a chunk the budget cuts short backs off too (and the next
+  pass backs off again: the specification's wait rule makes such a chunk rare).
+
+The long-prefill cap counts from the resume point; a forward the budget cannot carry past its
+resume point waits for a step that can. A cancelled request finishes with reason ``aborted``
+and frees its pages and slot wherever it is: at the top of ``postprocess`` for every running
+request whether or not the batch gave it a row (a middle chunk, a deferred step, a final chunk
+whose token is not delivered yet), and at the next ``schedule`` for waiting or idle ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from v41plan.planner.replay import choose_prefill_chunk, grid_back_off
+from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest
+from v41plan.serving.block_manager import BlockManager
+from v41plan.serving.sampling import sample
+from v41plan.serving.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling knobs (engine option names)."""
+
+    page_tokens: int
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    long_prefill_token_threshold: int = 0
+    max_model_len: int = 4096
+    encoder_swa_bounded_replay: bool = True
+    """``replay`` state transfer (True) or ``copy`` with checkpoint images (False)."""
+    decoder_swa_bounded_replay: bool = True
+    min_final_prefill_rows: int = 8
+    eos_token_id: int | None = None
+    enable_prefix_caching: bool = True
+
+    @property
+    def transfer(self) -> str:
+        """The state transfer the block manager runs."""
+        return "replay" if self.encoder_swa_bounded_replay else "copy"
+
+
+class Scheduler:
+    """Owns the waiting and running queues and turns them into batches."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.finished: list[Sequence] = []
+        self.step_count = 0
+        self.events: list[dict] = []
+
+    # ---- queue API -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a validated request."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a request; it finishes with reason ``aborted`` at the next schedule/postprocess."""
+        if not seq.is_finished:
+            seq.aborted = True
+
+    def is_finished(self) -> bool:
+        """No request waiting or running."""
+        return not self.waiting and not self.running
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running request's pages and slot and re-queue it first.
+
+        It resumes through the prefix cache: blocks its forwards published stay cached.
+        """
+        if seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_cached_tokens = 0
+        seq.fresh_start = None
+        seq.prompt_logprobs.clear()  # a scoring request re-scores from position 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _free(self, seq: Sequence) -> None:
+        self.bm.free(seq.block_table)
+        if seq.slot is not None:
+            self.bm.free_slot(seq.slot)
+            seq.slot = None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.finished.append(seq)
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.page_tokens)
+
+    def _chunk(self, seq: Sequence, resume: int, fresh_start: int | None, budget: int):
+        """``(start, end)`` of the next forward, or None when it waits for a later step.
+
+        The back-off and the cap/budget rules are the planner's (``choose_prefill_chunk``), so the
+        rows counted here are the rows ``plan_step`` lays out.
+        """
+        cfg = self.config
+        choice = choose_prefill_chunk(
+            resume, seq.prefill_end, budget,
+            hash_block=cfg.page_tokens,
+            min_final_rows=cfg.min_final_prefill_rows,
+            long_prefill_cap=cfg.long_prefill_token_threshold or None,
+            fresh_slot=fresh_start is not None,
+            encoder_replay=cfg.encoder_swa_bounded_replay,
+            decoder_replay=cfg.decoder_swa_bounded_replay and not seq.params.prompt_logprobs,
+        )  # fmt: skip
+        if choice is None:
+            return None
+        start, end = choice.forward_start, resume + choice.chunk_len
+        if not choice.is_final_chunk and cfg.transfer == "copy":
+            # Non-final chunks end on the hash-block grid so an image exists to resume from.
+            grid = end - end % cfg.page_tokens
+            if grid > resume:
+                end = grid
+        return start, end
+
+    def _request(self, seq: Sequence, start: int, end: int) -> ScheduledRequest:
+        fresh = seq.fresh_start is not None
+        return ScheduledRequest(
+            seq_id=seq.seq_id,
+            slot=seq.slot,
+            block_table=tuple(seq.block_table),
+            token_ids=tuple(seq.token_ids[:end]),
+            start=start,
+            resume=seq.num_cached_tokens,
+            end=end,
+            prompt_len=seq.prefill_end,
+            prefix_hit=seq.hits[-1] if seq.hits else 0,
+            fresh_slot=fresh,
+            is_final_chunk=end >= seq.prefill_end,
+            all_logits=seq.params.prompt_logprobs,
+        )
+
+    def _unschedulable(self, seq: Sequence) -> str | None:
+        cfg = self.config
+        if seq.num_tokens >= cfg.max_model_len:
+            return f"unschedulable: {seq.num_tokens} tokens reach max_model_len={cfg.max_model_len}"
+        if self._pages_for(seq.num_tokens + 1) > self.bm.num_pages:
+            return f"unschedulable: needs more than the {self.bm.num_pages} PAGEs of the pool"
+        return None
+
+    # ---- schedule --------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Build the next batch, or None when nothing can run."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        reqs: list[ScheduledRequest] = []
+        restores = []
+        # Requests cancelled between steps finish here, wherever they wait.
+        for seq in [s for s in self.running if s.aborted]:
+            self.running.remove(seq)
+            self._finish(seq, "aborted")
+        for seq in [s for s in self.waiting if s.aborted]:
+            self.waiting.remove(seq)
+            self._finish(seq, "aborted")
+        # Phase 1: partial prefills already running, in queue order.
+        for seq in list(self.running):
+            if not seq.is_prefilling or seq.aborted:
+                continue
+            span = self._chunk(seq, seq.num_cached_tokens, None, budget)
+            if span is None:
+                continue
+            reqs.append(self._request(seq, *span))
+            seq.starts.append(span[0])
+            budget -= span[1] - span[0]
+        # Phase 2: admit waiting requests in order.
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.aborted:
+                self.waiting.popleft()
+                self._finish(seq, "aborted")
+                continue
+            reason = self._unschedulable(seq)
+            if reason is not None:
+                self.waiting.popleft()
+                seq.error = reason
+                self._finish(seq, "error")
+                continue
+            if len(self.running) >= cfg.max_num_seqs or not self.bm.free_slots:
+                break
+            admitted = self._admit(seq, budget)
+            if admitted is None:
+                break
+            req, restore = admitted
+            self.waiting.popleft()
+            self.running.append(seq)
+            reqs.append(req)
+            if restore is not None:
+                restores.append(restore)
+            budget -= req.chunk_len
+        if reqs:
+            phase = "prefill"
+        else:
+            phase = "decode"
+            reqs = self._schedule_decode(budget)
+            if not reqs:
+                if self.bm.pending_stores:
+                    # Nothing to run, but queued image stores still need their batch.
+                    return self._batch("decode", [], [])
+                return None
+        return self._batch(phase, reqs, restores)
+
+    def _batch(self, phase: str, reqs: list[ScheduledRequest], restores) -> ScheduledBatch:
+        self.step_count += 1
+        batch = ScheduledBatch(
+            step=self.step_count,
+            phase=phase,
+            requests=tuple(reqs),
+            stores=tuple(self.bm.take_stores()),
+            restores=tuple(restores),
+        )
+        self.events.append({
+            "step": batch.step,
+            "phase": phase,
+            "ids": [r.seq_id for r in reqs],
+            "slots": [r.slot for r in reqs],
+            "starts": [r.start for r in reqs],
+            "resumes": [r.resume for r in reqs],
+            "ends": [r.end for r in reqs],
+            "replay_rows": sum(r.replay_rows for r in reqs),
+            "stores": len(batch.stores),
+            "restores": len(batch.restores),
+        })
+        return batch
+
+    def _admit(self, seq: Sequence, budget: int):
+        """Look up the prefix, size the first chunk and allocate; None when it must wait."""
+        cfg, bm = self.config, self.bm
+        n = seq.num_tokens
+        max_hit_blocks = (n - 1) // cfg.page_tokens  # the block holding the last token is never reused
+        hashes = seq.hashes(cfg.page_tokens, max_hit_blocks)
+        hit_pages: list[int] = []
+        if cfg.enable_prefix_caching and not seq.params.prompt_logprobs:
+            hit_pages = bm.lookup(hashes)
+        hit_blocks = len(hit_pages)
+        if cfg.transfer == "copy":
+            gated = bm.resumable(hashes, hit_blocks)
+            if gated < hit_blocks:
+                bm.stats.hits_gated += 1
+            hit_blocks = gated
+            hit_pages = hit_pages[:hit_blocks]
+        hit = hit_blocks * cfg.page_tokens
+        fresh_start = None
+        if hit == 0:
+            fresh_start = 0
+        elif cfg.transfer == "replay":
+            fresh_start = grid_back_off(hit, cfg.page_tokens)
+        seq.prefill_end = n
+        seq.num_cached_tokens = hit
+        span = self._chunk(seq, hit, fresh_start, budget)
+        num_new = self._pages_for(n) - hit_blocks
+        reclaim = sum(1 for p in hit_pages if bm.ref[p] == 0)
+        if cfg.transfer == "copy" and hit > 0:
+            im = bm.images[hashes[hit_blocks - 1]]
+            reclaim += len(im.units) if im.pins == 0 else 0
+        if span is None or bm.allocatable_pages() - reclaim < num_new:
+            seq.num_cached_tokens = 0
+            return None
+        seq.slot = bm.take_slot()
+        restore = None
+        if cfg.transfer == "copy" and hit > 0:
+            # Pin the image before allocating, so allocation cannot evict it.
+            restore = bm.begin_restore(hashes[hit_blocks - 1], seq.slot)
+            seq.restores += 1
+        seq.block_table = bm.allocate(hit_pages, num_new)
+        seq.status = SeqStatus.RUNNING
+        seq.fresh_start = fresh_start
+        seq.num_published_blocks = hit_blocks
+        seq.hits.append(hit)
+        seq.starts.append(span[0])
+        bm.stats.hits_tokens += hit
+        return self._request(seq, *span), restore
+
+    def _schedule_decode(self, budget: int) -> list[ScheduledRequest]:
+        reqs = []
+        scheduled: list[Sequence] = []
+        queue = deque(s for s in self.running if not s.is_prefilling and not s.aborted)
+        while queue and budget > 0:
+            seq = queue.popleft()
+            pos = seq.num_cached_tokens
+            need_page = pos // self.config.page_tokens >= len(seq.block_table)
+            preempted_self = False
+            while need_page and self.bm.allocatable_pages() == 0:
+                victim = queue.pop() if queue else None
+                if victim is None:
+                    self.preempt(seq)
+                    preempted_self = True
+                    break
+                self.preempt(victim)
+            if preempted_self:
+                continue
+            if need_page:
+                self.bm.append_page(seq.block_table)
+            scheduled.append(seq)
+            reqs.append(ScheduledRequest(
+                seq_id=seq.seq_id,
+                slot=seq.slot,
+                block_table=tuple(seq.block_table),
+                token_ids=tuple(seq.token_ids[: pos + 1]),
+                start=pos,
+                resume=pos,
+                end=pos + 1,
+                prompt_len=seq.prefill_end,
+                prefix_hit=seq.hits[-1] if seq.hits else 0,
+                fresh_slot=False,
+                is_final_chunk=True,
+            ))
+            budget -= 1
+        return reqs
+
+    # ---- postprocess -----------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, output: RunnerOutput) -> list[Sequence]:
+        """Advance cursors, publish blocks, queue images, sample, finish; returns newly finished."""
+        cfg, bm = self.config, self.bm
+        bm.complete_batch()
+        by_id = {s.seq_id: s for s in self.running}
+        done: list[Sequence] = []
+        for req in batch.requests:
+            seq = by_id.get(req.seq_id)
+            if seq is None:
+                continue
+            seq.replay_rows += req.replay_rows
+            seq.fresh_start = None
+            if req.all_logits and req.seq_id in output.row_logits:
+                self._score(seq, req, output.row_logits[req.seq_id])
+            seq.num_cached_tokens = req.end
+            # Publish the blocks this forward completed (hashes only after the KV is written).
+            full = req.end // cfg.page_tokens
+            if full > seq.num_published_blocks:
+                hashes = seq.hashes(cfg.page_tokens, full)
+                for b in range(seq.num_published_blocks, full):
+                    bm.publish(hashes[b], seq.block_table[b])
+                seq.num_published_blocks = full
+            if cfg.transfer == "copy" and req.end % cfg.page_tokens == 0 and req.end > 0:
+                bm.begin_store(seq.hashes(cfg.page_tokens, full)[full - 1], seq.slot, req.end)
+        for seq in list(self.running):
+            # Cancellation first: a middle chunk or a deferred step has no sampled row.
+            if seq.aborted:
+                self.running.remove(seq)
+                self._finish(seq, "aborted")
+                done.append(seq)
+                continue
+            logits = output.last_logits.get(seq.seq_id)
+            if logits is None or seq.is_prefilling:
+                continue
+            if not any(r.seq_id == seq.seq_id and r.is_final_chunk for r in batch.requests):
+                continue
+            index = seq.num_tokens - seq.num_prompt_tokens
+            token = sample(logits, seq.params, seq.seed, index)
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                done.append(seq)
+        return done
+
+    def _score(self, seq: Sequence, req: ScheduledRequest, rows: torch.Tensor) -> None:
+        lp = torch.log_softmax(rows.double(), dim=-1)
+        for i in range(req.chunk_len):
+            pos = req.start + i + 1
+            if pos >= seq.num_prompt_tokens or req.start + i < req.resume:
+                continue
+            seq.prompt_logprobs.append(float(lp[i, seq.token_ids[pos]]))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and self.config.eos_token_id is not None and token == self.config.eos_token_id:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,1 @@
+"""Runtime acceptance (``validate_runtime``) and the deterministic fake runner its tests use."""

@@ -1,0 +1,506 @@
+"""Runtime acceptance: drive the real engine through every scheduler route, under both transfers.
+
+    torchrun --standalone --nproc_per_node=2 -m v41plan.validation.validate_runtime \\
+        --spec specs/tiny.yaml --output report.json
+
+Every case asserts that a route (chunked and reordered, forked, replayed from a missing image,
+preempted, cancelled, recycled, backed off) finishes with the tokens an uninterrupted scheduled
+run of the same route produced, and that the path it meant to exercise was taken (hits,
+restores and replay rows counted from the engine). There is no separate oracle.
+
+Which uninterrupted run a case compares with: with the ``copy`` transfer a restore is exact, so
+every route is compared with the cold run of its prompt. With the ``replay`` transfer (encoder
+SWA bounded replay) a resumed request's logits differ from a cold prefill's by design, so a
+route that resumes from a prefix hit ``h`` is compared with an uninterrupted run that resumes
+from the same hit: the prompt run again, alone, in an engine whose cache holds the same prefix
+(``warm``). Routes that never resume from a hit are compared with the cold run in both.
+
+Every rank builds the same engine and drives the same schedule; the token lists of all ranks
+must agree. Only rank 0 prints and writes; it prints ``RUNTIME_ACCEPTANCE_PASSED`` on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from v41plan.runtime.dist import all_equal, init_distributed, shutdown
+from v41plan.serving.engine import LLM, resolve_spec
+from v41plan.serving.sampling import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+CANCEL_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+class CaseFailed(AssertionError):
+    """A scenario did not finish as required."""
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise ``CaseFailed`` with ``message`` unless ``cond``."""
+    if not cond:
+        raise CaseFailed(message)
+
+
+@dataclass
+class Route:
+    """One engine run: its requests' tokens and what the scheduler did."""
+
+    tokens: list[list[int]]
+    seqs: list
+    events: list[dict] = field(default_factory=list)
+    engine: LLM | None = None
+
+    @property
+    def restores(self) -> int:
+        return sum(ev["restores"] for ev in self.events)
+
+    @property
+    def replay_rows(self) -> int:
+        return sum(ev["replay_rows"] for ev in self.events)
+
+
+class Validator:
+    """Builds engines sharing one runner and runs the scenarios for one state transfer."""
+
+    def __init__(self, spec, checkpoint, transfer: str, base_options: dict, runner) -> None:
+        self.spec = spec
+        self.checkpoint = checkpoint
+        self.transfer = transfer
+        self.base = dict(base_options, encoder_swa_bounded_replay=(transfer == "replay"))
+        self.runner = runner
+        self.P = spec.replay.hash_block_tokens
+        self.W = spec.dims.sliding_window
+        self.events: list[dict] = []
+        self._memo: dict = {}
+
+    def engine(self, **overrides) -> LLM:
+        """A fresh scheduler and block manager over the shared runner."""
+        opts = dict(self.base, **overrides)
+        return LLM(self.spec, self.checkpoint, runner_factory=lambda *a: self.runner, **opts)
+
+    def drive(self, llm: LLM, prompts, params=PARAMS, hook=None, case: str = "", max_steps: int = 400,
+              before=None) -> Route:
+        """Add ``prompts``, then schedule/execute/postprocess until drained.
+
+        ``before(step, llm, seqs)`` runs before each schedule (preemption happens there);
+        ``hook(step, llm, seqs, batch)`` runs after scheduling and before executing each batch, so
+        it can cancel a request while its chunk is in flight.
+        """
+        seqs = [llm.add_request(p, params) for p in prompts]
+        for s in seqs:
+            check(s.error is None, f"{case}: request refused: {s.error}")
+        sched = llm.scheduler
+        first = len(sched.events)
+        for step in range(max_steps):
+            if before is not None:
+                before(step, llm, seqs)
+            if sched.is_finished():
+                break
+            batch = sched.schedule()
+            if batch is None:
+                raise CaseFailed(f"{case}: nothing schedulable with requests queued")
+            if hook is not None:
+                hook(step, llm, seqs, batch)
+            sched.postprocess(batch, llm.runner.execute(batch))
+        else:
+            raise CaseFailed(f"{case}: scheduler did not drain in {max_steps} steps")
+        events = [dict(ev, case=case) for ev in sched.events[first:]]
+        self.events.extend(events)
+        return Route([list(s.output_ids) for s in seqs], seqs, events, llm)
+
+    def cold(self, prompt, **overrides) -> list[int]:
+        """The prompt alone in a fresh engine: the uninterrupted run of a route without a hit."""
+        key = ("cold", tuple(prompt), tuple(sorted(overrides.items())))
+        if key not in self._memo:
+            self._memo[key] = self.drive(self.engine(**overrides), [prompt], case="reference_cold").tokens[0]
+        return self._memo[key]
+
+    def warm(self, prompt, warm_prompts, **overrides) -> Route:
+        """The prompt alone after ``warm_prompts`` ran to completion (it resumes from their prefix)."""
+        key = ("warm", tuple(prompt), tuple(map(tuple, warm_prompts)), tuple(sorted(overrides.items())))
+        if key not in self._memo:
+            llm = self.engine(**overrides)
+            self.drive(llm, warm_prompts, case="reference_warmup")
+            self._memo[key] = self.drive(llm, [prompt], case="reference_warm")
+        return self._memo[key]
+
+    def resumed_reference(self, prompt, warm_prompts, hit: int, **overrides) -> list[int]:
+        """What a request resuming from ``hit`` must produce: cold under copy, warm under replay."""
+        if self.transfer == "copy":
+            return self.cold(prompt, **overrides)
+        ref = self.warm(prompt, warm_prompts, **overrides)
+        check(ref.seqs[0].hits == [hit], f"reference resumed at {ref.seqs[0].hits}, not at {hit}")
+        return ref.tokens[0]
+
+
+def byte_prompt(llm_or_tok, text: str) -> list[int]:
+    """Token ids of ``text``."""
+    return list(llm_or_tok.encode(text))
+
+
+def repeat_to(ids: list[int], n: int) -> list[int]:
+    """``ids`` repeated until it holds ``n`` tokens, cut there (prompt lengths scale with PAGE)."""
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
+
+
+def scenarios(v: Validator, tok) -> dict[str, dict]:
+    """Run every scenario; returns ``{name: {"passed": bool, ...}}``."""
+    P, W = v.P, v.W
+    # Two routes compared token for token either back off alike (the same final forward) or end
+    # in a final chunk of at least W rows. A final chunk shorter than W starts a hash block
+    # earlier, and the rows it recomputes see encoder windows truncated at that start (by
+    # design), so a one-forward and a backed-off chunked prefill may legitimately differ.
+    base = repeat_to(byte_prompt(tok, "Facts about water, clouds, sunlight and the atmosphere. "), 4 * P + 10)
+    other = repeat_to(byte_prompt(tok, "A Python function can return a list of prime numbers. "), 2 * P + 12)
+    unique = byte_prompt(tok, "Discuss a different topic: binary search. ") + base
+    cancelled = byte_prompt(tok, "A cancelled request: ") + other
+    long_prompt = (base * 3)[: 9 * P + max(20, W)]  # its 3P-chunked route ends in >= W rows
+    short_suffix = base[: 3 * P] + byte_prompt(tok, "ok")
+    chunked = {"long_prefill_token_threshold": P, "max_num_batched_tokens": 4 * P}
+    results: dict[str, dict] = {}
+    gold: dict[str, list[int]] = {}
+
+    def case(name):
+        def wrap(fn):
+            t0 = time.perf_counter()
+            try:
+                info = fn() or {}
+                results[name] = {"passed": True, **info}
+            except CaseFailed as exc:
+                results[name] = {"passed": False, "error": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - reported per case, the others still run
+                results[name] = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
+                                 "traceback": traceback.format_exc(limit=6)}
+            results[name]["seconds"] = round(time.perf_counter() - t0, 3)
+            return fn
+        return wrap
+
+    @case("baseline")
+    def _():
+        r = v.drive(v.engine(**chunked), [base, other], case="baseline")
+        gold["base"], gold["other"] = r.tokens
+        check(all(len(t) == PARAMS.max_tokens for t in r.tokens), "baseline did not generate max_tokens")
+        for name, p in (("base", base), ("other", other)):
+            check(v.cold(p, **chunked) == gold[name], f"batched {name} differs from its run alone")
+        return {"tokens": r.tokens}
+
+    @case("chunked_batched_reorder")
+    def _():
+        def reverse(step, llm, seqs, batch):
+            llm.scheduler.running.reverse()
+
+        r = v.drive(v.engine(long_prefill_token_threshold=P // 2, max_num_batched_tokens=4 * (P // 2)),
+                    [base, other], hook=reverse, case="chunked_batched_reorder")
+        ragged = sum(1 for ev in r.events if ev["phase"] == "prefill" and len(ev["ids"]) > 1)
+        check(ragged > 0, "no ragged multi-request prefill batch")
+        check(r.tokens == [gold["base"], gold["other"]], f"tokens {r.tokens} != baseline")
+        return {"ragged_prefill_batches": ragged, "batches": len(r.events), "tokens": r.tokens}
+
+    @case("prefix_fork")
+    def _():
+        # Submitted together; the budget admits the second after the first has published blocks.
+        opts = {"long_prefill_token_threshold": 0, "max_num_batched_tokens": 2 * P}
+        r = v.drive(v.engine(**opts), [base, base], case="prefix_fork")
+        hit = r.seqs[1].hits[0]
+        check(len(base) > 2 * P, "fork prompt must be longer than two PAGEs")
+        check(hit > 0, "the second request did not hit the first's prefix")
+        check(r.tokens[0] == v.cold(base, **opts), "first fork request differs from its cold run")
+        if v.transfer == "copy":
+            check(r.restores >= 1, "no checkpoint restore in the copy fork")
+        else:
+            check(r.replay_rows >= P, "no encoder replay rows in the replay fork")
+        ref = v.resumed_reference(base, [base], hit, **opts)
+        check(r.tokens[1] == ref, f"forked request {r.tokens[1]} != uninterrupted route {ref}")
+        return {"hit": hit, "restores": r.restores, "replay_rows": r.replay_rows, "tokens": r.tokens}
+
+    @case("missing_image_replay")
+    def _():
+        llm = v.engine(**chunked)
+        v.drive(llm, [base], case="missing_image_warmup")
+        dropped = llm.block_manager.drop_images()
+        r = v.drive(llm, [base], case="missing_image_replay")
+        s = r.seqs[0]
+        if v.transfer == "copy":
+            check(dropped >= 1, "no image to drop after a chunked run")
+            check(s.hits == [0], f"hit {s.hits} was not rewound to the recoverable boundary 0")
+            check(r.tokens[0] == gold["base"], "replay from 0 differs from the baseline")
+        else:
+            # The replay transfer keeps no image: the hit needs none and rebuilds its windows.
+            check(dropped == 0 and not llm.block_manager.images, "the replay transfer kept an image")
+            check(s.hits[0] > 0 and s.replay_rows >= P, "no imageless hit with encoder replay")
+            ref = v.resumed_reference(base, [base], s.hits[0], **chunked)
+            check(r.tokens[0] == ref, "imageless replay differs from its uninterrupted route")
+        return {"dropped_images": dropped, "hits": s.hits, "replay_rows": s.replay_rows, "tokens": r.tokens}
+
+    @case("preempt_resume")
+    def _():
+        max_hit = (len(unique) - 1) // P * P
+        state = {}
+
+        def preempt(step, llm, seqs):
+            s = seqs[0]
+            if not state and s.slot is not None and s.is_prefilling and s.num_cached_tokens >= max_hit:
+                state["cursor"] = s.num_cached_tokens
+                llm.scheduler.preempt(s)  # mid-prefill, at a cursor on the hash-block grid
+
+        llm = v.engine(**chunked)
+        r = v.drive(llm, [unique], before=preempt, case="preempt_resume")
+        s = r.seqs[0]
+        check(bool(state) and s.preemptions == 1, "the request was not preempted mid-prefill")
+        check(s.hits[-1] > 0, f"resume did not go through the prefix cache (hits {s.hits})")
+        if v.transfer == "copy":
+            check(s.restores >= 1, "no restore on resume")
+        else:
+            check(s.replay_rows >= P, "no encoder replay on resume")
+        ref = v.resumed_reference(unique, [unique], s.hits[-1], **chunked)
+        check(r.tokens[0] == ref, f"resumed {r.tokens[0]} != uninterrupted {ref}")
+        return {"preempted_at": state["cursor"], "hits": s.hits, "restores": s.restores,
+                "replay_rows": s.replay_rows, "tokens": r.tokens}
+
+    @case("cancel_middle_chunk")
+    def _():
+        llm = v.engine(**chunked)
+        state = {}
+
+        def cancel(step, llm, seqs, batch):
+            req = next((q for q in batch.requests if q.seq_id == seqs[0].seq_id), None)
+            if not state and req is not None and not req.is_final_chunk and req.resume >= P:
+                llm.abort(seqs[0])  # while this middle chunk is in flight
+                state["slot"] = req.slot
+
+        r = v.drive(llm, [cancelled], CANCEL_PARAMS, hook=cancel, case="cancel_middle_chunk")
+        s = r.seqs[0]
+        check(bool(state), "no middle chunk to cancel")
+        check(s.finish_reason == "aborted" and s.output_ids == [], "cancelled request did not finish empty")
+        check(len(llm.block_manager.free_slots) == llm.block_manager.num_slots, "slot not freed")
+        # Slot recycling: the next request gets the freed slot and resets it at position 0.
+        r2 = v.drive(llm, [other], case="slot_recycle")
+        check(r2.events[0]["ids"] == [r2.seqs[0].seq_id], "recycle request not scheduled alone")
+        check(r2.events[0]["slots"] == [state["slot"]], "the new request did not get the freed slot")
+        check(r2.tokens[0] == gold["other"], "recycled slot leaked state into a new request")
+        results["slot_recycle"] = {"passed": True, "slot": state["slot"], "tokens": r2.tokens[0]}
+        return {"slot": state["slot"], "tokens": r.tokens}
+
+    @case("cancel_first_deferred_step")
+    def _():
+        llm = v.engine(**chunked)
+        state = {}
+
+        def cancel(step, llm, seqs, batch):
+            req = next((q for q in batch.requests if q.seq_id == seqs[1].seq_id), None)
+            if not state and req is not None and req.is_final_chunk and batch.phase == "prefill":
+                llm.abort(seqs[1])  # its first token is not delivered yet
+                state["step"] = batch.step
+
+        r = v.drive(llm, [other, cancelled], CANCEL_PARAMS, hook=cancel, case="cancel_first_deferred_step")
+        check(bool(state), "no final chunk to cancel")
+        check(r.seqs[1].finish_reason == "aborted" and r.seqs[1].output_ids == [],
+              "request cancelled before its first token produced output")
+        check(r.seqs[0].finish_reason == "length", "the surviving request did not finish")
+        check(len(llm.block_manager.free_slots) == llm.block_manager.num_slots, "slot not freed")
+        return {"step": state["step"], "tokens": r.tokens}
+
+    @case("decoder_replay_long_prompt")
+    def _():
+        stats = getattr(v.runner, "stats", None)
+        before = dict(stats) if stats is not None else {}
+        whole = {"long_prefill_token_threshold": 0, "max_num_batched_tokens": max(10 * P, len(long_prompt))}
+        one = v.drive(v.engine(**whole), [long_prompt], case="decoder_replay_long_prompt")
+        final = [ev for ev in one.events if ev["phase"] == "prefill"][-1]
+        rows = final["ends"][0] - final["starts"][0]
+        check(rows > W, f"final forward of {rows} rows does not exceed W={W}")
+        plan = plan_of_final(v, one)
+        check(plan is None or plan["decoder_replay"], "decoder replay not taken on the long prompt")
+        # The same prompt in chunks ends with a final forward that also holds more than W rows.
+        two = v.drive(v.engine(long_prefill_token_threshold=3 * P, max_num_batched_tokens=4 * P),
+                      [long_prompt], case="decoder_replay_long_prompt_chunked")
+        last = [ev for ev in two.events if ev["phase"] == "prefill"][-1]
+        check(last["starts"] == last["resumes"], "the chunked route's final forward backed off")
+        check(one.tokens == two.tokens, f"one forward {one.tokens} != chunked {two.tokens}")
+        taken = {}
+        if stats is not None:
+            taken = {k: stats.get(k, 0) - before.get(k, 0) for k in ("decoder_replay_steps", "tail_rows")}
+            check(taken["decoder_replay_steps"] >= 1, "the runner ran no decoder-replay step")
+        return {"final_rows": rows, "plan": plan, "runner": taken, "tokens": one.tokens + two.tokens}
+
+    @case("decoder_replay_off")
+    def _():
+        # --no-decoder-swa-bounded-replay: every row runs every layer and nothing backs off, so a
+        # prompt whose last chunk is short runs the same tokens chunked or whole.
+        from v41plan.serving.runner import build_runner
+
+        opts = dict(v.base, decoder_swa_bounded_replay=False)
+        probe = LLM(v.spec, v.checkpoint, runner_factory=lambda *a: None, **opts)
+        runner = build_runner(v.spec, v.checkpoint, probe.options)
+        off = Validator(v.spec, v.checkpoint, v.transfer, opts, runner)
+        prompt = long_prompt[: 5 * P + 3]
+        one = off.drive(off.engine(long_prefill_token_threshold=0), [prompt], case="decoder_replay_off")
+        two = off.drive(off.engine(**chunked), [prompt], case="decoder_replay_off_chunked")
+        v.events.extend(dict(ev, runner="replay_off") for ev in off.events)  # not the graph runner's
+        check(all(s == r for ev in two.events for s, r in zip(ev["starts"], ev["resumes"])),
+              "a forward backed off with decoder replay off")
+        stats = getattr(runner, "stats", {})
+        check(stats.get("decoder_replay_steps", 0) == 0, "decoder replay ran with the switch off")
+        check(one.tokens == two.tokens, f"whole {one.tokens} != chunked {two.tokens} with replay off")
+        return {"tokens": one.tokens + two.tokens}
+
+    @case("prefix_hit_short_suffix")
+    def _():
+        llm = v.engine(**chunked)
+        v.drive(llm, [base], case="short_suffix_warmup")
+        r = v.drive(llm, [short_suffix], case="prefix_hit_short_suffix")
+        s = r.seqs[0]
+        suffix = len(short_suffix) - s.hits[0]
+        check(s.hits[0] > 0 and suffix < W, f"hit {s.hits} leaves a suffix of {suffix}, not < W")
+        check(s.starts[0] == s.hits[0] - P, f"forward did not back off a hash block: starts {s.starts}")
+        check(s.replay_rows >= P, "no back-off rows counted")
+        if v.transfer == "copy":
+            check(s.restores == 1, "no restore for the short suffix")
+        ref = v.resumed_reference(short_suffix, [base], s.hits[0], **chunked)
+        check(r.tokens[0] == ref, f"short-suffix hit {r.tokens[0]} != uninterrupted {ref}")
+        return {"hits": s.hits, "starts": s.starts, "replay_rows": s.replay_rows, "tokens": r.tokens}
+
+    return results
+
+
+def plan_of_final(v: Validator, route: Route) -> dict | None:
+    """The planner's view of a route's last prefill batch (None when the planner is absent)."""
+    try:
+        from v41plan.planner.step import plan_step
+        from v41plan.serving.batch import ScheduledBatch, ScheduledRequest, to_step_input
+    except ImportError:
+        return None
+    ev = [e for e in route.events if e["phase"] == "prefill"][-1]
+    s = route.seqs[0]
+    n = ev["ends"][0]
+    req = ScheduledRequest(s.seq_id, 0, tuple(range(-(-n // v.P))), tuple(s.token_ids[:n]), ev["starts"][0],
+                           ev["resumes"][0], n, n, 0, ev["starts"][0] == 0, True)
+    batch = ScheduledBatch(ev["step"], "prefill", (req,))
+    plan = plan_step(to_step_input(batch), v.spec, encoder_replay=v.transfer == "replay", decoder_replay=True)
+    tail = [int(x) for x in plan.tail_rows]
+    return {"decoder_replay": bool(plan.decoder_replay), "tail_rows": len(tail), "rows": int(plan.scheduled_tokens)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``python -m v41plan.validation.validate_runtime``, also under torchrun)."""
+    ap = argparse.ArgumentParser(prog="validate_runtime", description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="specs/tiny.yaml")
+    ap.add_argument("--checkpoint", default=None, help="default: the spec's seeded random checkpoint")
+    ap.add_argument("--output", default=None, help="JSON report path (rank 0 writes it)")
+    ap.add_argument("--graph", action="store_true", help="FULL decode graphs (enforce_eager=False)")
+    ap.add_argument("--transfer", choices=["replay", "copy", "both"], default="both")
+    ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument("--dtype", default="float64", choices=["float32", "float64", "bfloat16"],
+                    help="executor dtype (float64 keeps greedy ties away on CPU)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="default: the world size when the model splits over it, else 1 (replicas)")
+    ap.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="routed experts whole per rank (default) or intermediate-sharded")
+    args = ap.parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)  # tiny tensors: more threads only contend on a shared CPU
+    info = init_distributed(args.device)
+    t0 = time.perf_counter()
+    spec = resolve_spec(args.spec)
+    P = spec.replay.hash_block_tokens
+    tp = args.tensor_parallel_size
+    if tp is None:  # auto: shard when the model splits over the world, else every rank a replica
+        from v41plan.serving.admission import default_tensor_parallel_size
+
+        tp = default_tensor_parallel_size(spec, info.world_size, args.enable_expert_parallel)
+        if info.is_main and tp != info.world_size:
+            print(f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs a full "
+                  f"replica (tensor_parallel_size=1) on the identical schedule")
+    base_options = {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+        "tensor_parallel_size": tp,
+        "enable_expert_parallel": args.enable_expert_parallel,
+        "enforce_eager": not args.graph,
+        "cudagraph_mode": "FULL" if args.graph else "NONE",
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 10 * P,
+        "max_model_len": 24 * P,
+        "num_pages": 4 * 24 + 64,
+        "dtype": args.dtype,
+        "device": args.device,
+    }
+    report: dict = {"spec": spec.name, "world_size": info.world_size, "tensor_parallel_size": tp,
+                    "enable_expert_parallel": args.enable_expert_parallel, "graph": args.graph,
+                    "kv_cache_dtype": args.kv_cache_dtype, "index_cache_dtype": args.index_cache_dtype,
+                    "dtype": args.dtype, "transfers": {}}
+    passed = True
+    try:
+        from v41plan.serving.runner import build_runner
+
+        transfers = ["replay", "copy"] if args.transfer == "both" else [args.transfer]
+        for transfer in transfers:
+            probe = LLM(spec, args.checkpoint, runner_factory=lambda *a: None,
+                        encoder_swa_bounded_replay=(transfer == "replay"), world_size=info.world_size,
+                        **base_options)  # refuses a bad configuration before building the runner
+            runner = build_runner(spec, args.checkpoint, probe.options)
+            v = Validator(spec, args.checkpoint, transfer, dict(base_options, world_size=info.world_size), runner)
+            results = scenarios(v, probe)
+            tokens = {k: r.get("tokens") for k, r in results.items()}
+            ranks_agree = all_equal(tokens)
+            results["ranks_agree"] = {"passed": ranks_agree}
+            if args.graph:  # the same scenarios on an eager runner: tokens must be equal
+                from dataclasses import replace as _replace
+
+                from v41plan.runtime.graphs import graph_validation
+
+                eager_base = dict(base_options, enforce_eager=True, cudagraph_mode="NONE")
+                eager_runner = build_runner(spec, args.checkpoint,
+                                            _replace(probe.options, enforce_eager=True, cudagraph_mode="NONE"))
+                ve = Validator(spec, args.checkpoint, transfer, dict(eager_base, world_size=info.world_size),
+                               eager_runner)
+                eager_results = scenarios(ve, probe)
+                g = runner.graph_stats() if hasattr(runner, "graph_stats") else {}
+                results["graph_replays"] = graph_validation(results, eager_results, g, v.events)
+                del eager_runner, ve
+            ok = all(r["passed"] for r in results.values())
+            passed &= ok
+            report["transfers"][transfer] = {
+                "passed": ok,
+                "runner": type(runner).__name__,
+                "paged": bool(getattr(runner, "paged", True)),
+                "runner_stats": dict(getattr(runner, "stats", {})),
+                "graphs": runner.graph_stats() if hasattr(runner, "graph_stats") else {},
+                "cases": results,
+                "events": v.events,
+            }
+            if info.is_main:
+                for name, r in results.items():
+                    status = "ok  " if r["passed"] else "FAIL"
+                    print(f"[{transfer}] {status} {name}" + ("" if r["passed"] else f": {r.get('error')}"))
+                if args.output:  # each finished transfer is on disk even if a later one is cut short
+                    with open(args.output, "w") as f:
+                        json.dump(dict(report, passed=False, partial=True), f, indent=1, default=str)
+    except Exception as exc:  # noqa: BLE001 - the report records why the run stopped
+        passed = False
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        if info.is_main:
+            traceback.print_exc()
+    report["passed"] = passed
+    report["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    if info.is_main:
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        print("RUNTIME_ACCEPTANCE_PASSED" if passed else "RUNTIME_ACCEPTANCE_FAILED")
+    shutdown()
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
