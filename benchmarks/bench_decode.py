@@ -30,8 +30,12 @@ from medium_model import load_spec, load_weights, step_floor, time_device, time_
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)")
-    ap.add_argument("--context", type=int, default=256, help="tokens each request holds before the timed step")
+    ap.add_argument(
+        "--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)"
+    )
+    ap.add_argument(
+        "--context", type=int, default=256, help="tokens each request holds before the timed step"
+    )
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kv-cache-dtype", default="bf16")
@@ -53,14 +57,27 @@ def main(argv=None) -> int:
     P = spec.replay.hash_block_tokens
     need = -(-(args.context + 8) // P)
     chunk = 8192
-    m = RuntimeModel(spec, weights, engram, kv_cache_dtype=args.kv_cache_dtype,
-                     index_cache_dtype=args.index_cache_dtype, num_pages=max_bs * need + 8, num_slots=max_bs,
-                     max_tokens=max(chunk, max_bs), max_bs=max_bs, table_width=need + 1, dtype=torch.bfloat16,
-                     device="cuda", cfg=cfg)
+    m = RuntimeModel(
+        spec,
+        weights,
+        engram,
+        kv_cache_dtype=args.kv_cache_dtype,
+        index_cache_dtype=args.index_cache_dtype,
+        num_pages=max_bs * need + 8,
+        num_slots=max_bs,
+        max_tokens=max(chunk, max_bs),
+        max_bs=max_bs,
+        table_width=need + 1,
+        dtype=torch.bfloat16,
+        device="cuda",
+        cfg=cfg,
+    )
     geom = m.geometry
     kv_row_bytes = next(p.row_bytes for p in geom.planes if p.kind == "main")
     index_row_bytes = next((p.row_bytes for p in geom.planes if p.kind != "main"), 0)
-    runner = GraphRunner(m, spec, [b for b in capture_buckets(spec, max_bs, max_bs) if b[0] in sizes], "FULL")
+    runner = GraphRunner(
+        m, spec, [b for b in capture_buckets(spec, max_bs, max_bs) if b[0] in sizes], "FULL"
+    )
     capture = runner.capture()
 
     rng = np.random.default_rng(0)
@@ -71,17 +88,45 @@ def main(argv=None) -> int:
         group = range(lo, min(max_bs, lo + per_fwd))
         for i in group:
             m.pools.reset_slot(i)
-        plan = plan_step(StepInput(tuple(
-            RequestInput(slot=i, block_table=reqs[i][1], prompt_len=args.context, start=0, chunk_len=args.context,
-                         phase="prefill", fresh_slot=True) for i in group)), spec, decoder_replay=True)
+        plan = plan_step(
+            StepInput(
+                tuple(
+                    RequestInput(
+                        slot=i,
+                        block_table=reqs[i][1],
+                        prompt_len=args.context,
+                        start=0,
+                        chunk_len=args.context,
+                        phase="prefill",
+                        fresh_slot=True,
+                    )
+                    for i in group
+                )
+            ),
+            spec,
+            decoder_replay=True,
+        )
         m.forward(plan, np.concatenate([ids[i][: args.context] for i in group]))
     torch.cuda.synchronize()
 
     rows = []
     for bs in sizes:
-        step = StepInput(tuple(RequestInput(slot=i, block_table=reqs[i][1], prompt_len=args.context,
-                                            start=args.context, chunk_len=1, phase="decode") for i in range(bs)),
-                         running_bs=bs, running_tokens=bs, block_table_width=m.buf.block_tables.shape[1])
+        step = StepInput(
+            tuple(
+                RequestInput(
+                    slot=i,
+                    block_table=reqs[i][1],
+                    prompt_len=args.context,
+                    start=args.context,
+                    chunk_len=1,
+                    phase="decode",
+                )
+                for i in range(bs)
+            ),
+            running_bs=bs,
+            running_tokens=bs,
+            block_table_width=m.buf.block_tables.shape[1],
+        )
         plan = plan_step(step, spec)
         tok = np.array([ids[i][args.context] for i in range(bs)])
         snap = m.pools.backing.clone()  # both paths run the step from the same pool state
@@ -96,24 +141,55 @@ def main(argv=None) -> int:
         graph_s = time_host(lambda plan=plan, tok=tok: runner.replay(plan, tok), args.iters)
         g = runner.graphs[(bs, 1)]
         replay_s = time_device(g.replay, args.iters)
-        fl = step_floor(cfg, weights, plan, ceil, kv_row_bytes=kv_row_bytes, index_row_bytes=index_row_bytes)
-        rows.append({"batch": bs, "context": args.context, "eager_ms": eager_s * 1e3, "graph_step_ms": graph_s * 1e3,
-                     "replay_ms": replay_s * 1e3, "speedup_step": eager_s / graph_s,
-                     "speedup_replay": eager_s / replay_s, "tokens_equal": same, "max_logit_diff": max_diff, **fl,
-                     "floor_ms": fl["floor_s"] * 1e3, "eager_of_floor": fl["floor_s"] / eager_s,
-                     "graph_step_of_floor": fl["floor_s"] / graph_s, "replay_of_floor": fl["floor_s"] / replay_s})
+        fl = step_floor(
+            cfg, weights, plan, ceil, kv_row_bytes=kv_row_bytes, index_row_bytes=index_row_bytes
+        )
+        rows.append(
+            {
+                "batch": bs,
+                "context": args.context,
+                "eager_ms": eager_s * 1e3,
+                "graph_step_ms": graph_s * 1e3,
+                "replay_ms": replay_s * 1e3,
+                "speedup_step": eager_s / graph_s,
+                "speedup_replay": eager_s / replay_s,
+                "tokens_equal": same,
+                "max_logit_diff": max_diff,
+                **fl,
+                "floor_ms": fl["floor_s"] * 1e3,
+                "eager_of_floor": fl["floor_s"] / eager_s,
+                "graph_step_of_floor": fl["floor_s"] / graph_s,
+                "replay_of_floor": fl["floor_s"] / replay_s,
+            }
+        )
 
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spec": spec.name,
-              "dtype": "bfloat16", "kv_cache_dtype": args.kv_cache_dtype, "index_cache_dtype": args.index_cache_dtype,
-              "ceilings": ceil, "capture": capture, "rows": rows}
-    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
-    print(f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'replay ms':>9} {'x step':>7} {'x replay':>8} "
-          f"{'floor ms':>9} {'bound':>6} {'eager/fl':>8} {'replay/fl':>9} tokens=")
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "spec": spec.name,
+        "dtype": "bfloat16",
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+        "ceilings": ceil,
+        "capture": capture,
+        "rows": rows,
+    }
+    print(
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
+    )
+    print(
+        f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'replay ms':>9} {'x step':>7} {'x replay':>8} "
+        f"{'floor ms':>9} {'bound':>6} {'eager/fl':>8} {'replay/fl':>9} tokens="
+    )
     for r in rows:
-        print(f"{r['batch']:>4} {r['eager_ms']:>9.2f} {r['graph_step_ms']:>9.2f} {r['replay_ms']:>9.2f} "
-              f"{r['speedup_step']:>7.1f} {r['speedup_replay']:>8.1f} {r['floor_ms']:>9.3f} {r['bound']:>6} "
-              f"{r['eager_of_floor']:>8.3f} {r['replay_of_floor']:>9.3f} {r['tokens_equal']}")
-    out = args.out or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None)
+        print(
+            f"{r['batch']:>4} {r['eager_ms']:>9.2f} {r['graph_step_ms']:>9.2f} {r['replay_ms']:>9.2f} "
+            f"{r['speedup_step']:>7.1f} {r['speedup_replay']:>8.1f} {r['floor_ms']:>9.3f} {r['bound']:>6} "
+            f"{r['eager_of_floor']:>8.3f} {r['replay_of_floor']:>9.3f} {r['tokens_equal']}"
+        )
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None
+    )
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)

@@ -29,7 +29,9 @@ from medium_model import load_spec, load_weights, step_floor, time_host
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)")
+    ap.add_argument(
+        "--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)"
+    )
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--kv-cache-dtype", default="bf16")
@@ -48,12 +50,31 @@ def main(argv=None) -> int:
     P = spec.replay.hash_block_tokens
     n = args.tokens
     pages = -(-n // P) + 1
-    m = RuntimeModel(spec, weights, engram, kv_cache_dtype=args.kv_cache_dtype,
-                     index_cache_dtype=args.index_cache_dtype, num_pages=pages + 2, num_slots=1, max_tokens=n,
-                     max_bs=1, table_width=pages, dtype=torch.bfloat16, device="cuda", cfg=cfg)
+    m = RuntimeModel(
+        spec,
+        weights,
+        engram,
+        kv_cache_dtype=args.kv_cache_dtype,
+        index_cache_dtype=args.index_cache_dtype,
+        num_pages=pages + 2,
+        num_slots=1,
+        max_tokens=n,
+        max_bs=1,
+        table_width=pages,
+        dtype=torch.bfloat16,
+        device="cuda",
+        cfg=cfg,
+    )
     ids = np.random.default_rng(0).integers(0, 256, n)
-    req = RequestInput(slot=0, block_table=tuple(range(pages)), prompt_len=n, start=0, chunk_len=n,
-                       phase="prefill", fresh_slot=True)
+    req = RequestInput(
+        slot=0,
+        block_table=tuple(range(pages)),
+        prompt_len=n,
+        start=0,
+        chunk_len=n,
+        phase="prefill",
+        fresh_slot=True,
+    )
     rows, logits = [], {}
     for replay in (False, True):
         plan = plan_step(StepInput((req,)), spec, decoder_replay=replay)
@@ -65,22 +86,48 @@ def main(argv=None) -> int:
         logits[replay] = run().logits.float()
         t = time_host(run, args.iters, warmup=1)
         fl = step_floor(cfg, weights, plan, ceil, kv_row_bytes=0, index_row_bytes=0)
-        layer_rows = [len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers]
-        rows.append({"decoder_replay": replay, "tokens": n, "ms": t * 1e3, "tokens_per_s": n / t,
-                     "rows_run": int(sum(layer_rows)), **fl, "floor_ms": fl["floor_s"] * 1e3,
-                     "of_floor": fl["floor_s"] / t})
+        layer_rows = [
+            len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers
+        ]
+        rows.append(
+            {
+                "decoder_replay": replay,
+                "tokens": n,
+                "ms": t * 1e3,
+                "tokens_per_s": n / t,
+                "rows_run": int(sum(layer_rows)),
+                **fl,
+                "floor_ms": fl["floor_s"] * 1e3,
+                "of_floor": fl["floor_s"] / t,
+            }
+        )
     same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spec": spec.name,
-              "dtype": "bfloat16", "ceilings": ceil, "rows": rows, "speedup_replay_on": rows[0]["ms"] / rows[1]["ms"],
-              "last_token_equal": same}
-    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
-    print(f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} {'floor ms':>9} "
-          f"{'bound':>6} {'floor/ms':>8}")
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "spec": spec.name,
+        "dtype": "bfloat16",
+        "ceilings": ceil,
+        "rows": rows,
+        "speedup_replay_on": rows[0]["ms"] / rows[1]["ms"],
+        "last_token_equal": same,
+    }
+    print(
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
+    )
+    print(
+        f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} {'floor ms':>9} "
+        f"{'bound':>6} {'floor/ms':>8}"
+    )
     for r in rows:
-        print(f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
-              f"{r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['bound']:>6} {r['of_floor']:>8.3f}")
+        print(
+            f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
+            f"{r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['bound']:>6} {r['of_floor']:>8.3f}"
+        )
     print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
-    out = args.out or (os.path.join(os.environ["OUT"], "bench_prefill.json") if os.environ.get("OUT") else None)
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "bench_prefill.json") if os.environ.get("OUT") else None
+    )
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)

@@ -111,7 +111,9 @@ def step_floor(cfg, weights, plan, ceilings, *, kv_row_bytes: int, index_row_byt
     per_expert = g["routed"] / (E * n_layers)
     rows_total = int(plan.scheduled_tokens)
     experts_read = min(E, expected_experts(rows_total, k, E))
-    weight_bytes = 2 * (g["dense"] + g["head"] + experts_read * per_expert * n_layers + rows_total * cfg.hidden_size)
+    weight_bytes = 2 * (
+        g["dense"] + g["head"] + experts_read * per_expert * n_layers + rows_total * cfg.hidden_size
+    )
     dense_per_layer = g["dense"] / n_layers
     flops = 2 * cfg.vocab_size * cfg.hidden_size * plan.scheduled_bs  # LM head at the last rows
     pool_bytes = 0
@@ -119,7 +121,9 @@ def step_floor(cfg, weights, plan, ceilings, *, kv_row_bytes: int, index_row_byt
     W, topk = cfg.sliding_window, cfg.index_topk
     pos = plan.positions.astype(np.int64)
     for info in cfg.layers:
-        rows = np.asarray(plan.layer_rows.get((info.index, "attention"), np.zeros(0, np.int64)), dtype=np.int64)
+        rows = np.asarray(
+            plan.layer_rows.get((info.index, "attention"), np.zeros(0, np.int64)), dtype=np.int64
+        )
         rows = rows[rows < rows_total]
         n = len(rows)
         flops += 2 * n * (dense_per_layer + k * per_expert)
@@ -136,6 +140,13 @@ def step_floor(cfg, weights, plan, ceilings, *, kv_row_bytes: int, index_row_byt
     total_bytes = weight_bytes + pool_bytes
     t_bytes = total_bytes / ceilings["copy_bytes_per_s"]
     t_flops = flops / ceilings["bf16_flop_per_s"]
-    return {"bytes": int(total_bytes), "weight_bytes": int(weight_bytes), "pool_bytes": int(pool_bytes),
-            "flops": int(flops), "floor_bytes_s": t_bytes, "floor_flops_s": t_flops,
-            "floor_s": max(t_bytes, t_flops), "bound": "bytes" if t_bytes >= t_flops else "flops"}
+    return {
+        "bytes": int(total_bytes),
+        "weight_bytes": int(weight_bytes),
+        "pool_bytes": int(pool_bytes),
+        "flops": int(flops),
+        "floor_bytes_s": t_bytes,
+        "floor_flops_s": t_flops,
+        "floor_s": max(t_bytes, t_flops),
+        "bound": "bytes" if t_bytes >= t_flops else "flops",
+    }

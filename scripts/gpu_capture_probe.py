@@ -21,9 +21,22 @@ import torch
 
 def _internal(name: str) -> bool:
     """Allocator, dispatcher and unwinder frames (the same for every allocation)."""
-    return any(k in name for k in ("unwind", "Traceback", "gather_with", "CachingAllocator", "empty_generic",
-                                   "wrap_kernel_functor", "redispatch", "RegisterCUDA", "wrapper_CUDA",
-                                   "empty_cuda", "empty_memory_format"))
+    return any(
+        k in name
+        for k in (
+            "unwind",
+            "Traceback",
+            "gather_with",
+            "CachingAllocator",
+            "empty_generic",
+            "wrap_kernel_functor",
+            "redispatch",
+            "RegisterCUDA",
+            "wrapper_CUDA",
+            "empty_cuda",
+            "empty_memory_format",
+        )
+    )
 
 
 def capture_once(x: torch.Tensor, pool, keep: list) -> None:
@@ -37,7 +50,9 @@ def capture_once(x: torch.Tensor, pool, keep: list) -> None:
     snap = torch.cuda.memory._snapshot()
     new = [seg for seg in snap["segments"] if seg["address"] not in before]
     for seg in new:
-        print(f"  segment pool={tuple(seg.get('segment_pool_id', ()))} bytes={seg['total_size']} stream={seg['stream']}")
+        print(
+            f"  segment pool={tuple(seg.get('segment_pool_id', ()))} bytes={seg['total_size']} stream={seg['stream']}"
+        )
         for tr in snap["device_traces"][0]:
             if tr["action"] == "segment_alloc" and tr["addr"] == seg["address"]:
                 frames = [fr for fr in tr.get("frames", []) if not _internal(fr["name"])]

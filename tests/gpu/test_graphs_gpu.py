@@ -37,10 +37,24 @@ def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float
     from v41plan.runtime.paged_model import RuntimeModel
 
     spec, cfg, wc, eng = _weights(spec_name)
-    args = {"num_pages": 24, "num_slots": 4, "max_tokens": 64, "max_bs": 4, "table_width": 12, "dtype": dtype,
-            "device": "cuda", "cfg": cfg}
-    return spec, eng, [RuntimeModel(spec, wc, eng, kv_cache_dtype=kv, index_cache_dtype=ix, **args)
-                       for _ in range(2)]
+    args = {
+        "num_pages": 24,
+        "num_slots": 4,
+        "max_tokens": 64,
+        "max_bs": 4,
+        "table_width": 12,
+        "dtype": dtype,
+        "device": "cuda",
+        "cfg": cfg,
+    }
+    return (
+        spec,
+        eng,
+        [
+            RuntimeModel(spec, wc, eng, kv_cache_dtype=kv, index_cache_dtype=ix, **args)
+            for _ in range(2)
+        ],
+    )
 
 
 def _prefill(spec, m, ids):
@@ -65,10 +79,21 @@ def _graph_vs_eager(spec_name: str, mode: str, kv: str = "bf16", ix: str = "fp8"
     _prefill(spec, graphed, ids)
     done = list(PROMPTS)
     for _ in range(DECODES):
-        reqs = tuple(RequestInput(slot=s, block_table=TABLES[s], prompt_len=PROMPTS[s], start=done[s], chunk_len=1,
-                                  phase="decode") for s in range(3))
+        reqs = tuple(
+            RequestInput(
+                slot=s,
+                block_table=TABLES[s],
+                prompt_len=PROMPTS[s],
+                start=done[s],
+                chunk_len=1,
+                phase="decode",
+            )
+            for s in range(3)
+        )
         bucket = select_bucket(runner.buckets, 3, 1)
-        plan = plan_step(pad_decode_step(StepInput(reqs), bucket, graphed.buf.block_tables.shape[1]), spec)
+        plan = plan_step(
+            pad_decode_step(StepInput(reqs), bucket, graphed.buf.block_tables.shape[1]), spec
+        )
         flat = np.array([ids[s][done[s]] for s in range(3)])
         want = eager.forward(plan, flat).logits
         got = runner.replay(plan, flat)
@@ -103,8 +128,9 @@ def test_capture_restores_the_pools_and_checks_untouched_pages():
 
     spec, _, (m, _) = _models("tiny")
     g = torch.Generator(device="cuda").manual_seed(0)
-    m.pools.backing.copy_(torch.randint(0, 256, m.pools.backing.shape, generator=g, device="cuda",
-                                        dtype=torch.uint8))
+    m.pools.backing.copy_(
+        torch.randint(0, 256, m.pools.backing.shape, generator=g, device="cuda", dtype=torch.uint8)
+    )
     before = m.pools.backing.clone()
     runner = GraphRunner(m, spec, capture_buckets(spec, 4, 64), "FULL")
     report = runner.capture()
@@ -151,8 +177,11 @@ def test_capture_guard_refuses_a_segment_outside_the_graph_pool():
     g, record = torch.cuda.CUDAGraph(), []
     # the capture allocates into a fresh pool the guard was not told about: a new segment
     # outside the guarded pool, as an allocation escaping the graph's pool would be
-    with pytest.raises(CaptureGuardError, match="outside the graph pool"), \
-            capture_guard("planted", guarded, record), torch.cuda.graph(g, pool=other):
+    with (
+        pytest.raises(CaptureGuardError, match="outside the graph pool"),
+        capture_guard("planted", guarded, record),
+        torch.cuda.graph(g, pool=other),
+    ):
         x * 3
     assert record and record[0]["outside_pool"]
 
@@ -176,8 +205,15 @@ def test_engine_with_full_graphs_generates_eager_tokens():
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 40))]
     outs = {}
     for mode in ("NONE", "FULL"):
-        llm = LLM("tiny40", enforce_eager=mode == "NONE", cudagraph_mode=mode, device="cuda", dtype="float32",
-                  max_num_seqs=4, max_model_len=256)
+        llm = LLM(
+            "tiny40",
+            enforce_eager=mode == "NONE",
+            cudagraph_mode=mode,
+            device="cuda",
+            dtype="float32",
+            max_num_seqs=4,
+            max_model_len=256,
+        )
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         if mode == "FULL":
             stats = llm.runner.graph_stats()

@@ -70,9 +70,15 @@ def test_layout_is_sharded_with_an_index(tiny_dir):
     )
     wm = index["weight_map"]
     with safe_open(str(tiny_dir / wm["layers.3.ffn.experts.5.w2.weight"]), "pt") as f:
-        assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_shape() == [64, 64]  # [hidden, moe_intermediate / 2]: E2M1 pairs
+        assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_shape() == [
+            64,
+            64,
+        ]  # [hidden, moe_intermediate / 2]: E2M1 pairs
         assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_dtype() == "I8"
-        assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_shape() == [64, 4]  # one E8M0 per 32 along K
+        assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_shape() == [
+            64,
+            4,
+        ]  # one E8M0 per 32 along K
         assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_dtype() == "F8_E8M0"
     with safe_open(str(tiny_dir / wm["layers.2.attn.wq_b.weight"]), "pt") as f:
         assert f.get_slice("layers.2.attn.wq_b.weight").get_dtype() == "F8_E4M3"

@@ -258,8 +258,11 @@ def test_arrays_have_declared_dtypes_and_widths():
             "needs a restored image",
         ),
         (req(-1, 10, 0, 10), {}, "slot -1"),
-        (req(0, 100, 95, 5, fresh_slot=True), {"encoder_replay": True},
-         "fresh-slot rebuild resumes at 95, off the hash-block grid"),
+        (
+            req(0, 100, 95, 5, fresh_slot=True),
+            {"encoder_replay": True},
+            "fresh-slot rebuild resumes at 95, off the hash-block grid",
+        ),
     ],
 )
 def test_invalid_requests_are_refused(r, kw, match):

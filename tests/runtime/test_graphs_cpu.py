@@ -53,8 +53,12 @@ def test_decode_forward_equals_eager_decode(spec_name, kv, ix):
     done = list(prompts)
     for k in range(3):  # three decode steps, the last padded to a wider bucket
         pad_bs = 1 if k == 2 else 0
-        plan = step(spec, [(s, TABLES[s], prompts[s], done[s], 1, "decode") for s in range(3)], pad_bs=pad_bs,
-                    pad_tokens=pad_bs)
+        plan = step(
+            spec,
+            [(s, TABLES[s], prompts[s], done[s], 1, "decode") for s in range(3)],
+            pad_bs=pad_bs,
+            pad_tokens=pad_bs,
+        )
         assert plan.graph_key[0] == "decode"
         flat = np.array([ids[s][done[s]] for s in range(3)])
         want = eager.forward(plan, flat).logits
@@ -62,7 +66,9 @@ def test_decode_forward_equals_eager_decode(spec_name, kv, ix):
         assert got.shape == want.shape
         err = (got - want).abs().max().item()
         assert err <= REL_TOL * want.abs().max().item(), (k, err)
-        assert torch.equal(eager.pools.backing, dec.pools.backing), f"pool bytes differ after decode step {k}"
+        assert torch.equal(eager.pools.backing, dec.pools.backing), (
+            f"pool bytes differ after decode step {k}"
+        )
         done = [x + 1 for x in done]
 
 
@@ -77,13 +83,25 @@ def test_decode_forward_refuses_prefill_steps():
 def test_static_buffers_keep_their_addresses_and_padding_sentinels():
     spec, _, dec, prompts, ids = _pair("tiny", "bf16", "fp8")
     d = DecodeForward(dec)
-    ptrs = [dec.buf.positions.data_ptr(), dec.buf.slots.data_ptr(), d.buf.token_ids.data_ptr(),
-            d.buf.cursors.data_ptr()] + [c.data_ptr() for c in d.buf.engram_codes]
-    plan = step(spec, [(s, TABLES[s], prompts[s], prompts[s], 1, "decode") for s in range(2)], pad_bs=2,
-                pad_tokens=2)
+    ptrs = [
+        dec.buf.positions.data_ptr(),
+        dec.buf.slots.data_ptr(),
+        d.buf.token_ids.data_ptr(),
+        d.buf.cursors.data_ptr(),
+    ] + [c.data_ptr() for c in d.buf.engram_codes]
+    plan = step(
+        spec,
+        [(s, TABLES[s], prompts[s], prompts[s], 1, "decode") for s in range(2)],
+        pad_bs=2,
+        pad_tokens=2,
+    )
     d.load(plan, np.array([ids[0][prompts[0]], ids[1][prompts[1]]]))
-    after = [dec.buf.positions.data_ptr(), dec.buf.slots.data_ptr(), d.buf.token_ids.data_ptr(),
-             d.buf.cursors.data_ptr()] + [c.data_ptr() for c in d.buf.engram_codes]
+    after = [
+        dec.buf.positions.data_ptr(),
+        dec.buf.slots.data_ptr(),
+        d.buf.token_ids.data_ptr(),
+        d.buf.cursors.data_ptr(),
+    ] + [c.data_ptr() for c in d.buf.engram_codes]
     assert ptrs == after
     assert dec.buf.batch_ids[:4].tolist() == [0, 1, -1, -1]
     assert dec.buf.slots[:4].tolist() == [0, 1, -1, -1]
@@ -117,16 +135,27 @@ def test_decode_steps_pad_to_their_bucket():
         pass
 
     _G.buckets, _G.model = [(1, 1), (2, 1), (4, 1)], m
-    reqs = tuple(RequestInput(slot=i, block_table=(i,), prompt_len=5, start=5, chunk_len=1, phase="decode")
-                 for i in range(3))
+    reqs = tuple(
+        RequestInput(slot=i, block_table=(i,), prompt_len=5, start=5, chunk_len=1, phase="decode")
+        for i in range(3)
+    )
     s = pad_for_graphs(_G, StepInput(reqs), True)
-    assert (s.running_bs, s.running_tokens, s.block_table_width) == (4, 4, m.buf.block_tables.shape[1])
+    assert (s.running_bs, s.running_tokens, s.block_table_width) == (
+        4,
+        4,
+        m.buf.block_tables.shape[1],
+    )
     assert pad_for_graphs(None, StepInput(reqs), True) == StepInput(reqs)
     assert pad_for_graphs(_G, StepInput(reqs), False) == StepInput(reqs)
-    big = tuple(RequestInput(slot=i, block_table=(i,), prompt_len=5, start=5, chunk_len=1, phase="decode")
-                for i in range(4)) + (RequestInput(slot=4, block_table=(9,), prompt_len=5, start=5, chunk_len=1,
-                                                   phase="decode"),)
-    assert pad_for_graphs(_G, StepInput(big), True).running_bs is None  # larger than every bucket: eager
+    big = tuple(
+        RequestInput(slot=i, block_table=(i,), prompt_len=5, start=5, chunk_len=1, phase="decode")
+        for i in range(4)
+    ) + (
+        RequestInput(slot=4, block_table=(9,), prompt_len=5, start=5, chunk_len=1, phase="decode"),
+    )
+    assert (
+        pad_for_graphs(_G, StepInput(big), True).running_bs is None
+    )  # larger than every bucket: eager
 
 
 def test_synthetic_capture_step_binds_slots_and_page_zero():
@@ -135,7 +164,9 @@ def test_synthetic_capture_step_binds_slots_and_page_zero():
     plan = synthetic_plan(m, spec, 4, 1)
     assert plan.graph_key == ("decode", 4, 4)
     assert plan.slots.tolist() == [0, 1, 2, 3]
-    assert (plan.block_tables == 0).all() and plan.block_tables.shape[1] == m.buf.block_tables.shape[1]
+    assert (plan.block_tables == 0).all() and plan.block_tables.shape[
+        1
+    ] == m.buf.block_tables.shape[1]
     assert (plan.positions == spec.dims.sliding_window).all()
 
 
@@ -152,42 +183,77 @@ def test_graph_runner_refuses_cpu_and_eager_options_build_none():
     assert build_graph_runner(m, spec, full) is None  # CPU model: eager, with a warning
 
 
-@pytest.mark.parametrize("opts,msg", [
-    ({"cudagraph_mode": "FULL"}, "enforce_eager=False"),
-    ({"enforce_eager": False, "cudagraph_mode": "PIECEWISE", "compilation_level": 3}, "FULL graphs or eager"),
-    ({"enforce_eager": False, "cudagraph_mode": "SOMETIMES"}, "accepted: NONE, FULL, PIECEWISE"),
-    ({"compilation_level": 2}, "accepted: 0, 3"),
-])
+@pytest.mark.parametrize(
+    "opts,msg",
+    [
+        ({"cudagraph_mode": "FULL"}, "enforce_eager=False"),
+        (
+            {"enforce_eager": False, "cudagraph_mode": "PIECEWISE", "compilation_level": 3},
+            "FULL graphs or eager",
+        ),
+        (
+            {"enforce_eager": False, "cudagraph_mode": "SOMETIMES"},
+            "accepted: NONE, FULL, PIECEWISE",
+        ),
+        ({"compilation_level": 2}, "accepted: 0, 3"),
+    ],
+)
 def test_admission_refuses_graph_combinations_before_loading(opts, msg):
     spec = model("tiny")[0]
     with pytest.raises(ConfigError, match=msg):
         check_options(opts, spec)
-    for ok in ({"enforce_eager": False, "cudagraph_mode": "FULL", "compilation_level": 3},
-               {"compilation_level": 3}, {"enforce_eager": False, "cudagraph_mode": "PIECEWISE"}):
+    for ok in (
+        {"enforce_eager": False, "cudagraph_mode": "FULL", "compilation_level": 3},
+        {"compilation_level": 3},
+        {"enforce_eager": False, "cudagraph_mode": "PIECEWISE"},
+    ):
         check_options(ok, spec)
 
 
 def _graph_case(graph_steps=3, replays=3, eager_steps=0, eager_tokens=None, mode="FULL"):
-    graph = {"baseline": {"passed": True, "tokens": [[1, 2]]}, "fork": {"passed": True, "tokens": [[3]]},
-             "ranks_agree": {"passed": True}}
-    eager = {"baseline": {"passed": True, "tokens": [[1, 2]]},
-             "fork": {"passed": True, "tokens": eager_tokens or [[3]]}}
-    stats = {"mode": mode, "stats": {"replays": replays, "graph_steps": graph_steps,
-                                     "eager_decode_steps": eager_steps},
-             "capture": {"graph_shapes": [[1, 1, 1]], "untouched_from_page": 1,
-                         "pages_untouched": True, "slots_untouched": True}}
-    events = [{"phase": "prefill"}] + [{"phase": "decode"}] * 3 + [{"phase": "decode", "runner": "replay_off"}]
+    graph = {
+        "baseline": {"passed": True, "tokens": [[1, 2]]},
+        "fork": {"passed": True, "tokens": [[3]]},
+        "ranks_agree": {"passed": True},
+    }
+    eager = {
+        "baseline": {"passed": True, "tokens": [[1, 2]]},
+        "fork": {"passed": True, "tokens": eager_tokens or [[3]]},
+    }
+    stats = {
+        "mode": mode,
+        "stats": {
+            "replays": replays,
+            "graph_steps": graph_steps,
+            "eager_decode_steps": eager_steps,
+        },
+        "capture": {
+            "graph_shapes": [[1, 1, 1]],
+            "untouched_from_page": 1,
+            "pages_untouched": True,
+            "slots_untouched": True,
+        },
+    }
+    events = (
+        [{"phase": "prefill"}]
+        + [{"phase": "decode"}] * 3
+        + [{"phase": "decode", "runner": "replay_off"}]
+    )
     return graph_validation(graph, eager, stats, events)
 
 
 def test_graph_validation_compares_every_scenario_and_accounts_every_decode_step():
     ok = _graph_case()
     assert ok["passed"] and ok["scenarios_compared"] == ["baseline", "fork"]
-    assert ok["decode_steps"] == 3 and ok["replays_per_decode_step"] == 1.0  # other runner's step not counted
+    assert (
+        ok["decode_steps"] == 3 and ok["replays_per_decode_step"] == 1.0
+    )  # other runner's step not counted
     assert _graph_case(graph_steps=2, eager_steps=1, replays=2)["passed"]
     bad = _graph_case(eager_tokens=[[4]])
     assert not bad["passed"] and bad["mismatched"] == ["fork"]
     lost = _graph_case(graph_steps=2, replays=2)
     assert not lost["passed"] and "3 decode steps, but 2 replayed" in lost["error"]
     assert "replays per decode step" in _graph_case(replays=9)["error"]
-    assert "no decode step replayed" in _graph_case(graph_steps=0, replays=0, eager_steps=3)["error"]
+    assert (
+        "no decode step replayed" in _graph_case(graph_steps=0, replays=0, eager_steps=3)["error"]
+    )

@@ -38,19 +38,28 @@ def _spec(name: str):
 
 def test_refusals_name_the_dimension_and_the_accepted_sizes():
     tiny = _spec("tiny").model_config
-    with pytest.raises(TPConfigError, match=r"tensor_parallel_size=3 is refused: num_attention_heads=4"):
+    with pytest.raises(
+        TPConfigError, match=r"tensor_parallel_size=3 is refused: num_attention_heads=4"
+    ):
         check_tp(tiny, 3, expert_parallel=True)
     # 32 expert lanes divide by 2, but each rank's shared-expert w2 input would be 16 lanes: half
     # an FP8 block
     half = dict(tiny, moe_intermediate_size=32, o_groups=2)
-    with pytest.raises(TPConfigError, match=r"moe_intermediate_size/2 .* = 16 is not a multiple of the "
-                                            r"32-lane FP8 activation block; accepted with this model: 1$"):
+    with pytest.raises(
+        TPConfigError,
+        match=r"moe_intermediate_size/2 .* = 16 is not a multiple of the "
+        r"32-lane FP8 activation block; accepted with this model: 1$",
+    ):
         check_tp(half, 2, expert_parallel=False)
     mc = dict(_spec("tiny").model_config, n_routed_experts=6)
-    with pytest.raises(TPConfigError, match=r"n_routed_experts=6 must be divisible by it under expert"):
+    with pytest.raises(
+        TPConfigError, match=r"n_routed_experts=6 must be divisible by it under expert"
+    ):
         check_tp(mc, 4, expert_parallel=True)
     check_tp(mc, 4, expert_parallel=False)  # sliced experts do not need whole experts per rank
-    with pytest.raises(TPConfigError, match=r"tensor_parallel_size=0 is refused: accepted: an integer >= 1"):
+    with pytest.raises(
+        TPConfigError, match=r"tensor_parallel_size=0 is refused: accepted: an integer >= 1"
+    ):
         check_tp(mc, 0, expert_parallel=False)
     assert accepted_sizes(_spec("tiny").model_config, True) == [1, 2, 4]
     assert accepted_sizes(_spec("deepseek_v41_flash").model_config, True) == [1, 2, 4, 8]
@@ -63,8 +72,13 @@ def test_the_engine_refuses_a_split_before_any_weight_loads(tmp_path):
     # 3 does not divide tiny's 4 heads; the split check runs before the (missing) checkpoint
     # is opened
     with pytest.raises(TPConfigError, match="num_attention_heads=4"):
-        LLM(str(ROOT / "specs" / "tiny.yaml"), str(tmp_path / "no-checkpoint"), world_size=3, tensor_parallel_size=3,
-            enable_expert_parallel=True)
+        LLM(
+            str(ROOT / "specs" / "tiny.yaml"),
+            str(tmp_path / "no-checkpoint"),
+            world_size=3,
+            tensor_parallel_size=3,
+            enable_expert_parallel=True,
+        )
 
 
 # --- sharding -------------------------------------------------------------------------------
@@ -90,15 +104,32 @@ def test_shards_are_the_rank_slices_and_tile_the_whole(tiny_weights, ep):
         assert s[a + "wo_a.weight"].shape[0] == G // 4 * R
         assert s[a + "wo_b.weight"].shape == (cfg.hidden_size, G // 4 * R)
         assert s[a + "indexer.weights_proj.weight"].shape[0] == cfg.index_n_heads // 4
-        assert s[f + "experts.w1"].shape[0] == (cfg.n_routed_experts // 4 if ep else cfg.n_routed_experts)
-        for name in ("embed.weight", "head.weight", a + "wkv.weight", a + "compressor.wkv.weight",
-                     a + "indexer.wk.weight", f + "gate.weight", "layers.1.engram.wkv.weight"):
+        assert s[f + "experts.w1"].shape[0] == (
+            cfg.n_routed_experts // 4 if ep else cfg.n_routed_experts
+        )
+        for name in (
+            "embed.weight",
+            "head.weight",
+            a + "wkv.weight",
+            a + "compressor.wkv.weight",
+            a + "indexer.wk.weight",
+            f + "gate.weight",
+            "layers.1.engram.wkv.weight",
+        ):
             assert s[name] is w[name]  # replicated: the same tensor
     cat = {  # concatenating the four shards gives back every sharded tensor
-        a + "wq_b.weight": 0, a + "attn_sink": 0, a + "wo_a.weight": 0, a + "wo_b.weight": 1,
-        a + "indexer.wq_b.weight": 0, a + "indexer.weights_proj.weight": 0,
-        f + "shared_experts.w1.weight": 0, f + "shared_experts.w3.weight": 0, f + "shared_experts.w2.weight": 1,
-        f + "experts.w1": 0 if ep else 1, f + "experts.w3": 0 if ep else 1, f + "experts.w2": 0 if ep else 2,
+        a + "wq_b.weight": 0,
+        a + "attn_sink": 0,
+        a + "wo_a.weight": 0,
+        a + "wo_b.weight": 1,
+        a + "indexer.wq_b.weight": 0,
+        a + "indexer.weights_proj.weight": 0,
+        f + "shared_experts.w1.weight": 0,
+        f + "shared_experts.w3.weight": 0,
+        f + "shared_experts.w2.weight": 1,
+        f + "experts.w1": 0 if ep else 1,
+        f + "experts.w3": 0 if ep else 1,
+        f + "experts.w2": 0 if ep else 2,
     }
     for name, dim in cat.items():
         assert torch.equal(torch.cat([s[name] for s in shards], dim), w[name]), name
@@ -124,10 +155,24 @@ def tiny_checkpoint(tmp_path_factory):
 
 def _launch(nproc: int, ckpt: Path, out: Path, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "tp_worker.py"), "--spec", str(ROOT / "specs" / "tiny.yaml"), "--checkpoint", str(ckpt), "--out", str(out),
-           *extra]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(HERE / "tp_worker.py"),
+        "--spec",
+        str(ROOT / "specs" / "tiny.yaml"),
+        "--checkpoint",
+        str(ckpt),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -155,8 +200,15 @@ def test_tp2_matches_world_size_1_in_both_expert_arrangements(tiny_checkpoint, t
 
 
 def test_tp2_matches_world_size_1_with_fp4_planes(tiny_checkpoint, tmp_path):
-    res = _launch(2, tiny_checkpoint, tmp_path / "tp2_fp4.json", "--kv-cache-dtype", "fp4",
-                  "--index-cache-dtype", "fp4")
+    res = _launch(
+        2,
+        tiny_checkpoint,
+        tmp_path / "tp2_fp4.json",
+        "--kv-cache-dtype",
+        "fp4",
+        "--index-cache-dtype",
+        "fp4",
+    )
     _check(res, 2)
 
 

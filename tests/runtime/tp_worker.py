@@ -37,8 +37,46 @@ from v41plan.runtime.dist import world_info
 from v41plan.runtime.paged_model import RuntimeModel
 
 DTYPE = torch.float64
-ENGINE_PROMPTS = ([7, 100, 3, 42, 9, 250, 17, 64, 128, 5, 33, 71, 200, 11, 90, 45, 2, 160, 99, 31,
-                   8, 77, 140, 55, 6, 230, 19, 88, 123, 4, 61, 170, 27, 210, 13], [65, 66, 67])
+ENGINE_PROMPTS = (
+    [
+        7,
+        100,
+        3,
+        42,
+        9,
+        250,
+        17,
+        64,
+        128,
+        5,
+        33,
+        71,
+        200,
+        11,
+        90,
+        45,
+        2,
+        160,
+        99,
+        31,
+        8,
+        77,
+        140,
+        55,
+        6,
+        230,
+        19,
+        88,
+        123,
+        4,
+        61,
+        170,
+        27,
+        210,
+        13,
+    ],
+    [65, 66, 67],
+)
 
 
 class NoReduce(TPGroup):
@@ -47,6 +85,8 @@ class NoReduce(TPGroup):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Leave ``x`` as this rank's partial."""
         return x
+
+
 # (slot, block table, prompt length, prefill chunks, decode steps, token seed)
 REQUESTS = (
     (1, (5, 3), 41, (17, 24), 3, 11),
@@ -62,7 +102,9 @@ def schedule() -> list[list[tuple]]:
         for i, n in enumerate(list(chunks) + [1] * decodes):
             while len(steps) <= i:
                 steps.append([])
-            steps[i].append((j, slot, table, prompt, start, n, "prefill" if start < prompt else "decode"))
+            steps[i].append(
+                (j, slot, table, prompt, start, n, "prefill" if start < prompt else "decode")
+            )
             start += n
     return steps
 
@@ -74,8 +116,10 @@ def run(model: RuntimeModel) -> tuple[torch.Tensor, torch.Tensor]:
         model.pools.reset_slot(r[0])
     logits, sels = [], []
     for batch in schedule():
-        reqs = tuple(RequestInput(slot=s, block_table=t, prompt_len=p, start=st, chunk_len=n, phase=ph)
-                     for _, s, t, p, st, n, ph in batch)
+        reqs = tuple(
+            RequestInput(slot=s, block_table=t, prompt_len=p, start=st, chunk_len=n, phase=ph)
+            for _, s, t, p, st, n, ph in batch
+        )
         plan = plan_step(StepInput(reqs), model.spec, decoder_replay=False, encoder_replay=False)
         flat = np.concatenate([ids[j][st : st + n] for j, _, _, _, st, n, _ in batch])
         out = model.forward(plan, flat, all_row_logits=True)
@@ -86,10 +130,21 @@ def run(model: RuntimeModel) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(spec, ckpt, weights, tp: TPGroup, args) -> RuntimeModel:
     """A runtime model over ``weights`` (the full set or this rank's shard)."""
-    return RuntimeModel(spec, weights, ckpt.engram_host(), kv_cache_dtype=args.kv_cache_dtype,
-                        index_cache_dtype=args.index_cache_dtype,
-                        num_pages=8, num_slots=2, max_tokens=64, max_bs=2, table_width=4, dtype=DTYPE,
-                        cfg=ckpt.config, tp=tp)
+    return RuntimeModel(
+        spec,
+        weights,
+        ckpt.engram_host(),
+        kv_cache_dtype=args.kv_cache_dtype,
+        index_cache_dtype=args.index_cache_dtype,
+        num_pages=8,
+        num_slots=2,
+        max_tokens=64,
+        max_bs=2,
+        table_width=4,
+        dtype=DTYPE,
+        cfg=ckpt.config,
+        tp=tp,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--arrangements", default="ep,tp", help="ep (whole experts), tp (sliced experts)")
+    ap.add_argument(
+        "--arrangements", default="ep,tp", help="ep (whole experts), tp (sliced experts)"
+    )
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
     ap.add_argument("--no-quant", action="store_true", help="activation/cache quantizers off")
@@ -123,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                 "ref_max_abs": float(ref_logits.abs().max()),
                 "selections_equal": bool(torch.equal(sels, ref_sels)),
                 "selected_ids": int((sels >= 0).sum()),
-                "ranks_identical": bool((all_logits == all_logits[0]).all() and (all_sels == all_sels[0]).all()),
-                "local_heads": shard[next(k for k in shard if k.endswith("attn.attn_sink"))].numel(),
+                "ranks_identical": bool(
+                    (all_logits == all_logits[0]).all() and (all_sels == all_sels[0]).all()
+                ),
+                "local_heads": shard[
+                    next(k for k in shard if k.endswith("attn.attn_sink"))
+                ].numel(),
             }
     if args.engine:
         result["engine"] = engine_check(args, tp)
@@ -146,20 +207,32 @@ def engine_check(args, tp: TPGroup) -> dict:
     from v41plan.serving.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    opts = {"dtype": "float64", "device": "cpu", "max_num_seqs": 2, "max_model_len": 128,
-            "kv_cache_dtype": args.kv_cache_dtype, "index_cache_dtype": args.index_cache_dtype}
+    opts = {
+        "dtype": "float64",
+        "device": "cpu",
+        "max_num_seqs": 2,
+        "max_model_len": 128,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+    }
 
     def tokens(**kw) -> list[list[int]]:
         llm = LLM(args.spec, args.checkpoint, **opts, **kw)
-        return [o.outputs[0].token_ids for o in llm.generate([list(p) for p in ENGINE_PROMPTS], params)]
+        return [
+            o.outputs[0].token_ids for o in llm.generate([list(p) for p in ENGINE_PROMPTS], params)
+        ]
 
     out: dict = {}
     if tp.rank == 0:
         out["single"] = tokens(world_size=1, tensor_parallel_size=1)
     for arr in args.arrangements.split(","):
-        got = tokens(world_size=tp.size, tensor_parallel_size=tp.size, enable_expert_parallel=(arr == "ep"))
+        got = tokens(
+            world_size=tp.size, tensor_parallel_size=tp.size, enable_expert_parallel=(arr == "ep")
+        )
         out[arr] = got
-        out[arr + "_ranks_identical"] = bool((tp.all_gather(torch.tensor(got)) == torch.tensor(got)).all())
+        out[arr + "_ranks_identical"] = bool(
+            (tp.all_gather(torch.tensor(got)) == torch.tensor(got)).all()
+        )
     return out
 
 

@@ -13,11 +13,16 @@ TINY = resolve_spec(str(ROOT / "specs" / "tiny.yaml"))
 
 def fake_factory(spec, checkpoint, opts):
     """A FakeRunner sized like the engine's pools."""
-    return FakeRunner(num_pages=opts.num_pages, page_tokens=spec.replay.hash_block_tokens,
-                      num_slots=opts.max_num_seqs, vocab_size=int(spec.model_config["vocab_size"]),
-                      window=spec.dims.sliding_window, plan_spec=spec,
-                      encoder_replay=opts.encoder_swa_bounded_replay,
-                      decoder_replay=opts.decoder_swa_bounded_replay)
+    return FakeRunner(
+        num_pages=opts.num_pages,
+        page_tokens=spec.replay.hash_block_tokens,
+        num_slots=opts.max_num_seqs,
+        vocab_size=int(spec.model_config["vocab_size"]),
+        window=spec.dims.sliding_window,
+        plan_spec=spec,
+        encoder_replay=opts.encoder_swa_bounded_replay,
+        decoder_replay=opts.decoder_swa_bounded_replay,
+    )
 
 
 def fake_llm(**options) -> LLM:

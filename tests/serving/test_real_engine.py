@@ -18,8 +18,14 @@ from v41plan.serving.sampling import SamplingParams
 pytest.importorskip("v41plan.runtime.paged_model")
 
 P = TINY.replay.hash_block_tokens
-OPTS = {"max_num_seqs": 4, "max_num_batched_tokens": 8 * P, "max_model_len": 24 * P, "num_pages": 160,
-        "dtype": "float64", "world_size": 1}
+OPTS = {
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 8 * P,
+    "max_model_len": 24 * P,
+    "num_pages": 160,
+    "dtype": "float64",
+    "world_size": 1,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -52,18 +58,25 @@ def test_validate_runtime_world_size_1(tmp_path):
     out = tmp_path / "report.json"
     rc = validate_runtime.main(["--spec", str(ROOT / "specs" / "tiny.yaml"), "--output", str(out)])
     report = json.loads(out.read_text())
-    failed = {t: {k: c.get("error") for k, c in v["cases"].items() if not c["passed"]}
-              for t, v in report["transfers"].items()}
+    failed = {
+        t: {k: c.get("error") for k, c in v["cases"].items() if not c["passed"]}
+        for t, v in report["transfers"].items()
+    }
     assert rc == 0 and report["passed"], failed
     for transfer, v in report["transfers"].items():
         assert v["paged"] and v["runner"] == "PagedRunner"
         cases = v["cases"]
         assert len(cases) >= 12 and all(c["passed"] for c in cases.values())
         if transfer == "copy":
-            assert cases["prefix_fork"]["restores"] >= 1 and cases["preempt_resume"]["restores"] >= 1
+            assert (
+                cases["prefix_fork"]["restores"] >= 1 and cases["preempt_resume"]["restores"] >= 1
+            )
             assert cases["missing_image_replay"]["hits"] == [0]
         else:
-            assert cases["prefix_fork"]["replay_rows"] >= P and cases["preempt_resume"]["replay_rows"] >= P
+            assert (
+                cases["prefix_fork"]["replay_rows"] >= P
+                and cases["preempt_resume"]["replay_rows"] >= P
+            )
         assert cases["prefix_hit_short_suffix"]["replay_rows"] >= P
         assert cases["decoder_replay_long_prompt"]["runner"]["decoder_replay_steps"] >= 1
 
@@ -88,8 +101,9 @@ def test_skipped_restore_changes_tokens(runners):
         def execute(self, batch):
             for op in batch.restores:  # scribble over the slot instead of restoring it
                 runner.model.pools.state[op.slot].fill_(7)
-            return PagedRunner.execute(runner, type(batch)(batch.step, batch.phase, batch.requests,
-                                                           batch.stores, ()))
+            return PagedRunner.execute(
+                runner, type(batch)(batch.step, batch.phase, batch.requests, batch.stores, ())
+            )
 
     llm = engine(runner, **chunked)
     llm.generate([base], params)
@@ -110,9 +124,13 @@ def test_prompt_logprobs_match_dense_reference(runners):
     off = build_runner(TINY, None, probe.options)
     p = prompt(70, 5)
     out = engine(off, decoder_swa_bounded_replay=False, long_prefill_token_threshold=P).generate(
-        [p], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
-    ref = ReferenceModel.from_checkpoint(load_weights(TINY, None, probe.options), torch.float64,
-                                         index_cache_dtype=probe.options.index_cache_dtype)
+        [p], SamplingParams(max_tokens=1, prompt_logprobs=True)
+    )[0]
+    ref = ReferenceModel.from_checkpoint(
+        load_weights(TINY, None, probe.options),
+        torch.float64,
+        index_cache_dtype=probe.options.index_cache_dtype,
+    )
     lp = torch.log_softmax(ref.prefill(p).double(), -1)
     want = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
     assert out.prompt_logprobs == pytest.approx(want, abs=1e-6)
@@ -129,10 +147,15 @@ def test_prompt_logprobs_under_decoder_replay(runners):
     llm = engine(runners[True], long_prefill_token_threshold=P)
     assert llm.options.decoder_swa_bounded_replay
     p = prompt(70, 5)
-    outs = llm.generate([p, prompt(60, 2)], [SamplingParams(max_tokens=1, prompt_logprobs=True),
-                                             SamplingParams(max_tokens=2)])
-    ref = ReferenceModel.from_checkpoint(load_weights(TINY, None, llm.options), torch.float64,
-                                         index_cache_dtype=llm.options.index_cache_dtype)
+    outs = llm.generate(
+        [p, prompt(60, 2)],
+        [SamplingParams(max_tokens=1, prompt_logprobs=True), SamplingParams(max_tokens=2)],
+    )
+    ref = ReferenceModel.from_checkpoint(
+        load_weights(TINY, None, llm.options),
+        torch.float64,
+        index_cache_dtype=llm.options.index_cache_dtype,
+    )
     lp = torch.log_softmax(ref.prefill(p).double(), -1)
     want = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
     assert outs[0].prompt_logprobs == pytest.approx(want, abs=1e-6)
@@ -141,8 +164,10 @@ def test_prompt_logprobs_under_decoder_replay(runners):
 
 def test_bad_requests_fail_alone_on_real_engine(runners):
     llm = engine(runners[True])
-    outs = llm.generate([prompt(40), [5, 300], prompt(30, 1)],
-                        [SamplingParams(max_tokens=3), SamplingParams(), SamplingParams(top_p=0.0)])
+    outs = llm.generate(
+        [prompt(40), [5, 300], prompt(30, 1)],
+        [SamplingParams(max_tokens=3), SamplingParams(), SamplingParams(top_p=0.0)],
+    )
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 3
     assert "300" in outs[1].error and "top_p" in outs[2].error
 
@@ -150,7 +175,9 @@ def test_bad_requests_fail_alone_on_real_engine(runners):
 def test_seeded_sampling_independent_of_batch(runners):
     sp = SamplingParams(temperature=1.0, seed=11, max_tokens=5, ignore_eos=True)
     alone = engine(runners[True]).generate([prompt(50)], sp)[0].outputs[0].token_ids
-    mixed = engine(runners[True], long_prefill_token_threshold=16).generate([prompt(45, 2), prompt(50)], sp)
+    mixed = engine(runners[True], long_prefill_token_threshold=16).generate(
+        [prompt(45, 2), prompt(50)], sp
+    )
     assert mixed[1].outputs[0].token_ids == alone
 
 
@@ -160,7 +187,9 @@ def test_cli_run_prints_text(capsys):
     rc = main(["run", "--prompt", "Hello", "--max-tokens", "4", "--json", "--dtype", "float32"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     rec = json.loads(line)
-    assert rc == 0 and rec["prompt"] == "Hello" and len(rec["token_ids"]) == 4 and rec["error"] is None
+    assert (
+        rc == 0 and rec["prompt"] == "Hello" and len(rec["token_ids"]) == 4 and rec["error"] is None
+    )
 
 
 def test_cli_run_refuses_before_load(capsys):
@@ -176,12 +205,31 @@ def test_validate_runtime_gloo_world_size_2(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "v41plan.validation.validate_runtime",
-         "--spec", str(ROOT / "specs" / "tiny.yaml"), "--output", str(out), "--transfer", "replay"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "v41plan.validation.validate_runtime",
+            "--spec",
+            str(ROOT / "specs" / "tiny.yaml"),
+            "--output",
+            str(out),
+            "--transfer",
+            "replay",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RUNTIME_ACCEPTANCE_PASSED" in proc.stdout
     report = json.loads(out.read_text())
-    assert report["world_size"] == 2 and report["transfers"]["replay"]["cases"]["ranks_agree"]["passed"]
+    assert (
+        report["world_size"] == 2
+        and report["transfers"]["replay"]["cases"]["ranks_agree"]["passed"]
+    )
     _ = sys  # the subprocess uses the same interpreter's torchrun

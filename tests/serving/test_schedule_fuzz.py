@@ -23,7 +23,9 @@ def gold(p: list[int]) -> list[int]:
     return _GOLD[key]
 
 
-ACTIONS = st.sampled_from(["none", "none", "preempt", "cancel", "cancel_inflight", "drop_images", "reverse"])
+ACTIONS = st.sampled_from(
+    ["none", "none", "preempt", "cancel", "cancel_inflight", "drop_images", "reverse"]
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,14 +39,20 @@ ACTIONS = st.sampled_from(["none", "none", "preempt", "cancel", "cancel_inflight
     num_pages=st.sampled_from([None, 14]),
     actions=st.lists(st.tuples(ACTIONS, st.integers(0, 3)), max_size=40),
 )
-def test_fuzz_schedules_match_uninterrupted(specs, fork, cap, budget, encoder_replay, decoder_replay,
-                                            num_pages, actions):
+def test_fuzz_schedules_match_uninterrupted(
+    specs, fork, cap, budget, encoder_replay, decoder_replay, num_pages, actions
+):
     prompts = [prompt(n, salt) for n, salt in specs]
     if fork:
         prompts.append(list(prompts[0]))
-    llm = fake_llm(long_prefill_token_threshold=cap, max_num_batched_tokens=budget,
-                   encoder_swa_bounded_replay=encoder_replay, decoder_swa_bounded_replay=decoder_replay,
-                   num_pages=num_pages, max_num_seqs=4)
+    llm = fake_llm(
+        long_prefill_token_threshold=cap,
+        max_num_batched_tokens=budget,
+        encoder_swa_bounded_replay=encoder_replay,
+        decoder_swa_bounded_replay=decoder_replay,
+        num_pages=num_pages,
+        max_num_seqs=4,
+    )
     seqs = [llm.add_request(p, PARAMS) for p in prompts]
     cancelled = set()
     for step in range(600):

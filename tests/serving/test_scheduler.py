@@ -67,8 +67,9 @@ def test_replay_start_grid():
 @pytest.mark.parametrize("enc", TRANSFERS)
 def test_chunked_budget_and_cap(enc):
     prompts = [prompt(150), prompt(97, 1), prompt(40, 2)]
-    llm = fake_llm(long_prefill_token_threshold=16, max_num_batched_tokens=64,
-                   encoder_swa_bounded_replay=enc)
+    llm = fake_llm(
+        long_prefill_token_threshold=16, max_num_batched_tokens=64, encoder_swa_bounded_replay=enc
+    )
     seqs = run(llm, prompts)
     assert outputs(seqs) == gold(prompts)
     for ev in llm.scheduler.events:
@@ -88,7 +89,11 @@ def test_final_backoff_cap_counts_from_resume():
     llm = fake_llm(long_prefill_token_threshold=32)
     seqs = run(llm, [prompt(70)])
     pre = [ev for ev in llm.scheduler.events if ev["phase"] == "prefill"]
-    assert [(e["starts"][0], e["resumes"][0], e["ends"][0]) for e in pre] == [(0, 0, 32), (32, 32, 64), (32, 64, 70)]
+    assert [(e["starts"][0], e["resumes"][0], e["ends"][0]) for e in pre] == [
+        (0, 0, 32),
+        (32, 32, 64),
+        (32, 64, 70),
+    ]
     assert seqs[0].replay_rows == 32
     assert outputs(seqs) == gold([prompt(70)])
 
@@ -106,7 +111,9 @@ def test_wait_rule_when_budget_cannot_pass_resume():
     seq.prefill_end = 70
     sch = llm.scheduler
     assert sch._chunk(seq, 64, None, 100) == (32, 70)  # the finishing forward backs off
-    assert sch._chunk(seq, 64, None, 30) is None  # would end at 62 <= 64: recomputes cached rows only
+    assert (
+        sch._chunk(seq, 64, None, 30) is None
+    )  # would end at 62 <= 64: recomputes cached rows only
     assert sch._chunk(seq, 64, None, 33) == (32, 65)  # carries past the resume point
     # A rebuild in a fresh slot that the budget cannot carry past its resume point waits.
     assert sch._chunk(seq, 64, 32, 32) is None
@@ -241,8 +248,9 @@ def test_cancel_middle_chunk_and_deferred_step(enc):
             llm.abort(sb)  # running but deferred this step: no row at all
             state["b"] = batch.step
 
-    llm = fake_llm(long_prefill_token_threshold=32, max_num_batched_tokens=64,
-                   encoder_swa_bounded_replay=enc)
+    llm = fake_llm(
+        long_prefill_token_threshold=32, max_num_batched_tokens=64, encoder_swa_bounded_replay=enc
+    )
     seqs = run(llm, [a, b], hook=cancel)
     assert "a" in state
     assert seqs[0].finish_reason == "aborted" and seqs[0].output_ids == []
@@ -258,8 +266,9 @@ def test_cancel_first_deferred_step():
     sb = llm.add_request(b, GREEDY)
     llm.step()
     assert sa.num_cached_tokens == sb.num_cached_tokens == 32
-    llm.scheduler.config = dataclasses.replace(llm.scheduler.config, max_num_batched_tokens=64,
-                                               long_prefill_token_threshold=0)
+    llm.scheduler.config = dataclasses.replace(
+        llm.scheduler.config, max_num_batched_tokens=64, long_prefill_token_threshold=0
+    )
     batch = llm.scheduler.schedule()
     assert [r.seq_id for r in batch.requests] == [sa.seq_id]  # sb deferred
     llm.abort(sb)
@@ -297,8 +306,11 @@ def test_prefix_fork_two_identical_prompts():
     # Submitted together; the budget admits the second once the first has published blocks.
     p = prompt(200, 9)
     for enc in TRANSFERS:
-        llm = fake_llm(long_prefill_token_threshold=64, max_num_batched_tokens=64,
-                       encoder_swa_bounded_replay=enc)
+        llm = fake_llm(
+            long_prefill_token_threshold=64,
+            max_num_batched_tokens=64,
+            encoder_swa_bounded_replay=enc,
+        )
         seqs = run(llm, [p, p])
         assert seqs[0].output_ids == seqs[1].output_ids == gold([p])[0]
         assert seqs[1].hits == [192 if enc else 128]  # copy: the image at 192 is still COPYING
@@ -313,9 +325,15 @@ def test_stop_rules_and_seeded_sampling():
     assert s.output_ids == greedy[: greedy.index(stop) + 1] and s.finish_reason == "stop"
     sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
     alone = run(fake_llm(), [prompt(50)], sp)[0].output_ids
-    mixed = run(fake_llm(long_prefill_token_threshold=16), [prompt(30, 3), prompt(50)], sp)[1].output_ids
+    mixed = run(fake_llm(long_prefill_token_threshold=16), [prompt(30, 3), prompt(50)], sp)[
+        1
+    ].output_ids
     assert alone == mixed
-    other = run(fake_llm(), [prompt(50)], SamplingParams(temperature=0.8, seed=8, max_tokens=8, ignore_eos=True))
+    other = run(
+        fake_llm(),
+        [prompt(50)],
+        SamplingParams(temperature=0.8, seed=8, max_tokens=8, ignore_eos=True),
+    )
     assert other[0].output_ids != alone
 
 
@@ -340,7 +358,11 @@ def test_eos_stops_unless_ignored():
         return llm.generate([prompt(40)], params)[0].outputs[0]
 
     stopped = run_eos(SamplingParams(max_tokens=6))
-    assert stopped.token_ids[-1] == eos and len(stopped.token_ids) == 3 and stopped.finish_reason == "stop"
+    assert (
+        stopped.token_ids[-1] == eos
+        and len(stopped.token_ids) == 3
+        and stopped.finish_reason == "stop"
+    )
     ignored = run_eos(SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(ignored.token_ids) == 6 and ignored.finish_reason == "length"
 
@@ -349,7 +371,9 @@ def test_prompt_logprobs_independent_of_chunking():
     p = prompt(90, 4)
     sp = SamplingParams(max_tokens=1, prompt_logprobs=True)
     whole = fake_llm(decoder_swa_bounded_replay=False).generate([p], sp)[0]
-    chunked = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16).generate([p], sp)[0]
+    chunked = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16).generate(
+        [p], sp
+    )[0]
     assert len(whole.prompt_logprobs) == 89
     assert whole.prompt_logprobs == pytest.approx(chunked.prompt_logprobs)
     llm = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16)
@@ -361,7 +385,9 @@ def test_prompt_logprobs_independent_of_chunking():
     assert seq.prompt_logprobs == pytest.approx(whole.prompt_logprobs)
     # with decoder replay on, a scoring request opts out of it and scores every row
     replayed = fake_llm(long_prefill_token_threshold=16).generate([p], sp)[0]
-    assert replayed.error is None and replayed.prompt_logprobs == pytest.approx(whole.prompt_logprobs)
+    assert replayed.error is None and replayed.prompt_logprobs == pytest.approx(
+        whole.prompt_logprobs
+    )
 
 
 def test_bad_requests_fail_alone():
@@ -389,22 +415,25 @@ def _never_load(*a, **k):
     raise AssertionError("weights loaded for a refused configuration")
 
 
-@pytest.mark.parametrize("option,value,needle", [
-    ("pipeline_parallel_size", 2, "pipeline"),
-    ("data_parallel_size", 2, "data parallel"),
-    ("context_parallel_size", 2, "context parallel"),
-    ("enable_dp_attention", True, "DP attention"),
-    ("enable_tbo", "prefill", "TBO"),
-    ("enable_eplb", True, "EPLB"),
-    ("kv_transfer_config", {"kv_connector": "nixl"}, "lmcache_mp"),
-    ("kv_cache_dtype", "fp8", "bf16, fp4"),
-    ("index_cache_dtype", "bf16", "fp8, fp4"),
-    ("block_size", 31, "accepted: 32"),
-    ("cudagraph_mode", "FULL_AND_PIECEWISE", "NONE, FULL, PIECEWISE"),
-    ("tensor_parallel_size", 2, "world size"),
-    ("max_num_batched_tokens", 40, ">= 2 * page_tokens"),
-    ("frobnicate", 1, "unknown option"),
-])
+@pytest.mark.parametrize(
+    "option,value,needle",
+    [
+        ("pipeline_parallel_size", 2, "pipeline"),
+        ("data_parallel_size", 2, "data parallel"),
+        ("context_parallel_size", 2, "context parallel"),
+        ("enable_dp_attention", True, "DP attention"),
+        ("enable_tbo", "prefill", "TBO"),
+        ("enable_eplb", True, "EPLB"),
+        ("kv_transfer_config", {"kv_connector": "nixl"}, "lmcache_mp"),
+        ("kv_cache_dtype", "fp8", "bf16, fp4"),
+        ("index_cache_dtype", "bf16", "fp8, fp4"),
+        ("block_size", 31, "accepted: 32"),
+        ("cudagraph_mode", "FULL_AND_PIECEWISE", "NONE, FULL, PIECEWISE"),
+        ("tensor_parallel_size", 2, "world size"),
+        ("max_num_batched_tokens", 40, ">= 2 * page_tokens"),
+        ("frobnicate", 1, "unknown option"),
+    ],
+)
 def test_refused_before_load(option, value, needle):
     with pytest.raises(ConfigError) as exc:
         LLM(TINY, runner_factory=_never_load, world_size=1, **{option: value})
@@ -414,8 +443,13 @@ def test_refused_before_load(option, value, needle):
 
 def test_packed_speculative_cache_refused():
     with pytest.raises(ConfigError, match="packed"):
-        LLM(TINY, runner_factory=_never_load, world_size=1, kv_cache_dtype="fp4",
-            speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+        LLM(
+            TINY,
+            runner_factory=_never_load,
+            world_size=1,
+            kv_cache_dtype="fp4",
+            speculative_config={"method": "dspark", "num_speculative_tokens": 5},
+        )
 
 
 def test_tensor_parallel_admission():
@@ -427,7 +461,13 @@ def test_tensor_parallel_admission():
     with pytest.raises(ConfigError, match="world size \\(2\\), or 1"):
         LLM(TINY, runner_factory=_never_load, world_size=2, tensor_parallel_size=3)
     for ep in (True, False):
-        LLM(TINY, runner_factory=fake_factory, world_size=2, tensor_parallel_size=2, enable_expert_parallel=ep)
+        LLM(
+            TINY,
+            runner_factory=fake_factory,
+            world_size=2,
+            tensor_parallel_size=2,
+            enable_expert_parallel=ep,
+        )
 
 
 def test_odd_page_and_short_page_refused():
@@ -435,8 +475,9 @@ def test_odd_page_and_short_page_refused():
     with pytest.raises(ConfigError, match="must be even"):
         LLM(odd, runner_factory=_never_load, world_size=1)
     dims = dataclasses.replace(TINY.dims, sliding_window=64)
-    wide = dataclasses.replace(TINY, dims=dims,
-                               replay=dataclasses.replace(TINY.replay, min_final_prefill_rows=64))
+    wide = dataclasses.replace(
+        TINY, dims=dims, replay=dataclasses.replace(TINY.replay, min_final_prefill_rows=64)
+    )
     with pytest.raises(ConfigError, match="encoder_swa_bounded_replay.*window - 1 = 63"):
         LLM(wide, runner_factory=_never_load, world_size=1)
     LLM(wide, runner_factory=fake_factory, world_size=1, encoder_swa_bounded_replay=False)
@@ -445,14 +486,23 @@ def test_odd_page_and_short_page_refused():
 def test_decoder_replay_switched_on_needs_the_final_rows_rule():
     # A spec compiled with decoder replay off may keep min_final_prefill_rows below W; switching
     # the replay on at launch would let a final forward hold fewer than W rows: refused.
-    short = dataclasses.replace(TINY, replay=dataclasses.replace(
-        TINY.replay, decoder_swa_bounded_replay=False, min_final_prefill_rows=1))
-    with pytest.raises(ConfigError, match="decoder_swa_bounded_replay.*min_final_prefill_rows >= window = 8"):
+    short = dataclasses.replace(
+        TINY,
+        replay=dataclasses.replace(
+            TINY.replay, decoder_swa_bounded_replay=False, min_final_prefill_rows=1
+        ),
+    )
+    with pytest.raises(
+        ConfigError, match="decoder_swa_bounded_replay.*min_final_prefill_rows >= window = 8"
+    ):
         LLM(short, runner_factory=_never_load, world_size=1, decoder_swa_bounded_replay=True)
     LLM(short, runner_factory=fake_factory, world_size=1)
     # an Engram layer in the decoder reads every row: decoder replay cannot be switched on
-    late = dataclasses.replace(short, dims=dataclasses.replace(short.dims, engram_layer_ids=(1, 9)),
-                               replay=dataclasses.replace(short.replay, min_final_prefill_rows=8))
+    late = dataclasses.replace(
+        short,
+        dims=dataclasses.replace(short.dims, engram_layer_ids=(1, 9)),
+        replay=dataclasses.replace(short.replay, min_final_prefill_rows=8),
+    )
     with pytest.raises(ConfigError, match=r"Engram layers \[9\] read every row"):
         LLM(late, runner_factory=_never_load, world_size=1, decoder_swa_bounded_replay=True)
 

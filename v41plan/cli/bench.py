@@ -16,11 +16,20 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # NAME -> (script, one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "plan_step": ("bench_plan_step.py", "plan_step medians: 256-request decode, 16 x 512 ragged prefill (CPU)"),
-    "decode": ("bench_decode.py", "decode step eager vs FULL graph at batch 1/8/64 on MEDIUM (CUDA)"),
+    "plan_step": (
+        "bench_plan_step.py",
+        "plan_step medians: 256-request decode, 16 x 512 ragged prefill (CPU)",
+    ),
+    "decode": (
+        "bench_decode.py",
+        "decode step eager vs FULL graph at batch 1/8/64 on MEDIUM (CUDA)",
+    ),
     "prefill": ("bench_prefill.py", "8K-token prefill, decoder replay on vs off, on MEDIUM (CUDA)"),
     "ceilings": ("ceilings.py", "device copy bandwidth and bf16 matmul rate (CUDA)"),
-    "replay_deviation": ("replay_deviation.py", "decoder-replay logit deviation against a full prefill (CPU)"),
+    "replay_deviation": (
+        "replay_deviation.py",
+        "decoder-replay logit deviation against a full prefill (CPU)",
+    ),
 }
 
 
@@ -37,8 +46,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark script as ``__main__`` with its own arguments."""
     script = BENCH_DIR / BENCHMARKS[args.name][0]
     if not script.exists():
-        print(f"v41plan bench: {script} not found: benchmarks ship with a source checkout "
-              f"(run from a clone of the repository)", file=sys.stderr)
+        print(
+            f"v41plan bench: {script} not found: benchmarks ship with a source checkout "
+            f"(run from a clone of the repository)",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [str(script), *args.args]
     sys.path.insert(0, str(BENCH_DIR))  # benchmarks import their neighbours (ceilings.py, ...)

@@ -11,11 +11,18 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``v41plan run``."""
     parser.add_argument("--spec", default="tiny", help="compiled spec name or path (default: tiny)")
-    parser.add_argument("--checkpoint", default=None,
-                        help="checkpoint directory (default: the spec's seeded random checkpoint, in memory)")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint directory (default: the spec's seeded random checkpoint, in memory)",
+    )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    parser.add_argument("--prompt-token-ids", action="append", default=[],
-                        help="a prompt as comma-separated token ids (repeatable)")
+    parser.add_argument(
+        "--prompt-token-ids",
+        action="append",
+        default=[],
+        help="a prompt as comma-separated token ids (repeatable)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -29,18 +36,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--encoder-swa-bounded-replay", action=argparse.BooleanOptionalAction, default=None,
-                        help="replay state transfer (default on); --no-... keeps checkpoint images")
-    parser.add_argument("--decoder-swa-bounded-replay", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=None,
-                        help="default: the world size when the model splits over it, else 1 (replicas)")
+    parser.add_argument(
+        "--encoder-swa-bounded-replay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay state transfer (default on); --no-... keeps checkpoint images",
+    )
+    parser.add_argument(
+        "--decoder-swa-bounded-replay", action=argparse.BooleanOptionalAction, default=None
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="default: the world size when the model splits over it, else 1 (replicas)",
+    )
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
     parser.add_argument("--cudagraph-mode", default="NONE")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar (default: on rank 0 for several prompts or --max-tokens >= 64)")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: on rank 0 for several prompts or --max-tokens >= 64)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per request")
 
 
@@ -87,11 +108,18 @@ def run(args: argparse.Namespace) -> int:
             from v41plan.serving.engine import resolve_spec
 
             options["tensor_parallel_size"] = default_tensor_parallel_size(
-                resolve_spec(args.spec), info.world_size, args.enable_expert_parallel)
+                resolve_spec(args.spec), info.world_size, args.enable_expert_parallel
+            )
         llm = LLM(args.spec, args.checkpoint, world_size=info.world_size, **options)
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                                stop_token_ids=stop_ids)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+            stop_token_ids=stop_ids,
+        )
         long_work = len(prompts) > 1 or args.max_tokens >= 64
         progress = args.progress if args.progress is not None else long_work
         outs = llm.generate(prompts, params, use_tqdm=progress and info.is_main)
@@ -104,8 +132,18 @@ def run(args: argparse.Namespace) -> int:
         for o in outs:
             c = o.outputs[0]
             if args.json:
-                print(json.dumps({"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "text": c.text,
-                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason, "error": o.error}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": o.prompt,
+                            "prompt_token_ids": o.prompt_token_ids,
+                            "text": c.text,
+                            "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason,
+                            "error": o.error,
+                        }
+                    )
+                )
             elif o.error:
                 print(f"[request {o.request_id}] error: {o.error}")
             else:

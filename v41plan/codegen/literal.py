@@ -35,7 +35,10 @@ def py_literal(value: Any, indent: str = "", prefix: str = "", suffix: str = "")
             # otherwise the single element goes on its own line
             inner = py_literal(value[0], indent, prefix + "(", ",)" + suffix)
             flat = f"({inner},)"
-            if "\n" not in inner and len(indent) + len(prefix) + len(flat) + len(suffix) <= LINE_LENGTH:
+            if (
+                "\n" not in inner
+                and len(indent) + len(prefix) + len(flat) + len(suffix) <= LINE_LENGTH
+            ):
                 return flat
             return _exploded(open_, close, [("", value[0])], indent)
         if not value:

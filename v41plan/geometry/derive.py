@@ -66,7 +66,9 @@ def resolve_layers(dims: ModelDims) -> tuple[LayerInfo, ...]:
         # Selections come from the candidates when scored inside them or inherited from a layer that was.
         sel = i if role == "reindex" else topk_owner
         uses_candidates = cand >= 0 and sel > cand
-        out.append(LayerInfo(i, segment, role, r, kv_owner, topk_owner, uses_candidates, i in engram))
+        out.append(
+            LayerInfo(i, segment, role, r, kv_owner, topk_owner, uses_candidates, i in engram)
+        )
     return tuple(out)
 
 
@@ -154,9 +156,12 @@ def derive_geometry(
     n_tail_owners = sum(1 for o in owners if dims.compress_ratios[o] == 2)
     history = dims.engram_max_ngram_size - 1
     specs = [
-        ("swa_rings", "bfloat16" if kv_cache_dtype == "bf16" else "uint8",
-         (dims.num_hidden_layers, ring_rows, hd if kv_cache_dtype == "bf16" else rrow),
-         dims.num_hidden_layers * ring_rows * rrow),
+        (
+            "swa_rings",
+            "bfloat16" if kv_cache_dtype == "bf16" else "uint8",
+            (dims.num_hidden_layers, ring_rows, hd if kv_cache_dtype == "bf16" else rrow),
+            dims.num_hidden_layers * ring_rows * rrow,
+        ),
         ("tail_values", "float32", (n_tail_owners, hd), n_tail_owners * hd * 4),
         ("tail_scores", "float32", (n_tail_owners, hd), n_tail_owners * hd * 4),
         ("cursor", "int64", (1 + history,), (1 + history) * 8),
@@ -172,9 +177,7 @@ def derive_geometry(
         if carried:
             image_bytes += fb
     state_bytes = align_up(off, alignment)
-    per_token = sum(
-        (mrow + irow) / dims.compress_ratios[o] for o in owners
-    )
+    per_token = sum((mrow + irow) / dims.compress_ratios[o] for o in owners)
     return PoolGeometry(
         kv_cache_dtype=kv_cache_dtype,
         index_cache_dtype=index_cache_dtype,

@@ -187,7 +187,9 @@ class CacheSpec:
     model_config: dict = field(hash=False, compare=False)
     """HF ``config.json`` fields (published V4.1 names) for this spec's model."""
 
-    def geometry(self, kv_cache_dtype: str = "bf16", index_cache_dtype: str = "fp8") -> PoolGeometry:
+    def geometry(
+        self, kv_cache_dtype: str = "bf16", index_cache_dtype: str = "fp8"
+    ) -> PoolGeometry:
         """Return the pool geometry of a format pair, refusing unknown formats."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

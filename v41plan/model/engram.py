@@ -291,8 +291,12 @@ class EngramTable:
             idx = torch.from_numpy(flat)
             codes, scales = self._codes[idx], self._scales[idx]
         else:  # memory-mapped bytes: one gather touches only the requested rows
-            codes = torch.from_numpy(np.ascontiguousarray(self._codes[flat])).view(torch.float8_e4m3fn)
-            scales = torch.from_numpy(np.ascontiguousarray(self._scales[flat])).view(torch.float8_e8m0fnu)
+            codes = torch.from_numpy(np.ascontiguousarray(self._codes[flat])).view(
+                torch.float8_e4m3fn
+            )
+            scales = torch.from_numpy(np.ascontiguousarray(self._scales[flat])).view(
+                torch.float8_e8m0fnu
+            )
         return codes.reshape(*shape, self.width), scales.reshape(*shape, self.width // 32)
 
 

@@ -280,7 +280,12 @@ class Attention:
     """
 
     def __init__(
-        self, cfg: Any, info: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+        self,
+        cfg: Any,
+        info: Any,
+        w: dict[str, torch.Tensor],
+        prefix: str,
+        dtype: torch.dtype,
         tp: Any = ONE_RANK,
     ):
         a = acc_dtype(dtype)
@@ -443,8 +448,14 @@ class MoE:
     expert runs on every token: no data-dependent shapes and no host sync (fine at these sizes).
     """
 
-    def __init__(self, cfg: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
-                 tp: Any = ONE_RANK):
+    def __init__(
+        self,
+        cfg: Any,
+        w: dict[str, torch.Tensor],
+        prefix: str,
+        dtype: torch.dtype,
+        tp: Any = ONE_RANK,
+    ):
         a = acc_dtype(dtype)
         p = prefix + ".ffn."
         self.cfg, self.dtype, self.tp = cfg, dtype, tp

@@ -38,8 +38,14 @@ class TPConfigError(ConfigError):
 def _dims(cfg: Any) -> dict[str, int]:
     """The split dimensions of a ``ModelConfig`` or a spec's ``model_config`` dict."""
     get = cfg.get if isinstance(cfg, dict) else lambda k, default=None: getattr(cfg, k, default)
-    names = ("num_attention_heads", "index_n_heads", "o_groups", "o_lora_rank",
-             "moe_intermediate_size", "n_routed_experts")
+    names = (
+        "num_attention_heads",
+        "index_n_heads",
+        "o_groups",
+        "o_lora_rank",
+        "moe_intermediate_size",
+        "n_routed_experts",
+    )
     return {k: int(get(k, 0) or 0) for k in names}
 
 
@@ -57,10 +63,14 @@ def _refusal(cfg: Any, tp_size: int, expert_parallel: bool) -> str | None:
             return f"{name}={d[name]} must be divisible by it{why}"
     wo_b_in = d["o_groups"] // tp_size * d["o_lora_rank"]
     w2_in = d["moe_intermediate_size"] // tp_size
-    for what, lanes in ((f"o_groups/{tp_size} * o_lora_rank (each rank's wo_b input)", wo_b_in),
-                        (f"moe_intermediate_size/{tp_size} (each rank's shared and routed w2 input)", w2_in)):
+    for what, lanes in (
+        (f"o_groups/{tp_size} * o_lora_rank (each rank's wo_b input)", wo_b_in),
+        (f"moe_intermediate_size/{tp_size} (each rank's shared and routed w2 input)", w2_in),
+    ):
         if lanes % ACT_BLOCK:
-            return f"{what} = {lanes} is not a multiple of the {ACT_BLOCK}-lane FP8 activation block"
+            return (
+                f"{what} = {lanes} is not a multiple of the {ACT_BLOCK}-lane FP8 activation block"
+            )
     return None
 
 
@@ -80,7 +90,9 @@ def check_tp(cfg: Any, tp_size: int, expert_parallel: bool) -> None:
     why = _refusal(cfg, tp_size, expert_parallel)
     if why is not None:
         ok = ", ".join(map(str, accepted_sizes(cfg, expert_parallel)))
-        raise TPConfigError(f"tensor_parallel_size={tp_size!r} is refused: {why}; accepted with this model: {ok}")
+        raise TPConfigError(
+            f"tensor_parallel_size={tp_size!r} is refused: {why}; accepted with this model: {ok}"
+        )
 
 
 def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
@@ -89,8 +101,9 @@ def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, rank * n, n).contiguous()
 
 
-def shard_weights(weights: dict[str, torch.Tensor], cfg: Any, tp: Any,
-                  expert_parallel: bool) -> dict[str, torch.Tensor]:
+def shard_weights(
+    weights: dict[str, torch.Tensor], cfg: Any, tp: Any, expert_parallel: bool
+) -> dict[str, torch.Tensor]:
     """This rank's weights: processed weights (``LoadedCheckpoint.process``) sliced per rank.
 
     Sharded names (per layer): ``attn.wq_b.weight`` and ``attn.attn_sink`` by heads,
@@ -110,9 +123,15 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: Any, tp: Any,
             out[name] = t
             continue
         site = name.split(".", 2)[2]  # after "layers.<i>."
-        if site in ("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight",
-                    "attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight",
-                    "ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"):
+        if site in (
+            "attn.wq_b.weight",
+            "attn.attn_sink",
+            "attn.wo_a.weight",
+            "attn.indexer.wq_b.weight",
+            "attn.indexer.weights_proj.weight",
+            "ffn.shared_experts.w1.weight",
+            "ffn.shared_experts.w3.weight",
+        ):
             out[name] = _rows(t, r, n, 0)
         elif site in ("attn.wo_b.weight", "ffn.shared_experts.w2.weight"):
             out[name] = _rows(t, r, n, 1)
@@ -124,5 +143,3 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: Any, tp: Any,
         else:
             out[name] = t
     return out
-
-

@@ -392,8 +392,10 @@ def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
             ),
             (
                 prefill & fresh & (st % B != 0),
-                ("a fresh-slot rebuild resumes at {st}, off the hash-block grid ({B} tokens): "
-                 "a rebuild starts from a prefix hit"),
+                (
+                    "a fresh-slot rebuild resumes at {st}, off the hash-block grid ({B} tokens): "
+                    "a rebuild starts from a prefix hit"
+                ),
             ),
             (short, "block table holds {pages} pages ({P} tokens each), short of position {end}"),
         )

@@ -72,9 +72,17 @@ def tp_group(size: int, device: str | None = None) -> TPGroup:
     return TPGroup(info.rank, size, None)
 
 
-def tp_score_topk(kb: Any, tp: TPGroup, planes: tuple[torch.Tensor, ...], q: torch.Tensor,
-                  weights: torch.Tensor, bound: torch.Tensor, pages: torch.Tensor, topk: int,
-                  candidates: torch.Tensor | None) -> torch.Tensor:
+def tp_score_topk(
+    kb: Any,
+    tp: TPGroup,
+    planes: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    bound: torch.Tensor,
+    pages: torch.Tensor,
+    topk: int,
+    candidates: torch.Tensor | None,
+) -> torch.Tensor:
     """``kb.score_topk`` over this rank's index heads: at size > 1 the backend's partial scores
     (``kb.scores``, masked alike on every rank) are all-reduced before the mask and the top-k,
     so every rank selects the same rows."""
@@ -86,11 +94,22 @@ def tp_score_topk(kb: Any, tp: TPGroup, planes: tuple[torch.Tensor, ...], q: tor
     return kb.topk_ids(score, topk)
 
 
-def tp_score_candidates_topk(kb: Any, tp: TPGroup, planes: tuple[torch.Tensor, ...], q: torch.Tensor,
-                             weights: torch.Tensor, bound: torch.Tensor, pages: torch.Tensor,
-                             topk: int, block_rows: int, topk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tp_score_candidates_topk(
+    kb: Any,
+    tp: TPGroup,
+    planes: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    bound: torch.Tensor,
+    pages: torch.Tensor,
+    topk: int,
+    block_rows: int,
+    topk_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``kb.score_candidates_topk`` over this rank's index heads (reduced scores, as ``tp_score_topk``)."""
     if tp.size == 1:
-        return kb.score_candidates_topk(planes, q, weights, bound, pages, topk, block_rows, topk_blocks)
+        return kb.score_candidates_topk(
+            planes, q, weights, bound, pages, topk, block_rows, topk_blocks
+        )
     score = tp.all_reduce(kb.scores(planes, q, weights, bound, pages))
     return kb.topk_ids(score, topk), kb.candidate_blocks(score, bound, block_rows, topk_blocks)

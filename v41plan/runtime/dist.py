@@ -26,8 +26,11 @@ class WorldInfo:
 
 def world_info() -> WorldInfo:
     """Read ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (a plain launch is rank 0 of 1)."""
-    return WorldInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                     int(os.environ.get("LOCAL_RANK", "0")))
+    return WorldInfo(
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 def init_distributed(device: str | None = None) -> WorldInfo:

@@ -45,6 +45,7 @@ from v41plan.runtime.collectives import tp_score_candidates_topk, tp_score_topk
 
 log = logging.getLogger(__name__)
 
+
 class CaptureGuardError(RuntimeError):
     """A capture saw what a replay would not repeat (a host sync, a first compile), or changed
     bytes it must leave alone."""
@@ -56,11 +57,19 @@ def capture_buckets(spec, max_num_seqs: int, max_num_batched_tokens: int) -> lis
     """The ``(bs, q)`` buckets captured for ``spec``: its capture lists, keeping ``bs <=
     max_num_seqs`` and ``bs * q <= max_num_batched_tokens`` (the static buffers' width)."""
     cap = spec.capture
-    out = sorted({(bs, q) for bs in cap.batch_sizes for q in cap.query_buckets
-                  if bs <= max_num_seqs and bs * q <= max_num_batched_tokens})
+    out = sorted(
+        {
+            (bs, q)
+            for bs in cap.batch_sizes
+            for q in cap.query_buckets
+            if bs <= max_num_seqs and bs * q <= max_num_batched_tokens
+        }
+    )
     dropped = [bs for bs in cap.batch_sizes if bs > max_num_seqs]
     if dropped:
-        log.warning("capture sizes %s exceed max_num_seqs=%d and are not captured", dropped, max_num_seqs)
+        log.warning(
+            "capture sizes %s exceed max_num_seqs=%d and are not captured", dropped, max_num_seqs
+        )
     return out
 
 
@@ -132,23 +141,38 @@ def capture_guard(what: str, pool=None, record: list | None = None, refuse_outsi
     try:
         yield
     except RuntimeError as exc:
-        raise CaptureGuardError(f"capture of {what} failed (a host sync or a non-capturable op "
-                                f"inside the decode forward): {exc}") from exc
+        raise CaptureGuardError(
+            f"capture of {what} failed (a host sync or a non-capturable op "
+            f"inside the decode forward): {exc}"
+        ) from exc
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if _triton_cache_size() != compiled:
-        raise CaptureGuardError(f"capture of {what} compiled a kernel for the first time (warm-up missed it)")
+        raise CaptureGuardError(
+            f"capture of {what} compiled a kernel for the first time (warm-up missed it)"
+        )
     if record is not None or pool is not None:
         record = record if record is not None else []
         new = [seg for seg in _segments() if seg["address"] not in before]
         ids = [tuple(seg["segment_pool_id"]) if "segment_pool_id" in seg else None for seg in new]
-        outside = [(i, seg["total_size"]) for i, seg in zip(ids, new, strict=True)
-                   if pool is not None and i is not None and i != tuple(pool)]
-        record.append({"what": what, "new_segments": len(new), "pool_ids_reported": all(i is not None for i in ids),
-                       "outside_pool": outside})
+        outside = [
+            (i, seg["total_size"])
+            for i, seg in zip(ids, new, strict=True)
+            if pool is not None and i is not None and i != tuple(pool)
+        ]
+        record.append(
+            {
+                "what": what,
+                "new_segments": len(new),
+                "pool_ids_reported": all(i is not None for i in ids),
+                "outside_pool": outside,
+            }
+        )
         if outside and refuse_outside:
-            raise CaptureGuardError(f"capture of {what} allocated outside the graph pool {tuple(pool)}: "
-                                    f"{outside} (pool id, bytes)")
+            raise CaptureGuardError(
+                f"capture of {what} allocated outside the graph pool {tuple(pool)}: "
+                f"{outside} (pool id, bytes)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,15 +245,19 @@ class DecodeForward:
         """Copy a decode plan, its token ids, Engram rows and cursor values into the buffers."""
         m = self.model
         if m.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise CaptureGuardError("decode inputs are prepared on the host, never while a stream is capturing")
+            raise CaptureGuardError(
+                "decode inputs are prepared on the host, never while a stream is capturing"
+            )
         if plan.graph_key[0] != "decode":
             raise ValueError(f"the decode forward runs decode steps only, not {plan.graph_key[0]}")
         t, b = plan.running_tokens, plan.running_bs
         ids = np.zeros(t, dtype=np.int64)
         raw = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if raw.shape[0] < plan.scheduled_tokens or raw.shape[0] > t:
-            raise ValueError(f"decode forward given {raw.shape[0]} rows for a step of "
-                             f"{plan.scheduled_tokens} scheduled / {t} declared rows")
+            raise ValueError(
+                f"decode forward given {raw.shape[0]} rows for a step of "
+                f"{plan.scheduled_tokens} scheduled / {t} declared rows"
+            )
         ids[: raw.shape[0]] = raw
         m.buf.load(plan)
         rows, cursors = m._engram_rows(plan, ids)  # host Engram preparation (reads the cursors)
@@ -267,10 +295,14 @@ class DecodeForward:
         X = w.X
         if info.engram and self.buf.engram_codes:
             li = cfg.engram_layer_ids.index(L)
-            emb = dequant_fp8_blocks(self.buf.engram_codes[li][: w.t], self.buf.engram_scales[li][: w.t], m.dtype)
+            emb = dequant_fp8_blocks(
+                self.buf.engram_codes[li][: w.t], self.buf.engram_scales[li][: w.t], m.dtype
+            )
             X.copy_(m.engram_layers[L](X, emb))
         att = m.attn[L]
-        a_pre, a_post, a_C = hc_predict(X, m.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        a_pre, a_post, a_C = hc_predict(
+            X, m.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+        )
         xin = rms_norm(hc_collapse(X, w.pre), m.attn_norm[L], eps)
         cos, sin = att.rope.cos_sin(w.pos, m.dtype)
         kv = att.window_kv(xin, cos, sin)
@@ -289,13 +321,16 @@ class DecodeForward:
         W = cfg.sliding_window
         # ring write first (decode reads its own row from the ring)
         lo = buf.forward_end[b_] - W
-        ring_from = torch.where(bid >= 0, torch.maximum(lo, buf.cached_until[b_]), torch.iinfo(torch.long).max)
+        ring_from = torch.where(
+            bid >= 0, torch.maximum(lo, buf.cached_until[b_]), torch.iinfo(torch.long).max
+        )
         ring = pools.ring(L)
         kb.ring_write(ring, kv, w.slot_tok, pos, ring_from, pools.sink_slot)
         if info.role == "full":
             self._compress(L, att, w, xin)
-        keys, valid = kb.gather_window(ring, kv, self.buf.rows[:t], w.slot_tok, pos, torch.zeros_like(pos),
-                                       pos + 1, W)
+        keys, valid = kb.gather_window(
+            ring, kv, self.buf.rows[:t], w.slot_tok, pos, torch.zeros_like(pos), pos + 1, W
+        )
         parts, masks = [keys], [valid]
         if info.ratio > 0:
             owner = info.kv_owner
@@ -305,17 +340,30 @@ class DecodeForward:
                 bound = (pos + 1) // info.ratio
                 planes = m._index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
-                    ids, cand = tp_score_candidates_topk(kb, m.tp, planes, qi, wts, bound, pages, cfg.index_topk,
-                                                         cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                    ids, cand = tp_score_candidates_topk(
+                        kb,
+                        m.tp,
+                        planes,
+                        qi,
+                        wts,
+                        bound,
+                        pages,
+                        cfg.index_topk,
+                        cfg.candidate_block_size,
+                        cfg.candidate_topk_blocks,
+                    )
                 else:
                     use = cand if (info.role == "reindex" and info.uses_candidates) else None
-                    ids = tp_score_topk(kb, m.tp, planes, qi, wts, bound, pages, cfg.index_topk, use)
+                    ids = tp_score_topk(
+                        kb, m.tp, planes, qi, wts, bound, pages, cfg.index_topk, use
+                    )
                 selections[L] = ids
             else:
                 ids = selections[info.topk_owner]
             ids = torch.where((bid >= 0).unsqueeze(1), ids, -1)
-            rows, ok = kb.gather_selected(pools.main[owner], ids, pages, pools.rows_per_page[owner], cfg.head_dim,
-                                          m.dtype)
+            rows, ok = kb.gather_selected(
+                pools.main[owner], ids, pages, pools.rows_per_page[owner], cfg.head_dim, m.dtype
+            )
             parts.append(rows)
             masks.append(ok)
         kvs = torch.cat(parts, 1)
@@ -337,8 +385,17 @@ class DecodeForward:
             first = real & (pos == buf.forward_start[w.b_])
             last = real & (self.buf.rows[: w.t] == buf.last_rows[w.b_])
             ti = pools.tail_index[L]
-            pv, ps = kb.compress_groups(v, g, pos, w.slot_tok, first, last, pools.tail_values[:, ti],
-                                        pools.tail_scores[:, ti], pools.sink_slot)
+            pv, ps = kb.compress_groups(
+                v,
+                g,
+                pos,
+                w.slot_tok,
+                first,
+                last,
+                pools.tail_values[:, ti],
+                pools.tail_scores[:, ti],
+                pools.sink_slot,
+            )
             latent = att.pool(pv[:, 0], ps[:, 0], pv[:, 1], ps[:, 1])
             closes = real & ((pos + 1) % 2 == 0)
         else:
@@ -352,7 +409,9 @@ class DecodeForward:
         addr = pools.row_address(L, buf.block_tables, g_b, g_c)
         keep = g_b >= 0
         kb.main_scatter(pools.main[L], comp, addr.page, addr.row, keep, pools.sink_page)
-        kb.index_key_store(m._index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page)
+        kb.index_key_store(
+            m._index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page
+        )
 
     def post_attention(self, L: int, w: _Width, pieces) -> None:
         """Dense piece after attention: output projection, mHC expand, FFN (MoE); updates ``X``/``pre``."""
@@ -361,7 +420,9 @@ class DecodeForward:
         a_pre, a_post, a_C, _, cos, sin, _, _, _ = pieces
         y = m.attn[L].output(w.o, cos, sin)
         X = hc_expand(y, w.X, a_post, a_C)
-        f_pre, f_post, f_C = hc_predict(X, m.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        f_pre, f_post, f_C = hc_predict(
+            X, m.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
+        )
         xf = rms_norm(hc_collapse(X, a_pre), m.ffn_norm[L], eps)
         yf, _ = m.moe[L](xf)
         w.X.copy_(hc_expand(yf, X, f_post, f_C))
@@ -374,7 +435,9 @@ class DecodeForward:
         lr = last.clamp(min=0)
         x = rms_norm(hc_collapse(w.X[lr], w.pre[lr]), m.norm, m.cfg.rms_norm_eps)
         logits = F.linear(x.to(m.acc), m.head) * (last >= 0).unsqueeze(1)
-        m.backend.cursor_write(m.pools.cursor, m.buf.slots[: w.b], self.buf.cursors[: w.b], m.pools.sink_slot)
+        m.backend.cursor_write(
+            m.pools.cursor, m.buf.slots[: w.b], self.buf.cursors[: w.b], m.pools.sink_slot
+        )
         return logits
 
     @torch.no_grad()
@@ -404,9 +467,15 @@ def synthetic_plan(model, spec, bs: int, q: int):
 
     W = spec.dims.sliding_window
     width = model.buf.block_tables.shape[1]
-    reqs = tuple(RequestInput(slot=i, block_table=(0,) * width, prompt_len=W, start=W, chunk_len=q,
-                              phase="decode") for i in range(bs))
-    return plan_step(StepInput(reqs, running_bs=bs, running_tokens=bs * q, block_table_width=width), spec)
+    reqs = tuple(
+        RequestInput(
+            slot=i, block_table=(0,) * width, prompt_len=W, start=W, chunk_len=q, phase="decode"
+        )
+        for i in range(bs)
+    )
+    return plan_step(
+        StepInput(reqs, running_bs=bs, running_tokens=bs * q, block_table_width=width), spec
+    )
 
 
 class GraphRunner:
@@ -414,7 +483,9 @@ class GraphRunner:
 
     def __init__(self, model, spec, buckets, mode: str = "FULL"):
         if mode not in ("FULL", "PIECEWISE"):
-            raise ValueError(f"cudagraph_mode={mode!r} has no graphs to capture; accepted: FULL, PIECEWISE")
+            raise ValueError(
+                f"cudagraph_mode={mode!r} has no graphs to capture; accepted: FULL, PIECEWISE"
+            )
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model, self.spec, self.mode = model, spec, mode
@@ -449,7 +520,9 @@ class GraphRunner:
         find_triton_kernels()
         self.pool = torch.cuda.graph_pool_handle()
         self._prime()
-        for bs, q in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
+        for bs, q in sorted(
+            self.buckets, reverse=True
+        ):  # largest first: smaller ones reuse its pool
             plan = synthetic_plan(m, spec, bs, q)
             self.decode.load(plan, np.zeros(bs * q, dtype=np.int64))
             if self.mode == "FULL":
@@ -462,7 +535,7 @@ class GraphRunner:
         untouched_pages = self._pages_equal(before, after, first_page)
         s0, _ = pools.state_region
         sb = pools.geometry.state_bytes
-        untouched_slots = bool(torch.equal(before[s0 + max_bs * sb:], after[s0 + max_bs * sb:]))
+        untouched_slots = bool(torch.equal(before[s0 + max_bs * sb :], after[s0 + max_bs * sb :]))
         pools.backing.copy_(before)
         del before
         self.report = {
@@ -473,7 +546,9 @@ class GraphRunner:
             "pages_untouched": untouched_pages,
             "slots_untouched_from": max_bs,
             "slots_untouched": untouched_slots,
-            "primer_segments_outside_graph_pool": [o for a in self.primer_allocations for o in a["outside_pool"]],
+            "primer_segments_outside_graph_pool": [
+                o for a in self.primer_allocations for o in a["outside_pool"]
+            ],
             "new_segments_in_capture": sum(a["new_segments"] for a in self.allocations),
             "segments_outside_graph_pool": [o for a in self.allocations for o in a["outside_pool"]],
             "pool_ids_reported": all(a["pool_ids_reported"] for a in self.allocations),
@@ -487,8 +562,10 @@ class GraphRunner:
         pools = self.model.pools
         g = pools.geometry
         lo, n = pools.page_region
-        if not torch.equal(before[lo + first_page * g.page_bytes: lo + n],
-                           after[lo + first_page * g.page_bytes: lo + n]):
+        if not torch.equal(
+            before[lo + first_page * g.page_bytes : lo + n],
+            after[lo + first_page * g.page_bytes : lo + n],
+        ):
             return False
         for pl in g.planes:
             if pl.kind == "main":
@@ -514,9 +591,13 @@ class GraphRunner:
         w = None if self.mode == "FULL" else d.width(bs * q, bs)
         L = self.model.cfg.layers[0].index
         self._primer = torch.cuda.CUDAGraph()
-        with torch.no_grad(), \
-                capture_guard(f"primer[bs={bs}, q={q}]", self.pool, self.primer_allocations, refuse_outside=False), \
-                torch.cuda.graph(self._primer, pool=self.pool):
+        with (
+            torch.no_grad(),
+            capture_guard(
+                f"primer[bs={bs}, q={q}]", self.pool, self.primer_allocations, refuse_outside=False
+            ),
+            torch.cuda.graph(self._primer, pool=self.pool),
+        ):
             if w is None:
                 d.run(bs * q, bs)
             else:
@@ -525,8 +606,10 @@ class GraphRunner:
     def _capture_full(self, bs: int, q: int) -> None:
         g = torch.cuda.CUDAGraph()
         t = bs * q
-        with capture_guard(f"decode[bs={bs}, q={q}]", self.pool, self.allocations), \
-                torch.cuda.graph(g, pool=self.pool):
+        with (
+            capture_guard(f"decode[bs={bs}, q={q}]", self.pool, self.allocations),
+            torch.cuda.graph(g, pool=self.pool),
+        ):
             out = self.decode.run(t, bs)
         self.graphs[(bs, q)] = g
         self.outputs[(bs, q)] = out
@@ -539,13 +622,17 @@ class GraphRunner:
             for info in self.model.cfg.layers:
                 L = info.index
                 g = torch.cuda.CUDAGraph()
-                with capture_guard(f"layer {L} pre[t={t}]", self.pool, self.allocations), \
-                        torch.cuda.graph(g, pool=self.pool):
+                with (
+                    capture_guard(f"layer {L} pre[t={t}]", self.pool, self.allocations),
+                    torch.cuda.graph(g, pool=self.pool),
+                ):
                     pieces = d.pre_attention(L, w)
                 self.pieces[(bs, q, f"pre{L}")] = (g, pieces)
                 g2 = torch.cuda.CUDAGraph()
-                with capture_guard(f"layer {L} post[t={t}]", self.pool, self.allocations), \
-                        torch.cuda.graph(g2, pool=self.pool):
+                with (
+                    capture_guard(f"layer {L} post[t={t}]", self.pool, self.allocations),
+                    torch.cuda.graph(g2, pool=self.pool),
+                ):
                     d.post_attention(L, w, pieces)
                 self.pieces[(bs, q, f"post{L}")] = (g2, None)
 
@@ -599,13 +686,17 @@ def build_graph_runner(model, spec, options) -> GraphRunner | None:
     if model.device.type != "cuda":
         log.warning("cudagraph_mode=%s needs CUDA; running eager on %s", mode, model.device)
         return None
-    buckets = capture_buckets(spec, options.max_num_seqs, max(options.max_num_batched_tokens, options.max_num_seqs))
+    buckets = capture_buckets(
+        spec, options.max_num_seqs, max(options.max_num_batched_tokens, options.max_num_seqs)
+    )
     runner = GraphRunner(model, spec, buckets, mode)
     runner.capture()
     return runner
 
 
-def graph_forward(graphs: GraphRunner | None, model, plan, token_ids, *, all_row_logits: bool = False):
+def graph_forward(
+    graphs: GraphRunner | None, model, plan, token_ids, *, all_row_logits: bool = False
+):
     """One planned forward: a replay when ``plan`` is a captured decode width, else eager
     ``model.forward`` (an uncaptured decode width is logged and counted)."""
     from v41plan.runtime.paged_model import StepOutput
@@ -629,13 +720,17 @@ def pad_for_graphs(graphs: GraphRunner | None, step, is_decode: bool):
     return pad_decode_step(step, bucket, graphs.model.buf.block_tables.shape[1])
 
 
-def graph_validation(graph_results: dict, eager_results: dict, graph_stats: dict, events: list[dict]) -> dict:
+def graph_validation(
+    graph_results: dict, eager_results: dict, graph_stats: dict, events: list[dict]
+) -> dict:
     """The ``--graph`` acceptance case: every scenario's tokens match eager's, every decode step
     of the graph runner is accounted for (FULL: one replay each; at most 2 allowed), and the
     capture's untouched-page check passed. ``events`` tagged with a ``runner`` ran on another
     runner and are not counted."""
     compared = sorted(k for k, r in graph_results.items() if "tokens" in r)
-    mismatched = [k for k in compared if graph_results[k]["tokens"] != eager_results.get(k, {}).get("tokens")]
+    mismatched = [
+        k for k in compared if graph_results[k]["tokens"] != eager_results.get(k, {}).get("tokens")
+    ]
     stats = graph_stats.get("stats", {})
     capture = graph_stats.get("capture", {})
     decode_steps = sum(1 for ev in events if ev.get("phase") == "decode" and "runner" not in ev)
@@ -662,7 +757,9 @@ def graph_validation(graph_results: dict, eager_results: dict, graph_stats: dict
     if not graph_steps:
         errors.append("no decode step replayed a graph (CUDA graphs need --device cuda)")
     if graph_steps + eager_steps != decode_steps:
-        errors.append(f"{decode_steps} decode steps, but {graph_steps} replayed and {eager_steps} ran eager")
+        errors.append(
+            f"{decode_steps} decode steps, but {graph_steps} replayed and {eager_steps} ran eager"
+        )
     if graph_stats.get("mode") == "FULL" and per_step > 2:
         errors.append(f"{per_step:.1f} replays per decode step (at most 2)")
     if not (out["pages_untouched"] and out["slots_untouched"]):

@@ -76,11 +76,20 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
                 raise _fail(name, value, why)
     kv_transfer = opts.pop("kv_transfer_config", None)
     if kv_transfer is not None:
-        connector = kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else kv_transfer
+        connector = (
+            kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else kv_transfer
+        )
         if connector not in KV_TRANSFER_CONNECTORS:
-            raise _fail("kv_transfer_config", connector, f"accepted KV transfer: {', '.join(KV_TRANSFER_CONNECTORS)}")
-        raise _fail("kv_transfer_config", connector,
-                    "lmcache_mp is admitted by the specification but not implemented by this executor")
+            raise _fail(
+                "kv_transfer_config",
+                connector,
+                f"accepted KV transfer: {', '.join(KV_TRANSFER_CONNECTORS)}",
+            )
+        raise _fail(
+            "kv_transfer_config",
+            connector,
+            "lmcache_mp is admitted by the specification but not implemented by this executor",
+        )
     speculative = opts.pop("speculative_config", None)
     block_size = opts.pop("block_size", None)
     known = {f.name for f in fields(EngineOptions)}
@@ -91,21 +100,35 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise _fail("kv_cache_dtype", o.kv_cache_dtype, f"accepted: {', '.join(KV_CACHE_DTYPES)}")
     if o.index_cache_dtype not in INDEX_CACHE_DTYPES:
-        raise _fail("index_cache_dtype", o.index_cache_dtype, f"accepted: {', '.join(INDEX_CACHE_DTYPES)}")
+        raise _fail(
+            "index_cache_dtype", o.index_cache_dtype, f"accepted: {', '.join(INDEX_CACHE_DTYPES)}"
+        )
     if (o.kv_cache_dtype, o.index_cache_dtype) not in spec.geometries:
         pairs = ", ".join(f"{k}/{i}" for k, i in sorted(spec.geometries))
-        raise _fail("kv_cache_dtype/index_cache_dtype", (o.kv_cache_dtype, o.index_cache_dtype),
-                    f"spec {spec.name} declares: {pairs}")
+        raise _fail(
+            "kv_cache_dtype/index_cache_dtype",
+            (o.kv_cache_dtype, o.index_cache_dtype),
+            f"spec {spec.name} declares: {pairs}",
+        )
     page = spec.replay.hash_block_tokens
     if block_size is not None and block_size != page:
-        raise _fail("block_size", block_size, f"the PAGE is the spec's page_tokens; accepted: {page}")
+        raise _fail(
+            "block_size", block_size, f"the PAGE is the spec's page_tokens; accepted: {page}"
+        )
     if page % 2:
         raise _fail("page_tokens", page, "the cache block size must be even")
     if speculative is not None:
         if o.kv_cache_dtype == "fp4":
-            raise _fail("speculative_config", speculative,
-                        "packed (kv_cache_dtype='fp4') speculative caches are refused; accepted: None")
-        raise _fail("speculative_config", speculative, "speculative decoding is not implemented; accepted: None")
+            raise _fail(
+                "speculative_config",
+                speculative,
+                "packed (kv_cache_dtype='fp4') speculative caches are refused; accepted: None",
+            )
+        raise _fail(
+            "speculative_config",
+            speculative,
+            "speculative decoding is not implemented; accepted: None",
+        )
     mode = str(o.cudagraph_mode).split(".")[-1].upper()
     if mode not in CUDAGRAPH_MODES:
         raise _fail("cudagraph_mode", o.cudagraph_mode, f"accepted: {', '.join(CUDAGRAPH_MODES)}")
@@ -114,12 +137,17 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     if o.compilation_level not in (0, 3):
         raise _fail("compilation_level", o.compilation_level, "accepted: 0, 3")
     if o.compilation_level == 3 and mode == "PIECEWISE":
-        raise _fail("compilation_level", 3, "level 3 is admitted with FULL graphs or eager execution only")
+        raise _fail(
+            "compilation_level", 3, "level 3 is admitted with FULL graphs or eager execution only"
+        )
     d = spec.dims
     tp = o.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1 or (tp != world_size and tp != 1):
-        raise _fail("tensor_parallel_size", tp,
-                    f"accepted: the launched world size ({world_size}), or 1 (every rank a full replica)")
+        raise _fail(
+            "tensor_parallel_size",
+            tp,
+            f"accepted: the launched world size ({world_size}), or 1 (every rank a full replica)",
+        )
     if tp > 1:
         from v41plan.model.sharding import (
             check_tp,  # names the dimension and the sizes this model admits
@@ -129,33 +157,64 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     if o.max_num_seqs < 1:
         raise _fail("max_num_seqs", o.max_num_seqs, "accepted: an integer >= 1")
     if o.max_num_batched_tokens < 2 * page:
-        raise _fail("max_num_batched_tokens", o.max_num_batched_tokens,
-                    f"accepted: >= 2 * page_tokens = {2 * page} (a backed-off forward must fit)")
+        raise _fail(
+            "max_num_batched_tokens",
+            o.max_num_batched_tokens,
+            f"accepted: >= 2 * page_tokens = {2 * page} (a backed-off forward must fit)",
+        )
     if o.long_prefill_token_threshold < 0:
-        raise _fail("long_prefill_token_threshold", o.long_prefill_token_threshold, "accepted: 0 (off) or >= 1")
+        raise _fail(
+            "long_prefill_token_threshold",
+            o.long_prefill_token_threshold,
+            "accepted: 0 (off) or >= 1",
+        )
     max_len = o.max_model_len or int(spec.model_config.get("max_position_embeddings", 4096))
-    enc = spec.replay.encoder_swa_bounded_replay if o.encoder_swa_bounded_replay is None else o.encoder_swa_bounded_replay
-    dec = spec.replay.decoder_swa_bounded_replay if o.decoder_swa_bounded_replay is None else o.decoder_swa_bounded_replay
+    enc = (
+        spec.replay.encoder_swa_bounded_replay
+        if o.encoder_swa_bounded_replay is None
+        else o.encoder_swa_bounded_replay
+    )
+    dec = (
+        spec.replay.decoder_swa_bounded_replay
+        if o.decoder_swa_bounded_replay is None
+        else o.decoder_swa_bounded_replay
+    )
     late_engram = [e for e in d.engram_layer_ids if e >= max(d.kv_source_layer_ids)]
     if dec and late_engram:
-        raise _fail("decoder_swa_bounded_replay", True,
-                    f"needs every Engram layer before the decoder (layer {max(d.kv_source_layer_ids)}); "
-                    f"Engram layers {late_engram} read every row; accepted with this spec: False")
+        raise _fail(
+            "decoder_swa_bounded_replay",
+            True,
+            f"needs every Engram layer before the decoder (layer {max(d.kv_source_layer_ids)}); "
+            f"Engram layers {late_engram} read every row; accepted with this spec: False",
+        )
     if dec and spec.replay.min_final_prefill_rows < d.sliding_window:
-        raise _fail("decoder_swa_bounded_replay", True,
-                    f"needs min_final_prefill_rows >= window = {d.sliding_window} (the spec has "
-                    f"{spec.replay.min_final_prefill_rows}); accepted with this spec: False")
+        raise _fail(
+            "decoder_swa_bounded_replay",
+            True,
+            f"needs min_final_prefill_rows >= window = {d.sliding_window} (the spec has "
+            f"{spec.replay.min_final_prefill_rows}); accepted with this spec: False",
+        )
     if enc and page < d.sliding_window - 1:
-        raise _fail("encoder_swa_bounded_replay", True,
-                    f"needs page_tokens >= window - 1 = {d.sliding_window - 1}; accepted with this spec: False")
+        raise _fail(
+            "encoder_swa_bounded_replay",
+            True,
+            f"needs page_tokens >= window - 1 = {d.sliding_window - 1}; accepted with this spec: False",
+        )
     if o.device not in (None, "cpu", "cuda"):
         raise _fail("device", o.device, "accepted: cpu, cuda")
     if o.dtype not in ("float32", "float64", "bfloat16"):
         raise _fail("dtype", o.dtype, "accepted: float32, float64, bfloat16")
     num_pages = o.num_pages or o.max_num_seqs * (-(-max_len // page) + 1) + 16
-    return EngineOptions(**{**o.__dict__, "cudagraph_mode": mode, "max_model_len": max_len,
-                            "encoder_swa_bounded_replay": enc, "decoder_swa_bounded_replay": dec,
-                            "num_pages": num_pages})
+    return EngineOptions(
+        **{
+            **o.__dict__,
+            "cudagraph_mode": mode,
+            "max_model_len": max_len,
+            "encoder_swa_bounded_replay": enc,
+            "decoder_swa_bounded_replay": dec,
+            "num_pages": num_pages,
+        }
+    )
 
 
 def default_tensor_parallel_size(spec: CacheSpec, world_size: int, expert_parallel: bool) -> int:
@@ -164,4 +223,8 @@ def default_tensor_parallel_size(spec: CacheSpec, world_size: int, expert_parall
         return 1
     from v41plan.model.sharding import accepted_sizes
 
-    return world_size if world_size in accepted_sizes(spec.model_config, expert_parallel, world_size) else 1
+    return (
+        world_size
+        if world_size in accepted_sizes(spec.model_config, expert_parallel, world_size)
+        else 1
+    )

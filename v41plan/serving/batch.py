@@ -84,8 +84,12 @@ class RunnerOutput:
     """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
 
 
-def to_step_input(batch: ScheduledBatch, compress=None, running_bs: int | None = None,
-                  running_tokens: int | None = None):
+def to_step_input(
+    batch: ScheduledBatch,
+    compress=None,
+    running_bs: int | None = None,
+    running_tokens: int | None = None,
+):
     """The planner's ``StepInput`` for ``batch``.
 
     ``compress`` maps raw token ids to Engram-compressed ids (``EngramHost.compress``); without
@@ -104,18 +108,20 @@ def to_step_input(batch: ScheduledBatch, compress=None, running_bs: int | None =
             ids = np.asarray(r.token_ids[: r.end], dtype=np.int64)
             if compress is not None:
                 ids = np.asarray(compress(ids), dtype=np.int64)
-        reqs.append(RequestInput(
-            slot=r.slot,
-            block_table=tuple(r.block_table),
-            prompt_len=r.prompt_len,
-            start=r.resume,
-            chunk_len=r.end - r.resume,
-            phase="decode" if decode else "prefill",
-            prefix_hit=r.prefix_hit,
-            fresh_slot=r.fresh_slot,
-            token_ids=ids,
-            full_rows=r.all_logits,
-        ))
+        reqs.append(
+            RequestInput(
+                slot=r.slot,
+                block_table=tuple(r.block_table),
+                prompt_len=r.prompt_len,
+                start=r.resume,
+                chunk_len=r.end - r.resume,
+                phase="decode" if decode else "prefill",
+                prefix_hit=r.prefix_hit,
+                fresh_slot=r.fresh_slot,
+                token_ids=ids,
+                full_rows=r.all_logits,
+            )
+        )
     return StepInput(tuple(reqs), running_bs=running_bs, running_tokens=running_tokens)
 
 

@@ -158,7 +158,9 @@ class BlockManager:
 
     def allocatable_pages(self) -> int:
         """Pages obtainable now, counting those READY unpinned images would give back."""
-        evictable = sum(len(im.units) for im in self.images.values() if im.state == READY and im.pins == 0)
+        evictable = sum(
+            len(im.units) for im in self.images.values() if im.state == READY and im.pins == 0
+        )
         return self.num_free_pages() + evictable
 
     def lookup(self, hashes: list[bytes]) -> list[int]:

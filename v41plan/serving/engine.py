@@ -22,7 +22,14 @@ from v41plan.serving.sampling import SamplingParams
 from v41plan.serving.scheduler import Scheduler, SchedulerConfig
 from v41plan.serving.sequence import SeqStatus, Sequence
 
-__all__ = ["LLM", "CompletionOutput", "ConfigError", "RequestOutput", "SamplingParams", "resolve_spec"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ConfigError",
+    "RequestOutput",
+    "SamplingParams",
+    "resolve_spec",
+]
 
 
 @dataclass
@@ -74,9 +81,16 @@ RunnerFactory = Callable[[CacheSpec, str | None, EngineOptions], ModelRunner]
 class LLM:
     """The engine: scheduler, block manager and a model runner for one spec."""
 
-    def __init__(self, spec: str | Path | CacheSpec = "tiny", checkpoint: str | None = None, *,
-                 runner_factory: RunnerFactory | None = None, tokenizer=None, world_size: int | None = None,
-                 **options) -> None:
+    def __init__(
+        self,
+        spec: str | Path | CacheSpec = "tiny",
+        checkpoint: str | None = None,
+        *,
+        runner_factory: RunnerFactory | None = None,
+        tokenizer=None,
+        world_size: int | None = None,
+        **options,
+    ) -> None:
         self.spec = resolve_spec(spec)
         if world_size is None:
             from v41plan.runtime.dist import world_info
@@ -94,7 +108,9 @@ class LLM:
 
             runner_factory = build_runner
         self.runner = runner_factory(self.spec, checkpoint, o)
-        self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(self.spec, checkpoint)
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else _default_tokenizer(self.spec, checkpoint)
+        )
         self.block_manager = BlockManager(
             num_pages=o.num_pages,
             page_tokens=self.page_tokens,
@@ -139,15 +155,24 @@ class LLM:
             raise ValueError(f"prompt token id {bad!r} is outside [0, {self.vocab_size})")
         params.validate(self.vocab_size)
         if len(ids) >= self.options.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.options.max_model_len}")
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit max_model_len={self.options.max_model_len}"
+            )
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Sequence:
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> Sequence:
         """Validate and queue one request; a bad one comes back finished with ``error`` set."""
         params = params or SamplingParams()
         ids = list(prompt_token_ids)
         seq_id = next(self._ids)
-        seq = Sequence(seq_id, ids, len(ids), params,
-                       seed=params.seed if params.seed is not None else self.options.seed + seq_id)
+        seq = Sequence(
+            seq_id,
+            ids,
+            len(ids),
+            params,
+            seed=params.seed if params.seed is not None else self.options.seed + seq_id,
+        )
         try:
             self._validate(ids, params)
         except ValueError as exc:
@@ -193,13 +218,22 @@ class LLM:
         raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
 
     # ---- offline API ------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | SeqT[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | SeqT[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text, token id list, or ``{"prompt_token_ids": [...]}``)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
-        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params or SamplingParams()] * len(prompts))
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, (list, tuple))
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         seqs, texts = [], []
@@ -214,8 +248,15 @@ class LLM:
                     ids = list(prompt)
             except (ValueError, KeyError, TypeError) as exc:
                 ids = []
-                seq = Sequence(next(self._ids), [], 0, params or SamplingParams(), status=SeqStatus.FINISHED,
-                               finish_reason="error", error=f"bad prompt: {exc}")
+                seq = Sequence(
+                    next(self._ids),
+                    [],
+                    0,
+                    params or SamplingParams(),
+                    status=SeqStatus.FINISHED,
+                    finish_reason="error",
+                    error=f"bad prompt: {exc}",
+                )
                 seqs.append(seq)
                 texts.append(text)
                 continue
@@ -231,8 +272,11 @@ class LLM:
 
         def _tick() -> None:
             nonlocal done_before
-            done = sum(len(s.output_ids) if not s.is_finished else s.params.max_tokens
-                       for s in seqs if s.error is None)
+            done = sum(
+                len(s.output_ids) if not s.is_finished else s.params.max_tokens
+                for s in seqs
+                if s.error is None
+            )
             if done != done_before:
                 bar.update(done - done_before)
                 done_before = done
@@ -248,12 +292,20 @@ class LLM:
             request_id=seq.seq_id,
             prompt=text,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(0, self.decode(out) if seq.error is None else "", list(out),
-                                      seq.finish_reason)],
+            outputs=[
+                CompletionOutput(
+                    0, self.decode(out) if seq.error is None else "", list(out), seq.finish_reason
+                )
+            ],
             error=seq.error,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
-            stats={"hits": list(seq.hits), "starts": list(seq.starts), "replay_rows": seq.replay_rows,
-                   "restores": seq.restores, "preemptions": seq.preemptions},
+            stats={
+                "hits": list(seq.hits),
+                "starts": list(seq.starts),
+                "replay_rows": seq.replay_rows,
+                "restores": seq.restores,
+                "preemptions": seq.preemptions,
+            },
         )
 
 

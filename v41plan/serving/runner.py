@@ -33,8 +33,15 @@ class PagedRunner:
 
     paged = True
 
-    def __init__(self, spec: CacheSpec, ckpt, options: EngineOptions, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: CacheSpec,
+        ckpt,
+        options: EngineOptions,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         from v41plan.model.sharding import shard_weights
         from v41plan.runtime.collectives import tp_group
         from v41plan.runtime.paged_model import RuntimeModel
@@ -62,8 +69,10 @@ class PagedRunner:
 
         # FULL / PIECEWISE decode graphs on CUDA (None under eager execution or on CPU).
         self.graphs = build_graph_runner(self.model, spec, options)
-        self.flags = {"encoder_replay": bool(options.encoder_swa_bounded_replay),
-                      "decoder_replay": bool(options.decoder_swa_bounded_replay)}
+        self.flags = {
+            "encoder_replay": bool(options.encoder_swa_bounded_replay),
+            "decoder_replay": bool(options.decoder_swa_bounded_replay),
+        }
         self.stats: Counter = Counter()
         self._copies = None  # the pool's CopyPlanner, built at the first image copy
 
@@ -71,8 +80,12 @@ class PagedRunner:
         """Capture report and replay counters (empty under eager execution)."""
         if self.graphs is None:
             return {}
-        return {"mode": self.graphs.mode, "buckets": [list(b) for b in self.graphs.buckets],
-                "stats": dict(self.graphs.stats), "capture": self.graphs.report}
+        return {
+            "mode": self.graphs.mode,
+            "buckets": [list(b) for b in self.graphs.buckets],
+            "stats": dict(self.graphs.stats),
+            "capture": self.graphs.report,
+        }
 
     # ---- state copies ------------------------------------------------------------------------
     def _copy_image(self, slot: int, units: tuple[int, ...], store: bool) -> None:
@@ -83,7 +96,9 @@ class PagedRunner:
         pools = self.model.pools
         if self._copies is None:
             g = pools.geometry
-            self._copies = CopyPlanner(g, pools.num_pages, pools.num_slots, load_image_layout(g, self.spec.name))
+            self._copies = CopyPlanner(
+                g, pools.num_pages, pools.num_slots, load_image_layout(g, self.spec.name)
+            )
         g = self._copies.geometry
         op = ImageOp(slot, tuple(units), g.layout_id, g.image_bytes)
         spans = self._copies.store(op) if store else self._copies.restore(op)
@@ -113,7 +128,9 @@ class PagedRunner:
         step = pad_for_graphs(self.graphs, step, batch.phase == "decode")
         plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
-        ids = np.concatenate([np.asarray(r.token_ids[r.start : r.end], dtype=np.int64) for r in batch.requests])
+        ids = np.concatenate(
+            [np.asarray(r.token_ids[r.start : r.end], dtype=np.int64) for r in batch.requests]
+        )
         want_rows = any(r.all_logits for r in batch.requests)
         res = graph_forward(self.graphs, self.model, plan, ids, all_row_logits=want_rows)
         self.stats["forwards"] += 1
@@ -124,7 +141,9 @@ class PagedRunner:
             self.stats["tail_rows"] += len(plan.tail_rows)
         cu = plan.cu_seqlens_q
         logits = res.logits.float().cpu()  # one device-to-host copy per step, not per request
-        row_logits = res.row_logits.float().cpu() if want_rows and res.row_logits is not None else None
+        row_logits = (
+            res.row_logits.float().cpu() if want_rows and res.row_logits is not None else None
+        )
         for i, r in enumerate(batch.requests):
             if r.is_final_chunk:
                 out.last_logits[r.seq_id] = logits[i]

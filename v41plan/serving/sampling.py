@@ -31,8 +31,11 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first bad field."""
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0
+        ):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")

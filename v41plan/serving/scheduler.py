@@ -236,25 +236,29 @@ class Scheduler:
             stores=tuple(self.bm.take_stores()),
             restores=tuple(restores),
         )
-        self.events.append({
-            "step": batch.step,
-            "phase": phase,
-            "ids": [r.seq_id for r in reqs],
-            "slots": [r.slot for r in reqs],
-            "starts": [r.start for r in reqs],
-            "resumes": [r.resume for r in reqs],
-            "ends": [r.end for r in reqs],
-            "replay_rows": sum(r.replay_rows for r in reqs),
-            "stores": len(batch.stores),
-            "restores": len(batch.restores),
-        })
+        self.events.append(
+            {
+                "step": batch.step,
+                "phase": phase,
+                "ids": [r.seq_id for r in reqs],
+                "slots": [r.slot for r in reqs],
+                "starts": [r.start for r in reqs],
+                "resumes": [r.resume for r in reqs],
+                "ends": [r.end for r in reqs],
+                "replay_rows": sum(r.replay_rows for r in reqs),
+                "stores": len(batch.stores),
+                "restores": len(batch.restores),
+            }
+        )
         return batch
 
     def _admit(self, seq: Sequence, budget: int):
         """Look up the prefix, size the first chunk and allocate; None when it must wait."""
         cfg, bm = self.config, self.bm
         n = seq.num_tokens
-        max_hit_blocks = (n - 1) // cfg.page_tokens  # the block holding the last token is never reused
+        max_hit_blocks = (
+            n - 1
+        ) // cfg.page_tokens  # the block holding the last token is never reused
         hashes = seq.hashes(cfg.page_tokens, max_hit_blocks)
         hit_pages: list[int] = []
         if cfg.enable_prefix_caching and not seq.params.prompt_logprobs:
@@ -319,19 +323,21 @@ class Scheduler:
             if need_page:
                 self.bm.append_page(seq.block_table)
             scheduled.append(seq)
-            reqs.append(ScheduledRequest(
-                seq_id=seq.seq_id,
-                slot=seq.slot,
-                block_table=tuple(seq.block_table),
-                token_ids=tuple(seq.token_ids[: pos + 1]),
-                start=pos,
-                resume=pos,
-                end=pos + 1,
-                prompt_len=seq.prefill_end,
-                prefix_hit=seq.hits[-1] if seq.hits else 0,
-                fresh_slot=False,
-                is_final_chunk=True,
-            ))
+            reqs.append(
+                ScheduledRequest(
+                    seq_id=seq.seq_id,
+                    slot=seq.slot,
+                    block_table=tuple(seq.block_table),
+                    token_ids=tuple(seq.token_ids[: pos + 1]),
+                    start=pos,
+                    resume=pos,
+                    end=pos + 1,
+                    prompt_len=seq.prefill_end,
+                    prefix_hit=seq.hits[-1] if seq.hits else 0,
+                    fresh_slot=False,
+                    is_final_chunk=True,
+                )
+            )
             budget -= 1
         return reqs
 
@@ -392,7 +398,11 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if not p.ignore_eos and self.config.eos_token_id is not None and token == self.config.eos_token_id:
+        if (
+            not p.ignore_eos
+            and self.config.eos_token_id is not None
+            and token == self.config.eos_token_id
+        ):
             return "stop"
         if token in p.stop_token_ids:
             return "stop"

@@ -31,8 +31,18 @@ class FakeState:
 class FakeRunner:
     """Executes scheduled batches over host-side pages and slots."""
 
-    def __init__(self, *, num_pages: int, page_tokens: int, num_slots: int, vocab_size: int,
-                 window: int, plan_spec=None, encoder_replay: bool = True, decoder_replay: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_tokens: int,
+        num_slots: int,
+        vocab_size: int,
+        window: int,
+        plan_spec=None,
+        encoder_replay: bool = True,
+        decoder_replay: bool = True,
+    ) -> None:
         self.page_tokens = page_tokens
         self.vocab_size = vocab_size
         self.window = window
@@ -54,7 +64,9 @@ class FakeRunner:
         state = self.slots[op.slot]
         if state is None or state.position != op.position:
             found = None if state is None else state.position
-            raise RuntimeError(f"store of slot {op.slot} expects position {op.position}, found {found}")
+            raise RuntimeError(
+                f"store of slot {op.slot} expects position {op.position}, found {found}"
+            )
         self._image_serial += 1
         for i, u in enumerate(op.units):
             self.kv[u] = [-1] * self.page_tokens
@@ -63,8 +75,14 @@ class FakeRunner:
 
     def _restore(self, op) -> None:
         parts = [self.unit_payload.get(u) for u in op.units]
-        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1 or [p[1] for p in parts] != list(range(len(parts))):
-            raise RuntimeError(f"restore into slot {op.slot} reads units {op.units} that hold no intact image")
+        if (
+            any(p is None for p in parts)
+            or len({p[0] for p in parts}) != 1
+            or [p[1] for p in parts] != list(range(len(parts)))
+        ):
+            raise RuntimeError(
+                f"restore into slot {op.slot} reads units {op.units} that hold no intact image"
+            )
         state = parts[0][2]
         if state.position != op.position:
             raise RuntimeError(f"image at {state.position} restored as {op.position}")

@@ -84,8 +84,16 @@ class Validator:
         opts = dict(self.base, **overrides)
         return LLM(self.spec, self.checkpoint, runner_factory=lambda *a: self.runner, **opts)
 
-    def drive(self, llm: LLM, prompts, params=PARAMS, hook=None, case: str = "", max_steps: int = 400,
-              before=None) -> Route:
+    def drive(
+        self,
+        llm: LLM,
+        prompts,
+        params=PARAMS,
+        hook=None,
+        case: str = "",
+        max_steps: int = 400,
+        before=None,
+    ) -> Route:
         """Add ``prompts``, then schedule/execute/postprocess until drained.
 
         ``before(step, llm, seqs)`` runs before each schedule (preemption happens there);
@@ -118,12 +126,19 @@ class Validator:
         """The prompt alone in a fresh engine: the uninterrupted run of a route without a hit."""
         key = ("cold", tuple(prompt), tuple(sorted(overrides.items())))
         if key not in self._memo:
-            self._memo[key] = self.drive(self.engine(**overrides), [prompt], case="reference_cold").tokens[0]
+            self._memo[key] = self.drive(
+                self.engine(**overrides), [prompt], case="reference_cold"
+            ).tokens[0]
         return self._memo[key]
 
     def warm(self, prompt, warm_prompts, **overrides) -> Route:
         """The prompt alone after ``warm_prompts`` ran to completion (it resumes from their prefix)."""
-        key = ("warm", tuple(prompt), tuple(map(tuple, warm_prompts)), tuple(sorted(overrides.items())))
+        key = (
+            "warm",
+            tuple(prompt),
+            tuple(map(tuple, warm_prompts)),
+            tuple(sorted(overrides.items())),
+        )
         if key not in self._memo:
             llm = self.engine(**overrides)
             self.drive(llm, warm_prompts, case="reference_warmup")
@@ -156,8 +171,12 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
     # in a final chunk of at least W rows. A final chunk shorter than W starts a hash block
     # earlier, and the rows it recomputes see encoder windows truncated at that start (by
     # design), so a one-forward and a backed-off chunked prefill may legitimately differ.
-    base = repeat_to(byte_prompt(tok, "Facts about water, clouds, sunlight and the atmosphere. "), 4 * P + 10)
-    other = repeat_to(byte_prompt(tok, "A Python function can return a list of prime numbers. "), 2 * P + 12)
+    base = repeat_to(
+        byte_prompt(tok, "Facts about water, clouds, sunlight and the atmosphere. "), 4 * P + 10
+    )
+    other = repeat_to(
+        byte_prompt(tok, "A Python function can return a list of prime numbers. "), 2 * P + 12
+    )
     unique = byte_prompt(tok, "Discuss a different topic: binary search. ") + base
     cancelled = byte_prompt(tok, "A cancelled request: ") + other
     long_prompt = (base * 3)[: 9 * P + max(20, W)]  # its 3P-chunked route ends in >= W rows
@@ -175,17 +194,24 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             except CaseFailed as exc:
                 results[name] = {"passed": False, "error": str(exc)}
             except Exception as exc:  # noqa: BLE001 - reported per case, the others still run
-                results[name] = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
-                                 "traceback": traceback.format_exc(limit=6)}
+                results[name] = {
+                    "passed": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(limit=6),
+                }
             results[name]["seconds"] = round(time.perf_counter() - t0, 3)
             return fn
+
         return wrap
 
     @case("baseline")
     def _():
         r = v.drive(v.engine(**chunked), [base, other], case="baseline")
         gold["base"], gold["other"] = r.tokens
-        check(all(len(t) == PARAMS.max_tokens for t in r.tokens), "baseline did not generate max_tokens")
+        check(
+            all(len(t) == PARAMS.max_tokens for t in r.tokens),
+            "baseline did not generate max_tokens",
+        )
         for name, p in (("base", base), ("other", other)):
             check(v.cold(p, **chunked) == gold[name], f"batched {name} differs from its run alone")
         return {"tokens": r.tokens}
@@ -195,8 +221,12 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         def reverse(step, llm, seqs, batch):
             llm.scheduler.running.reverse()
 
-        r = v.drive(v.engine(long_prefill_token_threshold=P // 2, max_num_batched_tokens=4 * (P // 2)),
-                    [base, other], hook=reverse, case="chunked_batched_reorder")
+        r = v.drive(
+            v.engine(long_prefill_token_threshold=P // 2, max_num_batched_tokens=4 * (P // 2)),
+            [base, other],
+            hook=reverse,
+            case="chunked_batched_reorder",
+        )
         ragged = sum(1 for ev in r.events if ev["phase"] == "prefill" and len(ev["ids"]) > 1)
         check(ragged > 0, "no ragged multi-request prefill batch")
         check(r.tokens == [gold["base"], gold["other"]], f"tokens {r.tokens} != baseline")
@@ -217,7 +247,12 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             check(r.replay_rows >= P, "no encoder replay rows in the replay fork")
         ref = v.resumed_reference(base, [base], hit, **opts)
         check(r.tokens[1] == ref, f"forked request {r.tokens[1]} != uninterrupted route {ref}")
-        return {"hit": hit, "restores": r.restores, "replay_rows": r.replay_rows, "tokens": r.tokens}
+        return {
+            "hit": hit,
+            "restores": r.restores,
+            "replay_rows": r.replay_rows,
+            "tokens": r.tokens,
+        }
 
     @case("missing_image_replay")
     def _():
@@ -232,11 +267,18 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             check(r.tokens[0] == gold["base"], "replay from 0 differs from the baseline")
         else:
             # The replay transfer keeps no image: the hit needs none and rebuilds its windows.
-            check(dropped == 0 and not llm.block_manager.images, "the replay transfer kept an image")
+            check(
+                dropped == 0 and not llm.block_manager.images, "the replay transfer kept an image"
+            )
             check(s.hits[0] > 0 and s.replay_rows >= P, "no imageless hit with encoder replay")
             ref = v.resumed_reference(base, [base], s.hits[0], **chunked)
             check(r.tokens[0] == ref, "imageless replay differs from its uninterrupted route")
-        return {"dropped_images": dropped, "hits": s.hits, "replay_rows": s.replay_rows, "tokens": r.tokens}
+        return {
+            "dropped_images": dropped,
+            "hits": s.hits,
+            "replay_rows": s.replay_rows,
+            "tokens": r.tokens,
+        }
 
     @case("preempt_resume")
     def _():
@@ -245,7 +287,12 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
 
         def preempt(step, llm, seqs):
             s = seqs[0]
-            if not state and s.slot is not None and s.is_prefilling and s.num_cached_tokens >= max_hit:
+            if (
+                not state
+                and s.slot is not None
+                and s.is_prefilling
+                and s.num_cached_tokens >= max_hit
+            ):
                 state["cursor"] = s.num_cached_tokens
                 llm.scheduler.preempt(s)  # mid-prefill, at a cursor on the hash-block grid
 
@@ -260,8 +307,13 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             check(s.replay_rows >= P, "no encoder replay on resume")
         ref = v.resumed_reference(unique, [unique], s.hits[-1], **chunked)
         check(r.tokens[0] == ref, f"resumed {r.tokens[0]} != uninterrupted {ref}")
-        return {"preempted_at": state["cursor"], "hits": s.hits, "restores": s.restores,
-                "replay_rows": s.replay_rows, "tokens": r.tokens}
+        return {
+            "preempted_at": state["cursor"],
+            "hits": s.hits,
+            "restores": s.restores,
+            "replay_rows": s.replay_rows,
+            "tokens": r.tokens,
+        }
 
     @case("cancel_middle_chunk")
     def _():
@@ -277,12 +329,17 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         r = v.drive(llm, [cancelled], CANCEL_PARAMS, hook=cancel, case="cancel_middle_chunk")
         s = r.seqs[0]
         check(bool(state), "no middle chunk to cancel")
-        check(s.finish_reason == "aborted" and s.output_ids == [], "cancelled request did not finish empty")
+        check(
+            s.finish_reason == "aborted" and s.output_ids == [],
+            "cancelled request did not finish empty",
+        )
         check(len(llm.block_manager.free_slots) == llm.block_manager.num_slots, "slot not freed")
         # Slot recycling: the next request gets the freed slot and resets it at position 0.
         r2 = v.drive(llm, [other], case="slot_recycle")
         check(r2.events[0]["ids"] == [r2.seqs[0].seq_id], "recycle request not scheduled alone")
-        check(r2.events[0]["slots"] == [state["slot"]], "the new request did not get the freed slot")
+        check(
+            r2.events[0]["slots"] == [state["slot"]], "the new request did not get the freed slot"
+        )
         check(r2.tokens[0] == gold["other"], "recycled slot leaked state into a new request")
         results["slot_recycle"] = {"passed": True, "slot": state["slot"], "tokens": r2.tokens[0]}
         return {"slot": state["slot"], "tokens": r.tokens}
@@ -298,10 +355,14 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
                 llm.abort(seqs[1])  # its first token is not delivered yet
                 state["step"] = batch.step
 
-        r = v.drive(llm, [other, cancelled], CANCEL_PARAMS, hook=cancel, case="cancel_first_deferred_step")
+        r = v.drive(
+            llm, [other, cancelled], CANCEL_PARAMS, hook=cancel, case="cancel_first_deferred_step"
+        )
         check(bool(state), "no final chunk to cancel")
-        check(r.seqs[1].finish_reason == "aborted" and r.seqs[1].output_ids == [],
-              "request cancelled before its first token produced output")
+        check(
+            r.seqs[1].finish_reason == "aborted" and r.seqs[1].output_ids == [],
+            "request cancelled before its first token produced output",
+        )
         check(r.seqs[0].finish_reason == "length", "the surviving request did not finish")
         check(len(llm.block_manager.free_slots) == llm.block_manager.num_slots, "slot not freed")
         return {"step": state["step"], "tokens": r.tokens}
@@ -310,7 +371,10 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
     def _():
         stats = getattr(v.runner, "stats", None)
         before = dict(stats) if stats is not None else {}
-        whole = {"long_prefill_token_threshold": 0, "max_num_batched_tokens": max(10 * P, len(long_prompt))}
+        whole = {
+            "long_prefill_token_threshold": 0,
+            "max_num_batched_tokens": max(10 * P, len(long_prompt)),
+        }
         one = v.drive(v.engine(**whole), [long_prompt], case="decoder_replay_long_prompt")
         final = [ev for ev in one.events if ev["phase"] == "prefill"][-1]
         rows = final["ends"][0] - final["starts"][0]
@@ -318,16 +382,26 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         plan = plan_of_final(v, one)
         check(plan is None or plan["decoder_replay"], "decoder replay not taken on the long prompt")
         # The same prompt in chunks ends with a final forward that also holds more than W rows.
-        two = v.drive(v.engine(long_prefill_token_threshold=3 * P, max_num_batched_tokens=4 * P),
-                      [long_prompt], case="decoder_replay_long_prompt_chunked")
+        two = v.drive(
+            v.engine(long_prefill_token_threshold=3 * P, max_num_batched_tokens=4 * P),
+            [long_prompt],
+            case="decoder_replay_long_prompt_chunked",
+        )
         last = [ev for ev in two.events if ev["phase"] == "prefill"][-1]
         check(last["starts"] == last["resumes"], "the chunked route's final forward backed off")
         check(one.tokens == two.tokens, f"one forward {one.tokens} != chunked {two.tokens}")
         taken = {}
         if stats is not None:
-            taken = {k: stats.get(k, 0) - before.get(k, 0) for k in ("decoder_replay_steps", "tail_rows")}
+            taken = {
+                k: stats.get(k, 0) - before.get(k, 0) for k in ("decoder_replay_steps", "tail_rows")
+            }
             check(taken["decoder_replay_steps"] >= 1, "the runner ran no decoder-replay step")
-        return {"final_rows": rows, "plan": plan, "runner": taken, "tokens": one.tokens + two.tokens}
+        return {
+            "final_rows": rows,
+            "plan": plan,
+            "runner": taken,
+            "tokens": one.tokens + two.tokens,
+        }
 
     @case("decoder_replay_off")
     def _():
@@ -340,14 +414,22 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         runner = build_runner(v.spec, v.checkpoint, probe.options)
         off = Validator(v.spec, v.checkpoint, v.transfer, opts, runner)
         prompt = long_prompt[: 5 * P + 3]
-        one = off.drive(off.engine(long_prefill_token_threshold=0), [prompt], case="decoder_replay_off")
+        one = off.drive(
+            off.engine(long_prefill_token_threshold=0), [prompt], case="decoder_replay_off"
+        )
         two = off.drive(off.engine(**chunked), [prompt], case="decoder_replay_off_chunked")
-        v.events.extend(dict(ev, runner="replay_off") for ev in off.events)  # not the graph runner's
-        check(all(s == r for ev in two.events for s, r in zip(ev["starts"], ev["resumes"])),
-              "a forward backed off with decoder replay off")
+        v.events.extend(
+            dict(ev, runner="replay_off") for ev in off.events
+        )  # not the graph runner's
+        check(
+            all(s == r for ev in two.events for s, r in zip(ev["starts"], ev["resumes"])),
+            "a forward backed off with decoder replay off",
+        )
         stats = getattr(runner, "stats", {})
         check(stats.get("decoder_replay_steps", 0) == 0, "decoder replay ran with the switch off")
-        check(one.tokens == two.tokens, f"whole {one.tokens} != chunked {two.tokens} with replay off")
+        check(
+            one.tokens == two.tokens, f"whole {one.tokens} != chunked {two.tokens} with replay off"
+        )
         return {"tokens": one.tokens + two.tokens}
 
     @case("prefix_hit_short_suffix")
@@ -358,13 +440,21 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         s = r.seqs[0]
         suffix = len(short_suffix) - s.hits[0]
         check(s.hits[0] > 0 and suffix < W, f"hit {s.hits} leaves a suffix of {suffix}, not < W")
-        check(s.starts[0] == s.hits[0] - P, f"forward did not back off a hash block: starts {s.starts}")
+        check(
+            s.starts[0] == s.hits[0] - P,
+            f"forward did not back off a hash block: starts {s.starts}",
+        )
         check(s.replay_rows >= P, "no back-off rows counted")
         if v.transfer == "copy":
             check(s.restores == 1, "no restore for the short suffix")
         ref = v.resumed_reference(short_suffix, [base], s.hits[0], **chunked)
         check(r.tokens[0] == ref, f"short-suffix hit {r.tokens[0]} != uninterrupted {ref}")
-        return {"hits": s.hits, "starts": s.starts, "replay_rows": s.replay_rows, "tokens": r.tokens}
+        return {
+            "hits": s.hits,
+            "starts": s.starts,
+            "replay_rows": s.replay_rows,
+            "tokens": r.tokens,
+        }
 
     return results
 
@@ -379,31 +469,62 @@ def plan_of_final(v: Validator, route: Route) -> dict | None:
     ev = [e for e in route.events if e["phase"] == "prefill"][-1]
     s = route.seqs[0]
     n = ev["ends"][0]
-    req = ScheduledRequest(s.seq_id, 0, tuple(range(-(-n // v.P))), tuple(s.token_ids[:n]), ev["starts"][0],
-                           ev["resumes"][0], n, n, 0, ev["starts"][0] == 0, True)
+    req = ScheduledRequest(
+        s.seq_id,
+        0,
+        tuple(range(-(-n // v.P))),
+        tuple(s.token_ids[:n]),
+        ev["starts"][0],
+        ev["resumes"][0],
+        n,
+        n,
+        0,
+        ev["starts"][0] == 0,
+        True,
+    )
     batch = ScheduledBatch(ev["step"], "prefill", (req,))
-    plan = plan_step(to_step_input(batch), v.spec, encoder_replay=v.transfer == "replay", decoder_replay=True)
+    plan = plan_step(
+        to_step_input(batch), v.spec, encoder_replay=v.transfer == "replay", decoder_replay=True
+    )
     tail = [int(x) for x in plan.tail_rows]
-    return {"decoder_replay": bool(plan.decoder_replay), "tail_rows": len(tail), "rows": int(plan.scheduled_tokens)}
+    return {
+        "decoder_replay": bool(plan.decoder_replay),
+        "tail_rows": len(tail),
+        "rows": int(plan.scheduled_tokens),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (``python -m v41plan.validation.validate_runtime``, also under torchrun)."""
     ap = argparse.ArgumentParser(prog="validate_runtime", description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="specs/tiny.yaml")
-    ap.add_argument("--checkpoint", default=None, help="default: the spec's seeded random checkpoint")
+    ap.add_argument(
+        "--checkpoint", default=None, help="default: the spec's seeded random checkpoint"
+    )
     ap.add_argument("--output", default=None, help="JSON report path (rank 0 writes it)")
     ap.add_argument("--graph", action="store_true", help="FULL decode graphs (enforce_eager=False)")
     ap.add_argument("--transfer", choices=["replay", "copy", "both"], default="both")
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
-    ap.add_argument("--dtype", default="float64", choices=["float32", "float64", "bfloat16"],
-                    help="executor dtype (float64 keeps greedy ties away on CPU)")
+    ap.add_argument(
+        "--dtype",
+        default="float64",
+        choices=["float32", "float64", "bfloat16"],
+        help="executor dtype (float64 keeps greedy ties away on CPU)",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    ap.add_argument("--tensor-parallel-size", type=int, default=None,
-                    help="default: the world size when the model splits over it, else 1 (replicas)")
-    ap.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=True,
-                    help="routed experts whole per rank (default) or intermediate-sharded")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="default: the world size when the model splits over it, else 1 (replicas)",
+    )
+    ap.add_argument(
+        "--enable-expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="routed experts whole per rank (default) or intermediate-sharded",
+    )
     args = ap.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -419,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
 
         tp = default_tensor_parallel_size(spec, info.world_size, args.enable_expert_parallel)
         if info.is_main and tp != info.world_size:
-            print(f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs a full "
-                  f"replica (tensor_parallel_size=1) on the identical schedule")
+            print(
+                f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs a full "
+                f"replica (tensor_parallel_size=1) on the identical schedule"
+            )
     base_options = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
@@ -435,21 +558,39 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "device": args.device,
     }
-    report: dict = {"spec": spec.name, "world_size": info.world_size, "tensor_parallel_size": tp,
-                    "enable_expert_parallel": args.enable_expert_parallel, "graph": args.graph,
-                    "kv_cache_dtype": args.kv_cache_dtype, "index_cache_dtype": args.index_cache_dtype,
-                    "dtype": args.dtype, "transfers": {}}
+    report: dict = {
+        "spec": spec.name,
+        "world_size": info.world_size,
+        "tensor_parallel_size": tp,
+        "enable_expert_parallel": args.enable_expert_parallel,
+        "graph": args.graph,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+        "dtype": args.dtype,
+        "transfers": {},
+    }
     passed = True
     try:
         from v41plan.serving.runner import build_runner
 
         transfers = ["replay", "copy"] if args.transfer == "both" else [args.transfer]
         for transfer in transfers:
-            probe = LLM(spec, args.checkpoint, runner_factory=lambda *a: None,
-                        encoder_swa_bounded_replay=(transfer == "replay"), world_size=info.world_size,
-                        **base_options)  # refuses a bad configuration before building the runner
+            probe = LLM(
+                spec,
+                args.checkpoint,
+                runner_factory=lambda *a: None,
+                encoder_swa_bounded_replay=(transfer == "replay"),
+                world_size=info.world_size,
+                **base_options,
+            )  # refuses a bad configuration before building the runner
             runner = build_runner(spec, args.checkpoint, probe.options)
-            v = Validator(spec, args.checkpoint, transfer, dict(base_options, world_size=info.world_size), runner)
+            v = Validator(
+                spec,
+                args.checkpoint,
+                transfer,
+                dict(base_options, world_size=info.world_size),
+                runner,
+            )
             results = scenarios(v, probe)
             tokens = {k: r.get("tokens") for k, r in results.items()}
             ranks_agree = all_equal(tokens)
@@ -460,10 +601,18 @@ def main(argv: list[str] | None = None) -> int:
                 from v41plan.runtime.graphs import graph_validation
 
                 eager_base = dict(base_options, enforce_eager=True, cudagraph_mode="NONE")
-                eager_runner = build_runner(spec, args.checkpoint,
-                                            _replace(probe.options, enforce_eager=True, cudagraph_mode="NONE"))
-                ve = Validator(spec, args.checkpoint, transfer, dict(eager_base, world_size=info.world_size),
-                               eager_runner)
+                eager_runner = build_runner(
+                    spec,
+                    args.checkpoint,
+                    _replace(probe.options, enforce_eager=True, cudagraph_mode="NONE"),
+                )
+                ve = Validator(
+                    spec,
+                    args.checkpoint,
+                    transfer,
+                    dict(eager_base, world_size=info.world_size),
+                    eager_runner,
+                )
                 eager_results = scenarios(ve, probe)
                 g = runner.graph_stats() if hasattr(runner, "graph_stats") else {}
                 results["graph_replays"] = graph_validation(results, eager_results, g, v.events)
@@ -482,10 +631,17 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 for name, r in results.items():
                     status = "ok  " if r["passed"] else "FAIL"
-                    print(f"[{transfer}] {status} {name}" + ("" if r["passed"] else f": {r.get('error')}"))
-                if args.output:  # each finished transfer is on disk even if a later one is cut short
+                    print(
+                        f"[{transfer}] {status} {name}"
+                        + ("" if r["passed"] else f": {r.get('error')}")
+                    )
+                if (
+                    args.output
+                ):  # each finished transfer is on disk even if a later one is cut short
                     with open(args.output, "w") as f:
-                        json.dump(dict(report, passed=False, partial=True), f, indent=1, default=str)
+                        json.dump(
+                            dict(report, passed=False, partial=True), f, indent=1, default=str
+                        )
     except Exception as exc:  # noqa: BLE001 - the report records why the run stopped
         passed = False
         report["error"] = f"{type(exc).__name__}: {exc}"
