@@ -175,7 +175,8 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     print(
-        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
+        f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
     )
     print(
         f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'replay ms':>9} {'x step':>7} {'x replay':>8} "
@@ -183,8 +184,10 @@ def main(argv=None) -> int:
     )
     for r in rows:
         print(
-            f"{r['batch']:>4} {r['eager_ms']:>9.2f} {r['graph_step_ms']:>9.2f} {r['replay_ms']:>9.2f} "
-            f"{r['speedup_step']:>7.1f} {r['speedup_replay']:>8.1f} {r['floor_ms']:>9.3f} {r['bound']:>6} "
+            f"{r['batch']:>4} {r['eager_ms']:>9.2f} {r['graph_step_ms']:>9.2f} "
+            f"{r['replay_ms']:>9.2f} "
+            f"{r['speedup_step']:>7.1f} {r['speedup_replay']:>8.1f} {r['floor_ms']:>9.3f} "
+            f"{r['bound']:>6} "
             f"{r['eager_of_floor']:>8.3f} {r['replay_of_floor']:>9.3f} {r['tokens_equal']}"
         )
     out = args.out or (

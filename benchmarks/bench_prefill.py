@@ -113,16 +113,20 @@ def main(argv=None) -> int:
         "last_token_equal": same,
     }
     print(
-        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
+        f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
     )
     print(
-        f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} {'floor ms':>9} "
+        f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} "
+        f"{'floor ms':>9} "
         f"{'bound':>6} {'floor/ms':>8}"
     )
     for r in rows:
         print(
-            f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
-            f"{r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['bound']:>6} {r['of_floor']:>8.3f}"
+            f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} "
+            f"{r['tokens_per_s']:>9.0f} "
+            f"{r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['bound']:>6} "
+            f"{r['of_floor']:>8.3f}"
         )
     print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
     out = args.out or (

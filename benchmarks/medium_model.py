@@ -37,7 +37,8 @@ def load_spec(path: str | Path = SPEC):
 
 
 def load_weights(spec, checkpoint: str | None, seed: int = 0):
-    """``(cfg, bf16 CUDA weights, Engram host)`` from a checkpoint directory or the seeded random one."""
+    """``(cfg, bf16 CUDA weights, Engram host)`` from a checkpoint directory or the seeded random
+    one."""
     from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
     from v41plan.model.config import config_from_cache_spec
 

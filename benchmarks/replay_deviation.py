@@ -154,37 +154,45 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     W = spec.dims.sliding_window
     print(
-        f"# decoder replay vs full prefill: spec {args.spec}, W={W}, PAGE={spec.geometry().page_tokens}, "
+        f"# decoder replay vs full prefill: spec {args.spec}, W={W}, "
+        f"PAGE={spec.geometry().page_tokens}, "
         f"random weights seed 0, float32, bf16 main / fp8 index"
     )
     print(
-        "| prompt | last-row max err | last-row mean err | last-row top-1 | decode max err | decode mean err "
+        "| prompt | last-row max err | last-row mean err | last-row top-1 | decode max err | "
+        "decode mean err "
         "| decode top-1 | decoder rows on/off |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in replay_table(spec, w64, eng, cfg, lengths, args.decodes, torch.float32):
         print(
-            f"| {r['prompt']} | {r['last_max']:.3e} | {r['last_mean']:.3e} | {'yes' if r['last_top1'] else 'no'} "
-            f"| {r['dec_max']:.3e} | {r['dec_mean']:.3e} | {r['dec_top1']:.0%} | {r['rows_on']}/{r['rows_off']} |"
+            f"| {r['prompt']} | {r['last_max']:.3e} | {r['last_mean']:.3e} "
+            f"| {'yes' if r['last_top1'] else 'no'} "
+            f"| {r['dec_max']:.3e} | {r['dec_mean']:.3e} | {r['dec_top1']:.0%} | "
+            f"{r['rows_on']}/{r['rows_off']} |"
         )
     qlens = [int(x) for x in args.query_lengths.split(",")]
     print()
     print(
-        "# index-query rounding: FP8 plane (scorer rounds q to E4M3 per row/head) vs published FP4 q/k;"
+        "# index-query rounding: FP8 plane (scorer rounds q to E4M3 per row/head) vs published "
+        "FP4 q/k;"
         " dense reference, float64"
     )
     print(
-        "| prompt | top-k lists identical | ids shared | last-row max err | last-row mean err | last-row top-1 "
+        "| prompt | top-k lists identical | ids shared | last-row max err | last-row mean err | "
+        "last-row top-1 "
         "| top-1 over rows |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in query_rounding_table(cfg, w64, eng, qlens):
         print(
-            f"| {r['prompt']} | {r['lists_identical']:.1%} | {r['ids_shared']:.1%} | {r['last_max']:.3e} "
+            f"| {r['prompt']} | {r['lists_identical']:.1%} | {r['ids_shared']:.1%} | "
+            f"{r['last_max']:.3e} "
             f"| {r['last_mean']:.3e} | {'yes' if r['top1'] else 'no'} | {r['top1_all_rows']:.1%} |"
         )
     print(
-        f"\n(errors are relative to the largest |logit| of the baseline; {time.perf_counter() - t0:.0f} s)"
+        "\n(errors are relative to the largest |logit| of the baseline; "
+        f"{time.perf_counter() - t0:.0f} s)"
     )
     return 0
 

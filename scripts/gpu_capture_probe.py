@@ -51,7 +51,8 @@ def capture_once(x: torch.Tensor, pool, keep: list) -> None:
     new = [seg for seg in snap["segments"] if seg["address"] not in before]
     for seg in new:
         print(
-            f"  segment pool={tuple(seg.get('segment_pool_id', ()))} bytes={seg['total_size']} stream={seg['stream']}"
+            f"  segment pool={tuple(seg.get('segment_pool_id', ()))} bytes={seg['total_size']} "
+            f"stream={seg['stream']}"
         )
         for tr in snap["device_traces"][0]:
             if tr["action"] == "segment_alloc" and tr["addr"] == seg["address"]:

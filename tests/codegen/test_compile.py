@@ -60,13 +60,15 @@ def test_check_reports_stale_file_with_diff_and_fix(tree, capsys):
     assert "--- a/tiny/geometry.py" in lines and "+++ b/tiny/geometry.py" in lines
     assert '-SPEC_NAME: str = "tony"' in lines and '+SPEC_NAME: str = "tiny"' in lines
     assert lines[-1] == (
-        f"generated code is out of date; run `v41plan compile {tree / 'specs'} --out {tree / 'generated'}`"
+        "generated code is out of date; run "
+        f"`v41plan compile {tree / 'specs'} --out {tree / 'generated'}`"
     )
     assert "tony" in geo.read_text()  # --check wrote nothing
 
 
 def test_check_reports_missing_and_extra(tree, capsys):
-    """A deleted file is missing; a stray file in a spec package and an orphaned package are extra."""
+    """A deleted file is missing; a stray file in a spec package and an orphaned package are
+    extra."""
     (tree / "generated" / "tiny40" / "__init__.py").unlink()
     (tree / "generated" / "tiny" / "notes.py").write_text("x = 1\n")
     orphan = tree / "generated" / "gone"
@@ -130,7 +132,8 @@ def test_broken_spec_writes_nothing(tree, capsys):
     rc, out = compile_cli(tree, capsys=capsys)
     assert rc == 1
     assert out == (
-        f"specs/tiny.yaml:{line}:16: page_tokens 31 is not a multiple of ratio 2 (a compressed group "
+        f"specs/tiny.yaml:{line}:16: page_tokens 31 is not a multiple of ratio 2 (a compressed "
+        f"group "
         "must not straddle a PAGE; use a multiple of every ratio)\n"
     )
     assert not (tree / "generated" / "medium").exists()

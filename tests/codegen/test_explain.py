@@ -147,5 +147,6 @@ def test_undeclared_pair_is_refused(tmp_path, capsys):
     spec.write_text((ROOT / "specs" / "tiny.yaml").read_text().replace("[bf16, fp4]", "[bf16]"))
     assert main(["explain", str(spec), "--kv-cache-dtype", "fp4"]) == 2
     assert capsys.readouterr().err == (
-        "v41plan explain: specs/tiny.yaml does not compile the pair fp4/fp8; declared: bf16/fp8, bf16/fp4\n"
+        "v41plan explain: specs/tiny.yaml does not compile the pair fp4/fp8; declared: bf16/fp8, "
+        "bf16/fp4\n"
     )

@@ -1,4 +1,5 @@
-"""Published-layout checkpoints: init-checkpoint, loading, refusals, exactly-once processing, tokenizer."""
+"""Published-layout checkpoints: init-checkpoint, loading, refusals, exactly-once processing,
+tokenizer."""
 
 from __future__ import annotations
 

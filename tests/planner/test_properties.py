@@ -218,8 +218,9 @@ def test_batches_never_overlap_and_padding_writes_nothing(reqs, pad_bs, pad_toke
     rqs = []
     for slot, (prompt_len, start, chunk, decode) in enumerate(reqs):
         if decode:
-            rqs.append(RequestInput(slot=slot, block_table=tuple(range(10)), prompt_len=prompt_len,
-                                    start=prompt_len + start % 100, chunk_len=1, phase="decode"))  # fmt: skip
+            rqs.append(RequestInput(slot=slot, block_table=tuple(range(10)),
+                                    prompt_len=prompt_len, start=prompt_len + start % 100,
+                                    chunk_len=1, phase="decode"))  # fmt: skip
         else:
             start = start % prompt_len
             chunk = 1 + (chunk - 1) % (prompt_len - start)
@@ -274,7 +275,8 @@ def test_chunk_choice_matches_the_plan(prompt_len, resume, budget, cap, hit_fres
         resume -= resume % B  # a rebuild resumes at a hit, on the grid
     choice = choose_prefill_chunk(resume, prompt_len, budget, hash_block=B,
                                   min_final_rows=s.replay.min_final_prefill_rows,
-                                  long_prefill_cap=cap, fresh_slot=fresh, decoder_replay=dec)  # fmt: skip
+                                  long_prefill_cap=cap, fresh_slot=fresh,
+                                  decoder_replay=dec)  # fmt: skip
     point = replay_start_for_spec(s, resume, prompt_len, fresh_slot=fresh, decoder_replay=dec)
     if choice is None:  # the budget cannot carry the forward past the resume point
         assert budget - (resume - point.forward_start) < 1

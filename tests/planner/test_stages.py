@@ -1,4 +1,5 @@
-"""Stage tables: the V4.1-Flash table as the specification states it, and how it follows the spec."""
+"""Stage tables: the V4.1-Flash table as the specification states it, and how it follows the
+spec."""
 
 from __future__ import annotations
 

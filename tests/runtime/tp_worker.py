@@ -1,4 +1,5 @@
-"""Tensor-parallel parity worker, launched by ``tests/runtime/test_tp.py`` under torchrun (gloo, CPU):
+"""Tensor-parallel parity worker, launched by ``tests/runtime/test_tp.py`` under torchrun (gloo,
+CPU):
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/runtime/tp_worker.py \\
         --spec SPEC.yaml --checkpoint DIR --out result.json [--arrangements ep,tp] [--no-quant]

@@ -19,7 +19,8 @@ TRANSFERS = [True, False]  # encoder_swa_bounded_replay: replay / copy
 
 
 def run(llm: LLM, prompts, params=GREEDY, hook=None, max_steps=500):
-    """Add every prompt, step to completion calling ``hook(llm, seqs, batch)`` before each execute."""
+    """Add every prompt, step to completion calling ``hook(llm, seqs, batch)`` before each
+    execute."""
     seqs = [llm.add_request(p, params) for p in prompts]
     inner = llm.runner
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the spec text is data: tests assert its line and column positions)
 """A small valid spec written inline, and helpers to edit and write it (spec tests)."""
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Command-line modules: ``main`` dispatches ``v41plan compile|explain|plan|init-checkpoint|run|bench``."""
+"""Command-line modules: ``main`` dispatches ``v41plan
+compile|explain|plan|init-checkpoint|run|bench``."""

@@ -1,4 +1,5 @@
-"""``v41plan init-checkpoint --spec S --out DIR --seed N``: write a random published-layout checkpoint."""
+"""``v41plan init-checkpoint --spec S --out DIR --seed N``: write a random published-layout
+checkpoint."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(
-        f"wrote {out} ({size / 2**20:.1f} MiB, seed {args.seed}) in {time.perf_counter() - t0:.1f} s"
+        f"wrote {out} ({size / 2**20:.1f} MiB, seed {args.seed}) "
+        f"in {time.perf_counter() - t0:.1f} s"
     )
     return 0

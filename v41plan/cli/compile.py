@@ -1,7 +1,8 @@
 """``v41plan compile SPECS [--check] [--out DIR]``: validate specs and regenerate their code.
 
 ``SPECS`` is a folder (every ``*.yaml`` in it; packages under the generated root compiled from a
-folder of that name whose spec is gone are removed) or one spec file. ``--check`` writes nothing and exits 1 naming every
+folder of that name whose spec is gone are removed) or one spec file. ``--check`` writes nothing
+and exits 1 naming every
 missing, stale or extra file, with a unified diff and the command that fixes it.
 """
 

@@ -5,7 +5,8 @@ of one format pair. ``--json`` prints one object whose names are a stable interf
 
 - ``layers``: ``[{index, segment, role, ratio, kv_owner, topk_owner, uses_candidates, engram}]``
 - ``geometry``: ``{page_tokens, page_bytes, page_unit_bytes, state_bytes, image_bytes,
-  units_per_image, global_kv_bytes_per_token, alignment_bytes, ring_rows, ring_row_bytes, planes: [{name, kind, owner, ratio, row_bytes,
+  units_per_image, global_kv_bytes_per_token, alignment_bytes, ring_rows, ring_row_bytes, planes:
+  [{name, kind, owner, ratio, row_bytes,
   rows_per_page, bytes_per_page, offset}], state_fields: [{name, dtype, shape, offset,
   payload_bytes, bytes, in_checkpoint}]}`` (a state field's ``bytes`` is what it occupies,
   padded to the alignment; an image is the sum of the carried fields' ``bytes``)

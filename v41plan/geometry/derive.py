@@ -63,7 +63,8 @@ def resolve_layers(dims: ModelDims) -> tuple[LayerInfo, ...]:
         if topk_owner is None or topk_owner < kv_owner:
             raise ValueError(f"layer {i} has no index source at or after its KV owner {kv_owner}")
         role = "full" if i == kv_owner else "reindex" if i == topk_owner else "reuse"
-        # Selections come from the candidates when scored inside them or inherited from a layer that was.
+        # Selections come from the candidates when scored inside them or inherited from a layer
+        # that was.
         sel = i if role == "reindex" else topk_owner
         uses_candidates = cand >= 0 and sel > cand
         out.append(

@@ -2,7 +2,8 @@
 
 These frozen dataclasses are what the compiler emits into ``v41plan/generated/<spec>/`` and
 what the planner and executor consume. They import nothing beyond the standard library, so
-``generated/``, ``v41plan.model``, ``v41plan.runtime`` and ``v41plan.serving`` load on machines without pydantic or ruamel.yaml.
+``generated/``, ``v41plan.model``, ``v41plan.runtime`` and ``v41plan.serving`` load on machines
+without pydantic or ruamel.yaml.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class PlaneInfo:
     """One plane of a PAGE unit: an owner's main rows or one of its index planes."""
 
     name: str
-    """``main.<owner>``, ``index.<owner>`` (fp8) or ``index_values.<owner>``/``index_scales.<owner>`` (fp4)."""
+    """``main.<owner>``, ``index.<owner>`` (fp8) or
+    ``index_values.<owner>``/``index_scales.<owner>`` (fp4)."""
     kind: Literal["main", "index", "index_values", "index_scales"]
     owner: int
     """The Full owner layer."""
@@ -85,7 +87,8 @@ class PlaneInfo:
     bytes_per_page: int
     """Bytes of this plane's slice of one PAGE unit."""
     offset: int
-    """Byte offset of this plane's slice inside one PAGE unit (main region first, then index planes)."""
+    """Byte offset of this plane's slice inside one PAGE unit (main region first, then index
+    planes)."""
     region_offset: int
     """Byte offset inside its region: within the main PAGE (main planes) or 0 (index planes)."""
 
@@ -121,7 +124,8 @@ class PoolGeometry:
     main_row_bytes: int
     index_row_bytes: int
     ring_row_bytes: int
-    """Bytes of one SWA ring row: 1024 bf16 at head_dim 512, or FP8 values + E8M0 scales under fp4 main."""
+    """Bytes of one SWA ring row: 1024 bf16 at head_dim 512, or FP8 values + E8M0 scales under fp4
+    main."""
     ring_rows: int
     """Rows of one SWA ring (the window)."""
     page_bytes: int
@@ -193,7 +197,8 @@ class CacheSpec:
         """Return the pool geometry of a format pair, refusing unknown formats."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} is not supported; accepted: {', '.join(KV_CACHE_DTYPES)}"
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
+                f"accepted: {', '.join(KV_CACHE_DTYPES)}"
             )
         if index_cache_dtype not in INDEX_CACHE_DTYPES:
             raise ValueError(

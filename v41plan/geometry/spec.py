@@ -596,7 +596,8 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
     if m.num_attention_heads % m.o_groups:
         raise loc.error(
             (*M, "o_groups"),
-            f"num_attention_heads {m.num_attention_heads} is not divisible by o_groups {m.o_groups}",
+            f"num_attention_heads {m.num_attention_heads} is not divisible by o_groups "
+            f"{m.o_groups}",
             "choose o_groups dividing the head count",
         )
     n, draft = m.num_hidden_layers, m.num_nextn_predict_layers
@@ -640,7 +641,8 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
                 raise loc.error(
                     (*M, key, i),
                     f"{what} {x} has compress ratio 0",
-                    f"a window-only layer owns no compressed rows; drop it or give layer {x} ratio 1 or 2",
+                    f"a window-only layer owns no compressed rows; drop it or give layer {x} "
+                    f"ratio 1 or 2",
                 )
     index = set(m.index_source_layer_ids)
     for i, x in enumerate(m.kv_source_layer_ids):
@@ -664,7 +666,8 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
                 (*M, "candidate_topk_blocks"),
                 f"candidate capacity {m.candidate_topk_blocks} x {m.candidate_block_size} = "
                 f"{capacity} rows is below index_topk {m.index_topk}",
-                "raise candidate_topk_blocks or candidate_block_size so blocks x size >= index_topk",
+                "raise candidate_topk_blocks or candidate_block_size so blocks x size >= "
+                "index_topk",
             )
 
 

@@ -342,7 +342,8 @@ class LoadedCheckpoint:
         return w
 
     def engram_host(self) -> EngramHost:
-        """Host Engram half: the real token map from ``tokenizer.json`` when present, else synthetic."""
+        """Host Engram half: the real token map from ``tokenizer.json`` when present, else
+        synthetic."""
         cfg = self.config
         tok = (self.path / "tokenizer.json") if self.path is not None else None
         if tok is not None and tok.exists():

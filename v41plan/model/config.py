@@ -108,7 +108,8 @@ class ModelConfig:
             object.__setattr__(self, "engram_num_embeddings", derived)
         elif tuple(self.engram_num_embeddings) != derived:
             raise ValueError(
-                f"engram_num_embeddings = {list(self.engram_num_embeddings)} disagrees with the prime "
+                f"engram_num_embeddings = {list(self.engram_num_embeddings)} disagrees with the "
+                f"prime "
                 f"layout derived from engram_vocab_size={self.engram_vocab_size}: {list(derived)}"
             )
         if self.num_key_value_heads != 1 or self.n_shared_experts != 1:
@@ -127,7 +128,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a ``config.json`` mapping: flat, or with the text fields under ``text_config``."""
+        """Build from a ``config.json`` mapping: flat, or with the text fields under
+        ``text_config``."""
         flat = {k: v for k, v in cfg.items() if k not in _TOP_LEVEL_KEYS}
         flat.update(cfg.get("text_config") or {})
         flat.pop("model_type", None)

@@ -70,7 +70,8 @@ def normalize_token_text(text: str) -> str:
 
 
 def token_map_from_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> np.ndarray:
-    """The real token map from a ``tokenizers.Tokenizer``: distinct normalized strings, first-seen order.
+    """The real token map from a ``tokenizers.Tokenizer``: distinct normalized strings, first-seen
+    order.
 
     A token that decodes to U+FFFD (a partial byte) is keyed by its raw token string instead.
     """
@@ -124,7 +125,8 @@ def _primes(vocab: int, n_layers: int, max_ngram: int, n_heads: int) -> tuple[tu
 
 
 def engram_primes(config: Any) -> np.ndarray:
-    """Moduli ``[n_engram_layers, (max_ngram-1)*n_heads]``, order-major, head-minor, all distinct."""
+    """Moduli ``[n_engram_layers, (max_ngram-1)*n_heads]``, order-major, head-minor, all
+    distinct."""
     return np.array(
         _primes(
             config.engram_vocab_size,
@@ -148,7 +150,8 @@ def engram_offsets(config: Any) -> np.ndarray:
 
 
 def engram_multipliers(config: Any) -> np.ndarray:
-    """Odd hash multipliers ``[n_engram_layers, max_ngram]`` from ``default_rng(10007 * layer_id)``."""
+    """Odd hash multipliers ``[n_engram_layers, max_ngram]`` from ``default_rng(10007 *
+    layer_id)``."""
     bound = max(1, (_INT64_MAX // config.engram_compressed_vocab_size) // 2)
     out = []
     for layer_id in config.engram_layer_ids:
@@ -282,7 +285,8 @@ class EngramTable:
         return cls(codes, scales, codes.shape[0], codes.shape[1])
 
     def read(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``float8_e4m3fn`` ``[*rows.shape, width]``, ``float8_e8m0fnu`` ``[*rows.shape, width/32]``)."""
+        """(``float8_e4m3fn`` ``[*rows.shape, width]``, ``float8_e8m0fnu`` ``[*rows.shape,
+        width/32]``)."""
         flat = np.asarray(rows, dtype=np.int64).reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= self.rows):
             raise IndexError(f"Engram row id out of range [0, {self.rows})")
@@ -308,7 +312,8 @@ class EngramHost:
     ):
         if int(token_map.max()) + 1 != config.engram_compressed_vocab_size:
             raise ValueError(
-                f"token map has {int(token_map.max()) + 1} compressed ids but engram_compressed_vocab_size "
+                f"token map has {int(token_map.max()) + 1} compressed ids but "
+                f"engram_compressed_vocab_size "
                 f"is {config.engram_compressed_vocab_size}"
             )
         self.config = config
@@ -331,7 +336,8 @@ class EngramHost:
         history: np.ndarray | None = None,
         text_mask: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Row ids ``[S, n_layers, cols]`` for a forward's final token ids, and the advanced history."""
+        """Row ids ``[S, n_layers, cols]`` for a forward's final token ids, and the advanced
+        history."""
         hist = (
             empty_history(self.layout) if history is None else np.asarray(history, dtype=np.int64)
         )

@@ -9,7 +9,8 @@ to bf16 (linear outputs, index scores, the pooled latent before the compressor n
 rounding happens only when the compute dtype is bf16; float32/float64 keep their precision.
 The ratio-2 compressor projections are always rounded to float32 (the FP32 tails hold them).
 
-Tensor parallelism (``v41plan.model.sharding``, ``v41plan.runtime.collectives``): the weights given may be one rank's shard; local
+Tensor parallelism (``v41plan.model.sharding``, ``v41plan.runtime.collectives``): the weights given
+may be one rank's shard; local
 sizes come from the sliced weights (heads of ``wq_b``/``attn_sink``, output groups of ``wo_a``,
 index heads of ``indexer.wq_b``/``weights_proj``, whole experts or the intermediate slice of
 ``w1``/``w3``/``w2``). ``Attention.output`` all-reduces after ``wo_b`` and ``MoE`` its routed +
@@ -330,7 +331,8 @@ class Attention:
     def q_path(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q ``[N,H,d]`` with RoPE, qr ``[N,q_lora]`` the normed latent shared with the indexer)."""
+        """(q ``[N,H,d]`` with RoPE, qr ``[N,q_lora]`` the normed latent shared with the
+        indexer)."""
         qr = rms_norm(self.wq_a(x), self.q_norm, self.eps)
         q = self.wq_b(qr).reshape(x.shape[0], self.H, self.d)
         return apply_rope(q, cos, sin), qr
@@ -342,7 +344,8 @@ class Attention:
 
     # compressor
     def compress_project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token compressor projections: ratio 2 (v, g) in float32; ratio 1 (v, None) in dtype."""
+        """Per-token compressor projections: ratio 2 (v, g) in float32; ratio 1 (v, None) in
+        dtype."""
         if self.ratio == 2:
             xa = x.to(self.comp_wkv.dtype)
             v = F.linear(xa, self.comp_wkv).to(torch.float32)
@@ -357,7 +360,8 @@ class Attention:
         v_second: torch.Tensor,
         g_second: torch.Tensor,
     ) -> torch.Tensor:
-        """Ratio 2: softmax-gated pooling of a closed pair, then the compressor norm (pre-RoPE latent)."""
+        """Ratio 2: softmax-gated pooling of a closed pair, then the compressor norm (pre-RoPE
+        latent)."""
         a = acc_dtype(self.dtype)
         g = torch.stack([g_first, g_second]).to(a)
         v = torch.stack([v_first, v_second]).to(a)
@@ -398,7 +402,8 @@ class Attention:
         sin: torch.Tensor,
         index_cache_dtype: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(qi ``[N,nih,ihd]``, its per-(token, head) fp32 scale ``[N,nih,1]`` for ``"fp8"`` else None,
+        """(qi ``[N,nih,ihd]``, its per-(token, head) fp32 scale ``[N,nih,1]`` for ``"fp8"`` else
+        None,
         head weights ``[N,nih]`` scaled by ``ihd^-0.5 * nih^-0.5``)."""
         qi = self.idx_wq_b(qr).reshape(x.shape[0], self.nih, self.ihd)
         qi = apply_rope(qi, cos, sin)
@@ -527,7 +532,8 @@ class EngramLayer:
     def __call__(
         self, X: torch.Tensor, emb: torch.Tensor, text_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Streams ``X`` ``[N,hc,D]`` plus the gated value of the dequantized rows ``emb`` ``[N,cols,hd]``."""
+        """Streams ``X`` ``[N,hc,D]`` plus the gated value of the dequantized rows ``emb``
+        ``[N,cols,hd]``."""
         a = acc_dtype(self.dtype)
         n, hc, D = X.shape
         eps = self.cfg.rms_norm_eps

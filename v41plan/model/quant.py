@@ -177,7 +177,8 @@ def _lookup_table(values: tuple, dtype: torch.dtype, device: torch.device) -> to
 
 
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
-    """Values on the E2M1 grid ``[..., K]`` -> uint8 ``[..., K/2]``, even index in the low nibble."""
+    """Values on the E2M1 grid ``[..., K]`` -> uint8 ``[..., K/2]``, even index in the low
+    nibble."""
     v = values.to(torch.float32)
     # 2*|v| is one of 0,1,2,3,4,6,8,12: a 13-entry table gives the magnitude code
     table = _lookup_table((0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7), torch.uint8, v.device)
@@ -216,7 +217,8 @@ def dequant_fp8_blocks(
 
 
 def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense weight ``[out, in]`` -> E4M3 + E8M0 scales ``[ceil(out/32), ceil(in/32)]`` (ue8m0)."""
+    """A dense weight ``[out, in]`` -> E4M3 + E8M0 scales ``[ceil(out/32), ceil(in/32)]``
+    (ue8m0)."""
     out_f, in_f = w.shape
     ro, ri = -(-out_f // block), -(-in_f // block)
     pad = torch.zeros(ro * block, ri * block, dtype=torch.float32)
@@ -237,7 +239,8 @@ def dequant_fp8_weight(
 
 
 def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """A routed-expert weight ``[out, in]`` -> packed E2M1 int8 ``[out, in/2]`` + E8M0 ``[out, in/32]``."""
+    """A routed-expert weight ``[out, in]`` -> packed E2M1 int8 ``[out, in/2]`` + E8M0 ``[out,
+    in/32]``."""
     wb = _blocks(w.to(torch.float32), block)
     s = pow2ceil(_amax(wb, FP4_E8M0_AMAX_FLOOR) / E2M1_MAX)
     q = round_e2m1(wb / s).reshape(w.shape)
@@ -247,7 +250,8 @@ def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
 def dequant_fp4_weight(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Packed E2M1 ``[out, in/2]`` with E8M0 per-32 scales ``[out, in/32]`` -> ``dtype`` ``[out, in]``."""
+    """Packed E2M1 ``[out, in/2]`` with E8M0 per-32 scales ``[out, in/32]`` -> ``dtype`` ``[out,
+    in]``."""
     v = unpack_e2m1(packed)
     block = v.shape[-1] // scale.shape[-1]
     s = e8m0_decode(scale).repeat_interleave(block, dim=-1)

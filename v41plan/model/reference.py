@@ -124,7 +124,8 @@ class ReferenceModel:
         self.experts: dict[int, torch.Tensor] = {}
         """Expert ids ``[N, k]`` per layer in the last call."""
         self.layer_inputs: list[torch.Tensor] = []
-        """Streams entering each layer in the last call (after any Engram), when ``trace`` is set."""
+        """Streams entering each layer in the last call (after any Engram), when ``trace`` is
+        set."""
         self.trace = False
         self.forced_selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[N, index_topk]`` to use instead of the computed one, per index source

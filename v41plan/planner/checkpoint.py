@@ -229,7 +229,8 @@ class CopyPlanner:
         self.layout = layout or image_layout(geometry)
         if self.layout.layout_id != geometry.layout_id:
             raise CopyError(
-                f"span table is for layout {self.layout.layout_id!r}, pool is {geometry.layout_id!r}"
+                f"span table is for layout {self.layout.layout_id!r}, pool is "
+                f"{geometry.layout_id!r}"
             )
         self.regions = regions(geometry)
 

@@ -95,7 +95,8 @@ class StageTable:
     owners: tuple[int, ...]
     """Full owners (layers with a compress sub-step)."""
     rows: tuple[tuple[tuple[str, ...], ...], ...]
-    """``rows[phase][layer][sub_step]``: a ``ROW_SETS`` name (indices as ``PHASES``/``SUB_STEPS``)."""
+    """``rows[phase][layer][sub_step]``: a ``ROW_SETS`` name (indices as
+    ``PHASES``/``SUB_STEPS``)."""
     floors: tuple[tuple[str, ...], ...]
     """``floors[phase][layer]``: the layer's window floor (a ``FLOORS`` name)."""
     stage_bounds: tuple[tuple[str, int, int], ...]

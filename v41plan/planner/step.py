@@ -55,7 +55,8 @@ class RequestInput:
     """Prefix-cache hit in tokens (on the hash-block grid), 0 if none; reported, never changed."""
     fresh_slot: bool = False
     """True when the slot holds no state for this request (zeroed). With ``start > 0`` this is an
-    encoder-replay rebuild: the forward starts a hash block below ``start`` and rebuilds the rings."""
+    encoder-replay rebuild: the forward starts a hash block below ``start`` and rebuilds the
+    rings."""
     token_ids: tuple[int, ...] | np.ndarray | None = None
     """The request's Engram-compressed token ids by position (-1 for DEAD/unknown), at least the
     ``replay_history_tokens`` positions before the forward start; only read when the forward
@@ -175,7 +176,8 @@ class CompressPlan:
     compressed_rows: np.ndarray
     """int64 compressed row id ``pos // r`` (main/index row inside the owner's pages)."""
     rope_positions: np.ndarray
-    """int64 first position of the group ``compressed_row * r``: RoPE of the latent and index key."""
+    """int64 first position of the group ``compressed_row * r``: RoPE of the latent and index
+    key."""
     first_from_tail: np.ndarray
     """bool: the group's first member is the slot's FP32 tail: the group began below
     ``swa_cached_until`` (before the forward, or before the resume point of a backed-off one)."""

@@ -106,7 +106,8 @@ def tp_score_candidates_topk(
     block_rows: int,
     topk_blocks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kb.score_candidates_topk`` over this rank's index heads (reduced scores, as ``tp_score_topk``)."""
+    """``kb.score_candidates_topk`` over this rank's index heads (reduced scores, as
+    ``tp_score_topk``)."""
     if tp.size == 1:
         return kb.score_candidates_topk(
             planes, q, weights, bound, pages, topk, block_rows, topk_blocks

@@ -288,7 +288,8 @@ class DecodeForward:
         w.pre[:, 0] = 1
 
     def pre_attention(self, L: int, w: _Width):
-        """Dense piece before attention: Engram, mHC prediction and collapse, norm, q and window KV."""
+        """Dense piece before attention: Engram, mHC prediction and collapse, norm, q and window
+        KV."""
         m, cfg = self.model, self.model.cfg
         info = cfg.layers[L]
         eps = cfg.rms_norm_eps
@@ -414,7 +415,8 @@ class DecodeForward:
         )
 
     def post_attention(self, L: int, w: _Width, pieces) -> None:
-        """Dense piece after attention: output projection, mHC expand, FFN (MoE); updates ``X``/``pre``."""
+        """Dense piece after attention: output projection, mHC expand, FFN (MoE); updates
+        ``X``/``pre``."""
         m, cfg = self.model, self.model.cfg
         eps = cfg.rms_norm_eps
         a_pre, a_post, a_C, _, cos, sin, _, _, _ = pieces
@@ -429,7 +431,8 @@ class DecodeForward:
         w.pre.copy_(f_pre)
 
     def head(self, w: _Width) -> torch.Tensor:
-        """Logits ``[b, vocab]`` at each request's last row (zeros for padding), then the cursor commit."""
+        """Logits ``[b, vocab]`` at each request's last row (zeros for padding), then the cursor
+        commit."""
         m = self.model
         last = m.buf.last_rows[: w.b]
         lr = last.clamp(min=0)
@@ -442,7 +445,8 @@ class DecodeForward:
 
     @torch.no_grad()
     def run(self, t: int, b: int) -> torch.Tensor:
-        """The whole decode forward at width ``(b, t)`` on the loaded buffers (what FULL captures)."""
+        """The whole decode forward at width ``(b, t)`` on the loaded buffers (what FULL
+        captures)."""
         w = self.width(t, b)
         self.embed(w)
         cand, selections = None, {}
@@ -498,7 +502,8 @@ class GraphRunner:
         self.report: dict = {}
         self.pool = None
         self.allocations: list[dict] = []
-        """Per capture: segments it created and those outside the graph pool (see ``capture_guard``)."""
+        """Per capture: segments it created and those outside the graph pool (see
+        ``capture_guard``)."""
         self.primer_allocations: list[dict] = []
         """The same for the primer capture (see ``_prime``)."""
         self._primer = None
@@ -558,7 +563,8 @@ class GraphRunner:
         return self.report
 
     def _pages_equal(self, before: torch.Tensor, after: torch.Tensor, first_page: int) -> bool:
-        """Every PAGE unit from ``first_page`` on (main page and its index-plane slices) is unchanged."""
+        """Every PAGE unit from ``first_page`` on (main page and its index-plane slices) is
+        unchanged."""
         pools = self.model.pools
         g = pools.geometry
         lo, n = pools.page_region

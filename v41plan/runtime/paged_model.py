@@ -53,11 +53,13 @@ def check_formats(kv_cache_dtype: str, index_cache_dtype: str) -> None:
     """Refuse an unsupported pool format pair (called before any weight loads)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; accepted: {', '.join(KV_CACHE_DTYPES)}"
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
+            f"accepted: {', '.join(KV_CACHE_DTYPES)}"
         )
     if index_cache_dtype not in INDEX_CACHE_DTYPES:
         raise ValueError(
-            f"index_cache_dtype={index_cache_dtype!r} is not supported; accepted: {', '.join(INDEX_CACHE_DTYPES)}"
+            f"index_cache_dtype={index_cache_dtype!r} is not supported; "
+            f"accepted: {', '.join(INDEX_CACHE_DTYPES)}"
         )
 
 
@@ -236,7 +238,8 @@ class RuntimeModel:
             if info.engram:
                 self.engram_layers[info.index] = EngramLayer(cfg, w, p, dtype)
         self.row_counts: Counter = Counter()
-        """Rows each ``(layer, sub_step)`` ran, summed over forwards (the replay row-count check)."""
+        """Rows each ``(layer, sub_step)`` ran, summed over forwards (the replay row-count
+        check)."""
         self.selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward (-1 on
         rows that did not select)."""
@@ -326,7 +329,8 @@ class RuntimeModel:
             raise ValueError(f"forward given {ids_np.shape[0]} rows but its step declares {t}")
         if ids_np.shape[0] < plan.scheduled_tokens:
             raise ValueError(
-                f"forward given {ids_np.shape[0]} rows but its step schedules {plan.scheduled_tokens}"
+                f"forward given {ids_np.shape[0]} rows but its step schedules "
+                f"{plan.scheduled_tokens}"
             )
         ids_full = np.zeros(t, dtype=np.int64)
         ids_full[: ids_np.shape[0]] = ids_np

@@ -198,7 +198,8 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         raise _fail(
             "encoder_swa_bounded_replay",
             True,
-            f"needs page_tokens >= window - 1 = {d.sliding_window - 1}; accepted with this spec: False",
+            f"needs page_tokens >= window - 1 = {d.sliding_window - 1}; accepted with this spec: "
+            f"False",
         )
     if o.device not in (None, "cpu", "cuda"):
         raise _fail("device", o.device, "accepted: cpu, cuda")

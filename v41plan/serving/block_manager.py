@@ -204,7 +204,8 @@ class BlockManager:
         return self.free_slots.popleft()
 
     def free_slot(self, slot: int) -> None:
-        """Return a STATE slot; the next admission takes it first, and its first forward resets it."""
+        """Return a STATE slot; the next admission takes it first, and its first forward resets
+        it."""
         self.free_slots.appendleft(slot)
 
     # ---- images (copy transfer) ----------------------------------------------------------
@@ -230,7 +231,8 @@ class BlockManager:
         return RestoreOp(tuple(im.units), slot, im.position)
 
     def begin_store(self, key: bytes, slot: int, position: int) -> bool:
-        """Queue a store of ``slot`` as the image of ``key``; refuses rather than evict partially."""
+        """Queue a store of ``slot`` as the image of ``key``; refuses rather than evict
+        partially."""
         if self.transfer != "copy" or key in self.images:
             return False
         need = self.units_per_image
@@ -276,7 +278,8 @@ class BlockManager:
         return False
 
     def drop_images(self) -> int:
-        """Forget every READY unpinned image (the validator's missing-image case); returns the count."""
+        """Forget every READY unpinned image (the validator's missing-image case); returns the
+        count."""
         n = 0
         while self._evict_image():
             n += 1

@@ -156,7 +156,8 @@ class LLM:
         params.validate(self.vocab_size)
         if len(ids) >= self.options.max_model_len:
             raise ValueError(
-                f"prompt of {len(ids)} tokens does not fit max_model_len={self.options.max_model_len}"
+                f"prompt of {len(ids)} tokens does not fit "
+                f"max_model_len={self.options.max_model_len}"
             )
 
     def add_request(
@@ -322,7 +323,8 @@ class ByteTokenizer:
 
 
 def _default_tokenizer(spec: CacheSpec, checkpoint: str | None):
-    """``tokenizer.json`` beside the checkpoint, else byte-level ids (the tiny specs' vocabulary)."""
+    """``tokenizer.json`` beside the checkpoint, else byte-level ids (the tiny specs'
+    vocabulary)."""
     try:
         from v41plan.model.config import config_from_cache_spec
         from v41plan.serving.tokenizer import load_tokenizer

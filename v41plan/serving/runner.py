@@ -7,7 +7,8 @@ budgeted are the rows that run. Counters (``stats``) record what each path did: 
 restores, fresh resets, replay rows, decoder-replay steps and tail rows.
 
 Under torchrun every rank runs the identical schedule on its tensor-parallel shard of the
-weights (``v41plan.model.sharding``: heads, index heads, output groups, experts) and a full replica of
+weights (``v41plan.model.sharding``: heads, index heads, output groups, experts) and a full replica
+of
 the cache; ``tensor_parallel_size`` is the launched world size, or 1 for a full replica of the
 model on every rank.
 

@@ -76,7 +76,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Cancel a request; it finishes with reason ``aborted`` at the next schedule/postprocess."""
+        """Cancel a request; it finishes with reason ``aborted`` at the next
+        schedule/postprocess."""
         if not seq.is_finished:
             seq.aborted = True
 

@@ -30,7 +30,8 @@ class Sequence:
     num_cached_tokens: int = 0
     """The cursor: rows whose KV and state a forward has committed."""
     prefill_end: int = 0
-    """Tokens this admission prefills: ``num_tokens`` at admission (preemption re-forwards output)."""
+    """Tokens this admission prefills: ``num_tokens`` at admission (preemption re-forwards
+    output)."""
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
     fresh_start: int | None = None

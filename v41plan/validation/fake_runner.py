@@ -116,7 +116,8 @@ class FakeRunner:
             found = None if state is None else state.position
             if found != req.resume:
                 raise RuntimeError(
-                    f"request {req.seq_id} needs state at {req.resume}, found {found} in slot {req.slot}"
+                    f"request {req.seq_id} needs state at {req.resume}, found {found} in slot "
+                    f"{req.slot}"
                 )
             ring = state.ring
         rows = []

@@ -132,7 +132,8 @@ class Validator:
         return self._memo[key]
 
     def warm(self, prompt, warm_prompts, **overrides) -> Route:
-        """The prompt alone after ``warm_prompts`` ran to completion (it resumes from their prefix)."""
+        """The prompt alone after ``warm_prompts`` ran to completion (it resumes from their
+        prefix)."""
         key = (
             "warm",
             tuple(prompt),
@@ -541,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         tp = default_tensor_parallel_size(spec, info.world_size, args.enable_expert_parallel)
         if info.is_main and tp != info.world_size:
             print(
-                f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs a full "
+                f"note: {spec.name} does not split over {info.world_size} ranks; every rank runs "
+                f"a full "
                 f"replica (tensor_parallel_size=1) on the identical schedule"
             )
     base_options = {

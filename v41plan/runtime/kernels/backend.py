@@ -32,7 +32,8 @@ class RingWrite(Protocol):
         write_from: torch.Tensor,
         sink_slot: int,
     ) -> None:
-        """Write window-KV rows ``kv [T, head_dim]`` into one layer's rings ``ring [slots+1, R, width]``
+        """Write window-KV rows ``kv [T, head_dim]`` into one layer's rings ``ring [slots+1, R,
+        width]``
         at ``(slot[T], position mod R)``; rows with ``slot < 0`` or ``position < write_from[T]``
         write nothing. Packs to the ring's format (bf16, or E4M3 + E8M0/32 bytes)."""
 
@@ -127,7 +128,8 @@ class Scorer(Protocol):
         block_rows: int,
         topk_blocks: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The candidate source: its own (unrestricted) top-k and the candidate mask, one scoring."""
+        """The candidate source: its own (unrestricted) top-k and the candidate mask, one
+        scoring."""
 
     def candidate_blocks(
         self, scores: torch.Tensor, bound: torch.Tensor, block_rows: int, topk_blocks: int
@@ -169,13 +171,54 @@ class AttentionGather(Protocol):
         selected rows, never the whole history."""
 
 
+class SparseAttention(Protocol):
+    """Sparse attention of query rows over their window and selected compressed rows, reading
+    the ring and the main plane in place (the fused form of the two gathers and the softmax)."""
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        sink: torch.Tensor,
+        scale: float,
+        ring: torch.Tensor,
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        slot: torch.Tensor,
+        position: torch.Tensor,
+        window_lo: torch.Tensor,
+        ring_until: torch.Tensor,
+        window: int,
+        plane: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        pages: torch.Tensor | None,
+        rows_per_page: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Write ``out [Tq, H, d]`` (``q``'s dtype): attention of ``q [Tq, H, d]`` (RoPE applied)
+        over each row's keys, which are also its values (MQA over one latent):
+
+        - its window, positions ``[max(window_lo, pos - W + 1), pos]`` (``W = window``): those
+          below ``ring_until [Tq]`` from ``ring [slots+1, R, width]`` at ``(slot, p mod R)``
+          (bf16, or E4M3 + E8M0/32 bytes), the others from this forward's rows ``kv [T, d]``,
+          position ``p`` at flat row ``rows[i] - (pos - p)``; a row with ``slot < 0`` has none;
+        - its selected compressed rows ``ids [Tq, K]`` (-1: none; ``plane`` None for a
+          window-only layer): row ``c`` at ``(pages[i, c // rows_per_page], c % rows_per_page)``
+          of ``plane [pages+1, rows_per_page, width]`` (bf16, or FP4 E2M1 + E4M3/16 bytes); a
+          missing page (-1) is no key.
+
+        Logits ``q . k * scale``; the per-head sink ``sink [H]`` adds ``exp(sink)`` to the
+        denominator only; a row with no key gets 0. Accumulates in float32 (float64 for float64
+        inputs); probabilities are not rounded."""
+
+
 class CursorWrite(Protocol):
     """The cursor commit after a forward."""
 
     def cursor_write(
         self, cursor: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, sink_slot: int
     ) -> None:
-        """Commit ``[position, Engram history...]`` per request after the forward; slot -1 skipped."""
+        """Commit ``[position, Engram history...]`` per request after the forward; slot -1
+        skipped."""
 
 
 class CheckpointCopy(Protocol):
@@ -193,6 +236,7 @@ class KernelBackend(
     IndexKeyStore,
     Scorer,
     AttentionGather,
+    SparseAttention,
     CursorWrite,
     CheckpointCopy,
     Protocol,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from v41plan.model import quant as Q
+from v41plan.model.layers import sparse_attention as _attend
 
 
 # -- codecs: the quantizers' own rounding (v41plan.model.quant), split into codes and scales ------
@@ -41,7 +42,8 @@ def decode_fp4_e4m3_scales(
 
 
 def encode_fp4_e8m0(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index-key FP4 (``quant.fake_fp4``'s grid): ``(packed E2M1 [..., d/2], E8M0 bytes [..., d/32])``."""
+    """Index-key FP4 (``quant.fake_fp4``'s grid): ``(packed E2M1 [..., d/2], E8M0 bytes [...,
+    d/32])``."""
     xb = _blocks(x.to(torch.float32), block)
     s = Q.pow2ceil(_amax(xb, Q.FP4_E8M0_AMAX_FLOOR) / Q.E2M1_MAX)
     codes = Q.round_e2m1(xb / s).flatten(-2)
@@ -95,7 +97,8 @@ def _put_rows(
     keep: torch.Tensor,
     sink: tuple[int, ...],
 ) -> None:
-    """``dest[idx] = rows`` where ``keep``; other rows go to ``sink`` with the bytes it already holds."""
+    """``dest[idx] = rows`` where ``keep``; other rows go to ``sink`` with the bytes it already
+    holds."""
     sink_idx = tuple(torch.full_like(i, s) for i, s in zip(idx, sink))
     idx = tuple(torch.where(keep, i, s) for i, s in zip(idx, sink_idx))
     held = dest[tuple(s[:1] for s in sink_idx)].expand_as(rows)
@@ -226,7 +229,8 @@ class TorchBackend:
         """Index scores ``[T, P*rows]`` of every query row over its own pages, ``-inf`` past its
         bound or on a missing page. The query is rounded to the plane's grid here (fp8: E4M3 per
         (row, head) with an fp32 scale; fp4: E2M1 with E8M0 per 32 lanes), and the score is
-        ``sum_h relu(q_h . k) * w_h`` in the same operation order as ``layers.Attention.index_scores``."""
+        ``sum_h relu(q_h . k) * w_h`` in the same operation order as
+        ``layers.Attention.index_scores``."""
         d = q.shape[-1]
         keys, k_scale = self.index_keys(planes, pages, d, q.dtype)
         if k_scale is None:
@@ -298,6 +302,35 @@ class TorchBackend:
         valid = valid & (page >= 0)
         page = torch.where(valid, page, plane.shape[0] - 1)
         return self.main_values(plane[page, c % rows_per_page], head_dim, dtype), valid
+
+    def sparse_attention(
+        self,
+        q,
+        sink,
+        scale,
+        ring,
+        kv,
+        rows,
+        slot,
+        position,
+        window_lo,
+        ring_until,
+        window,
+        plane,
+        ids,
+        pages,
+        rows_per_page,
+        out,
+    ):
+        keys, valid = self.gather_window(
+            ring, kv, rows, slot, position, window_lo, ring_until, window
+        )
+        if plane is not None:
+            sel, ok = self.gather_selected(plane, ids, pages, rows_per_page, kv.shape[1], kv.dtype)
+            keys, valid = torch.cat((keys, sel), 1), torch.cat((valid, ok), 1)
+        nq, k = valid.shape
+        idx = torch.where(valid, torch.arange(nq * k, device=valid.device).view(nq, k), -1)
+        out.copy_(_attend(q, keys.reshape(nq * k, -1), idx, sink, scale))
 
     # -- cursor -------------------------------------------------------------------------------
     def cursor_write(self, cursor, slot, values, sink_slot):
