@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         print("bench_decode.py needs a CUDA device")
         return 2
     from v41plan.planner.step import RequestInput, StepInput, plan_step
-    from v41plan.runtime.graphs import GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import CudaGraphs, capture_buckets
     from v41plan.runtime.paged_model import RuntimeModel
 
     ceil = measure_ceilings()
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     geom = m.geometry
     kv_row_bytes = next(p.row_bytes for p in geom.planes if p.kind == "main")
     index_row_bytes = next((p.row_bytes for p in geom.planes if p.kind != "main"), 0)
-    runner = GraphRunner(
+    runner = CudaGraphs(
         m, spec, [b for b in capture_buckets(spec, max_bs, max_bs) if b[0] in sizes], "FULL"
     )
     capture = runner.capture()
@@ -125,21 +125,23 @@ def main(argv=None) -> int:
             ),
             running_bs=bs,
             running_tokens=bs,
-            block_table_width=m.buf.block_tables.shape[1],
+            block_table_width=m.table_width,
         )
         plan = plan_step(step, spec)
         tok = np.array([ids[i][args.context] for i in range(bs)])
         snap = m.pools.backing.clone()  # both paths run the step from the same pool state
         want = m.forward(plan, tok).logits.float()
         m.pools.backing.copy_(snap)
-        got = runner.replay(plan, tok).float()
+        got = runner.run(m.prepare(plan, tok)).logits.float()
         m.pools.backing.copy_(snap)
         del snap
         same = bool(torch.equal(want.argmax(-1), got.argmax(-1)))
         max_diff = (want - got).abs().max().item()
         eager_s = time_host(lambda plan=plan, tok=tok: m.forward(plan, tok), args.iters)
-        graph_s = time_host(lambda plan=plan, tok=tok: runner.replay(plan, tok), args.iters)
-        g = runner.graphs[(bs, 1)]
+        graph_s = time_host(
+            lambda plan=plan, tok=tok: runner.run(m.prepare(plan, tok)).logits, args.iters
+        )
+        g = runner.graphs[m.prepare(plan, tok).key]
         replay_s = time_device(g.replay, args.iters)
         fl = step_floor(
             cfg, weights, plan, ceil, kv_row_bytes=kv_row_bytes, index_row_bytes=index_row_bytes

@@ -4,7 +4,7 @@
 
 Captures a small matmul three times into one private pool (the third after the first two graphs
 are freed) with the allocator's history on, and prints every segment each capture created with
-its pool id, size and the stack of the allocation that created it. ``GraphRunner._prime``
+its pool id, size and the stack of the allocation that created it. ``CudaGraphs._prime``
 exists because of what the first capture shows.
 
 Seen on the H200 (torch 2.11, ``reports/gpu/capture_probe.log``): the first capture makes a 2 MiB

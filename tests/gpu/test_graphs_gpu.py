@@ -69,10 +69,10 @@ def _prefill(spec, m, ids):
 def _graph_vs_eager(spec_name: str, mode: str, kv: str = "bf16", ix: str = "fp8"):
     from tests.runtime.paged_helpers import token_ids
     from v41plan.planner.step import RequestInput, StepInput, plan_step
-    from v41plan.runtime.graphs import GraphRunner, capture_buckets, pad_decode_step, select_bucket
+    from v41plan.runtime.graphs import CudaGraphs, capture_buckets, pad_decode_step, select_bucket
 
     spec, _, (eager, graphed) = _models(spec_name, kv, ix)
-    runner = GraphRunner(graphed, spec, capture_buckets(spec, 4, 64), mode)
+    runner = CudaGraphs(graphed, spec, capture_buckets(spec, 4, 64), mode)
     report = runner.capture()
     ids = [token_ids(p + DECODES, seed) for seed, p in enumerate(PROMPTS)]
     _prefill(spec, eager, ids)
@@ -91,12 +91,10 @@ def _graph_vs_eager(spec_name: str, mode: str, kv: str = "bf16", ix: str = "fp8"
             for s in range(3)
         )
         bucket = select_bucket(runner.buckets, 3, 1)
-        plan = plan_step(
-            pad_decode_step(StepInput(reqs), bucket, graphed.buf.block_tables.shape[1]), spec
-        )
+        plan = plan_step(pad_decode_step(StepInput(reqs), bucket, graphed.table_width), spec)
         flat = np.array([ids[s][done[s]] for s in range(3)])
         want = eager.forward(plan, flat).logits
-        got = runner.replay(plan, flat)
+        got = runner.run(graphed.prepare(plan, flat)).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         assert torch.equal(eager.pools.backing, graphed.pools.backing)
@@ -120,11 +118,13 @@ def test_full_graph_fp4_planes_equal_eager():
 def test_piecewise_replay_equals_eager_decode():
     runner, _ = _graph_vs_eager("tiny", "PIECEWISE")
     layers = len(runner.model.cfg.layers)
-    assert runner.stats["replays"] == 2 * layers * DECODES  # per layer: dense pre and post pieces
+    # the embedding, per layer the dense pieces before and after attention, the head
+    assert runner.replays_per_step() == 2 * layers + 2
+    assert runner.stats["replays"] == (2 * layers + 2) * DECODES
 
 
 def test_capture_restores_the_pools_and_checks_untouched_pages():
-    from v41plan.runtime.graphs import GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import CudaGraphs, capture_buckets
 
     spec, _, (m, _) = _models("tiny")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -132,7 +132,7 @@ def test_capture_restores_the_pools_and_checks_untouched_pages():
         torch.randint(0, 256, m.pools.backing.shape, generator=g, device="cuda", dtype=torch.uint8)
     )
     before = m.pools.backing.clone()
-    runner = GraphRunner(m, spec, capture_buckets(spec, 4, 64), "FULL")
+    runner = CudaGraphs(m, spec, capture_buckets(spec, 4, 64), "FULL")
     report = runner.capture()
     assert report["pages_untouched"] and report["slots_untouched"]
     assert report["untouched_from_page"] >= 1
@@ -140,10 +140,10 @@ def test_capture_restores_the_pools_and_checks_untouched_pages():
 
 
 def test_capture_guard_catches_a_planted_host_sync():
-    from v41plan.runtime.graphs import CaptureGuardError, GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import CaptureGuardError, CudaGraphs, capture_buckets
 
     spec, _, (m, _) = _models("tiny")
-    runner = GraphRunner(m, spec, capture_buckets(spec, 1, 64), "FULL")
+    runner = CudaGraphs(m, spec, capture_buckets(spec, 1, 64), "FULL")
     real = m.backend.cursor_write
 
     def syncing_cursor_write(cursor, slot, values, sink_slot):
@@ -187,10 +187,10 @@ def test_capture_guard_refuses_a_segment_outside_the_graph_pool():
 
 
 def test_runner_capture_allocates_only_inside_its_pool():
-    from v41plan.runtime.graphs import GraphRunner, capture_buckets
+    from v41plan.runtime.graphs import CudaGraphs, capture_buckets
 
     spec, _, (m, _) = _models("tiny40")
-    runner = GraphRunner(m, spec, capture_buckets(spec, 4, 64), "FULL")
+    runner = CudaGraphs(m, spec, capture_buckets(spec, 4, 64), "FULL")
     report = runner.capture()  # refuses a segment outside the pool after the primer
     assert report["segments_outside_graph_pool"] == []
     assert report["pool_ids_reported"]
@@ -220,3 +220,88 @@ def test_engine_with_full_graphs_generates_eager_tokens():
             assert stats["stats"]["graph_steps"] > 0
             assert stats["stats"]["replays"] == stats["stats"]["graph_steps"]
     assert outs["FULL"] == outs["NONE"]
+
+
+def test_a_whole_prefill_and_decode_step_make_no_host_sync():
+    """``prepare`` + ``run`` of a prefill step (decoder replay on, ragged, two requests) and of a
+    decode step, eager and FULL, under ``set_sync_debug_mode("error")``: any synchronizing CUDA
+    call inside raises. The step's results are then read back once, outside."""
+    from tests.runtime.paged_helpers import step, token_ids
+    from v41plan.runtime.graphs import CudaGraphs, capture_buckets, pad_decode_step, select_bucket
+
+    spec, _, (m, g) = _models("tiny40")
+    runner = CudaGraphs(g, spec, capture_buckets(spec, 4, 64), "FULL")
+    runner.capture()
+    ids = [token_ids(40, 1), token_ids(30, 2)]
+    outs = {}
+    for name, model in (("eager", m), ("full", g)):
+        for slot in range(2):
+            model.pools.reset_slot(slot)
+        prefill = step(
+            spec,
+            [(0, TABLES[0], 40, 0, 40, "prefill"), (1, TABLES[1], 30, 0, 30, "prefill")],
+            decoder_replay=True,
+        )
+        flat = np.concatenate([ids[0], ids[1]])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            first = model.run(model.prepare(prefill, flat))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        from v41plan.planner.step import RequestInput, StepInput, plan_step
+
+        reqs = tuple(
+            RequestInput(slot=s, block_table=TABLES[s], prompt_len=n, start=n, chunk_len=1,
+                         phase="decode")
+            for s, n in ((0, 40), (1, 30))
+        )  # fmt: skip
+        bucket = select_bucket(runner.buckets, 2, 1)
+        dec = plan_step(pad_decode_step(StepInput(reqs), bucket, model.table_width), spec)
+        nxt = np.array([5, 6])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inputs = model.prepare(dec, nxt)
+            res = runner.run(inputs) if model is g else model.run(inputs)
+            assert res is not None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outs[name] = (first.logits.cpu(), res.logits.cpu())
+    assert runner.stats["replays"] == 1
+    torch.testing.assert_close(outs["full"][0], outs["eager"][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs["full"][1], outs["eager"][1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_reads_each_step_back_once_without_a_sync_inside():
+    """An engine step on the paged runner: everything before the readback runs under the sync
+    debug mode (the readback itself is the step's one device-to-host transfer)."""
+    from v41plan.serving.engine import LLM
+    from v41plan.serving.sampling import SamplingParams
+
+    llm = LLM("tiny40", enforce_eager=False, cudagraph_mode="FULL", device="cuda",
+              dtype="float32", max_num_seqs=4, max_model_len=256)  # fmt: skip
+    runner = llm.runner
+    real = runner.read_back
+    seen = []
+
+    def guarded_read_back(res, want_rows):
+        torch.cuda.set_sync_debug_mode("default")  # the readback is the one transfer
+        seen.append(res.logits.shape)
+        return real(res, want_rows)
+
+    runner.read_back = guarded_read_back
+    real_execute = runner.execute
+
+    def execute(batch):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_execute(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.execute = execute
+    out = llm.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert len(seen) == llm.batches

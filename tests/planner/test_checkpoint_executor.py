@@ -19,12 +19,10 @@ pools_mod = pytest.importorskip("v41plan.runtime.pools")
 def test_store_spans_match_pool_image_addresses(pair):
     g = spec("tiny").geometry(*pair)
     pools = pools_mod.Pools(g, num_pages=8, num_slots=4)
-    if not hasattr(pools, "image_addresses") or not hasattr(pools, "_plane_regions"):
-        pytest.skip("pools expose no image addresses")
     units = (5, 2)[: g.units_per_image]
     state_addr, unit_addr = pools.image_addresses(3, torch.tensor(units))
     spans = CopyPlanner(g, 8, 4).store(ImageOp(3, units, g.layout_id, g.image_bytes))
-    base = {"state": pools.state_region[0], "page": pools.page_region[0], **pools._plane_regions}
+    base = pools.region_bases()
     names = CopyPlanner(g, 8, 4).regions
     src, dst = [], []
     for sr, so, dr, do, n in zip(

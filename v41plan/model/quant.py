@@ -176,12 +176,23 @@ def _lookup_table(values: tuple, dtype: torch.dtype, device: torch.device) -> to
     return t
 
 
+_PACK_TABLE = (0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7)
+"""E2M1 magnitude code of ``2 * |v|`` (0, 1, 2, 3, 4, 6, 8, 12 -> codes 0..7)."""
+
+
+def warm_tables(device: torch.device) -> None:
+    """Build the constant tables on ``device`` now, so no later call copies one from the host."""
+    dev = torch.empty(0, device=device).device  # "cuda" resolves to the current index
+    _lookup_table(_PACK_TABLE, torch.uint8, dev)
+    _lookup_table(E2M1_VALUES + tuple(-m for m in E2M1_VALUES), torch.float32, dev)
+
+
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     """Values on the E2M1 grid ``[..., K]`` -> uint8 ``[..., K/2]``, even index in the low
     nibble."""
     v = values.to(torch.float32)
     # 2*|v| is one of 0,1,2,3,4,6,8,12: a 13-entry table gives the magnitude code
-    table = _lookup_table((0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7), torch.uint8, v.device)
+    table = _lookup_table(_PACK_TABLE, torch.uint8, v.device)
     code = table[(v.abs() * 2).to(torch.long)] | (torch.signbit(v).to(torch.uint8) << 3)
     code = code.reshape(*code.shape[:-1], code.shape[-1] // 2, 2)
     return code[..., 0] | (code[..., 1] << 4)

@@ -1,34 +1,42 @@
 """The paged runtime model: the reference's weights and arithmetic over PAGE/STATE pools.
 
-A forward consumes a ``StepPlan`` (``v41plan.planner.step``): its arrays are copied into
-fixed-address buffers sized to the largest width the model was built for, and every layer
-runs each sub-step (``ring_write``, ``compress``, ``attention``, ``ffn``) on the rows the plan
-gives it. With decoder replay off (or in decode) that is every row of the flat batch; with it
-on, the stage table narrows the decoder to each finishing request's tail and the last layer's
-query to its last row. Layers run by the plan's graph stages, each stage's rows gathered
-once. Model arithmetic comes from ``v41plan.model.layers`` (the pieces the
-dense reference calls); pool reads and writes go through a kernel backend
-(``kernels.backend``).
+A forward is two calls. ``prepare(plan, token_ids)`` is host work: it turns a ``StepPlan``
+(``v41plan.planner.step``) into the step's inputs (token ids, positions, per-request bounds,
+block tables, every sub-step's row set as an index tensor, the compressed groups, the Engram
+rows gathered from the tables, the cursor values to commit), writes them into a pinned staging
+workspace and moves them to the device in one non-blocking copy (``staging.Workspace``).
+``run(inputs)`` is pure tensor work on those device views: no host sync, no host data, no
+allocation that depends on data. The same ``run()`` executes eagerly, is captured whole for
+FULL graphs, and is split at attention (``layer_pre`` / ``layer_attention`` / ``layer_post``)
+for PIECEWISE (``v41plan.runtime.graphs``).
+
+With decoder replay off (or in decode) every sub-step runs on every row of the flat batch; with
+it on, the stage table narrows the decoder to each finishing request's tail and the last
+layer's query to its last row. Layers run by the plan's graph stages, each stage's rows
+gathered once. Model arithmetic comes from ``v41plan.model.layers`` (the pieces the dense
+reference calls); pool reads and writes go through a kernel backend (``kernels.backend``).
 
 Order of pool reads and writes per layer: window KV, then (Full owners) the compressed groups
-closing in the forward, paired with the FP32 tails, written to the main and index planes;
-then the query's index selection over the plane (each row its own bound and pages); then
-attention over window rows (the ring below the forward's start, this forward's rows above)
-and the selected compressed rows; a prefill writes its ring rows after attention (the old
-rows stay until every query read its prefix), a decode forward writes first. Positions and
-Engram history (the cursor) are committed after the forward.
+closing in the forward, paired with the FP32 tails, written to the main and index planes; then
+the query's index selection over the plane (each row its own bound and pages); then attention
+over window rows (the ring below the forward's start, this forward's rows above) and the
+selected compressed rows; a prefill writes its ring rows after attention (the old rows stay
+until every query read its prefix), a decode forward writes first. Positions and Engram history
+(the cursor) are committed after the forward; the host keeps a mirror of every slot's cursor
+(``Pools.cursor_host``), so ``prepare`` never reads the device.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
+from v41plan.model import quant
 from v41plan.model.config import ModelConfig, config_from_cache_spec
 from v41plan.model.layers import (
     Attention,
@@ -41,12 +49,26 @@ from v41plan.model.layers import (
     hc_expand,
     hc_predict,
     rms_norm,
-    sparse_attention,
 )
 from v41plan.model.quant import dequant_fp8_blocks
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
 from v41plan.runtime.kernels.torch_ref import TorchBackend
 from v41plan.runtime.pools import Pools
+from v41plan.runtime.staging import Layout, Workspace, build_layout
+
+ALL = None
+"""A row set holding every row of the width (a sub-step or stage that runs every row)."""
+
+_PER_REQUEST = (
+    "forward_start",
+    "forward_end",
+    "cached_until",
+    "swa_cached_until",
+    "swa_replay_start",
+    "encoder_window_floor",
+    "tail_start",
+    "last_rows",
+)
 
 
 def check_formats(kv_cache_dtype: str, index_cache_dtype: str) -> None:
@@ -64,93 +86,96 @@ def check_formats(kv_cache_dtype: str, index_cache_dtype: str) -> None:
 
 
 @dataclass
-class StepBuffers:
-    """Fixed-address metadata buffers; a plan is copied in, never reallocated.
+class StepOutput:
+    """What a forward returns (device tensors)."""
 
-    Per row (``[max_tokens]``): ``positions``, ``batch_ids`` (-1 padding). Per request
-    (``[max_bs]``): ``slots`` (-1 padding), ``block_tables`` (``[max_bs, table_width]``, -1
-    past a table) and the plan's ``forward_start``, ``forward_end``, ``cached_until``,
-    ``swa_cached_until``, ``swa_replay_start``, ``encoder_window_floor``, ``tail_start`` and
-    ``last_rows``, with the meanings ``StepPlan`` gives them.
-    """
+    logits: torch.Tensor
+    """``[running_bs, vocab]`` at each request's last row (zeros for padding requests; NaN for a
+    request whose forward does not finish its prompt under decoder replay)."""
+    row_logits: torch.Tensor | None
+    """``[running_tokens, vocab]`` at every row when asked for; under decoder replay the rows of
+    requests that did not run every layer are NaN (never returned as numbers)."""
 
+
+@dataclass
+class CompressInputs:
+    """The compressed groups of one ratio closing in the step, padded to the width."""
+
+    rows: torch.Tensor
+    """``[t]`` flat row of each group's last member (0 on padding entries)."""
+    batch_ids: torch.Tensor
+    """``[t]`` request row of each group; -1 on padding entries (written to no page)."""
+    compressed_rows: torch.Tensor
+    """``[t]`` compressed row id ``pos // ratio`` of each group."""
+    first_from_tail: torch.Tensor
+    """``[t]`` bool by flat row: the closing row whose group's first member is the slot's FP32
+    tail (ratio 2)."""
+    tail_store: torch.Tensor
+    """``[t]`` bool by flat row: rows whose projection goes into the slot's FP32 tail."""
+
+
+@dataclass
+class StageInputs:
+    """One graph stage: its layers and the flat rows it runs (``ALL``: every row)."""
+
+    name: str
+    first_layer: int
+    last_layer: int
+    rows: torch.Tensor | None
+
+
+@dataclass
+class StepInputs:
+    """A prepared step: device views of the staging workspace, plus the host facts (widths,
+    row-set presence) that fix every shape ``run()`` sees."""
+
+    t: int
+    """Token width (``running_tokens``)."""
+    b: int
+    """Request width (``running_bs``)."""
+    decode: bool
+    """Every request decodes one step: the captured shape (ring written before it is read)."""
+    layout: Layout
+    token_ids: torch.Tensor
     positions: torch.Tensor
     batch_ids: torch.Tensor
     slots: torch.Tensor
     block_tables: torch.Tensor
-    forward_start: torch.Tensor
-    forward_end: torch.Tensor
-    cached_until: torch.Tensor
-    swa_cached_until: torch.Tensor
-    swa_replay_start: torch.Tensor
-    encoder_window_floor: torch.Tensor
-    tail_start: torch.Tensor
-    last_rows: torch.Tensor
+    per_request: dict[str, torch.Tensor]
+    """``forward_start``, ``forward_end``, ``cached_until``, ``swa_cached_until``,
+    ``swa_replay_start``, ``encoder_window_floor``, ``tail_start``, ``last_rows`` ``[b]``."""
+    cursors: torch.Tensor
+    """``[b, 1 + history]`` each request's cursor after the step."""
+    last_undefined: torch.Tensor
+    """``[b]`` bool: the request's last row ran no decoder layer (a non-final chunk under
+    decoder replay): its logits are NaN."""
+    rows: dict[tuple[int, str], torch.Tensor | None]
+    """``(layer, sub_step)`` -> flat rows (``ALL``: every row; absent: no row)."""
+    stages: tuple[StageInputs, ...]
+    compress: dict[int, CompressInputs]
+    engram_codes: tuple[torch.Tensor, ...]
+    """Per Engram layer ``[t, cols, width]`` E4M3 bytes of every row's table rows."""
+    engram_scales: tuple[torch.Tensor, ...]
+    all_row_logits: bool = False
+    undefined_rows: torch.Tensor | None = None
+    """``[t]`` bool: rows whose logits are undefined under decoder replay (NaN)."""
 
-    @classmethod
-    def allocate(cls, max_tokens: int, max_bs: int, table_width: int, device) -> StepBuffers:
-        """Buffers for graph keys up to ``(max_bs, max_tokens)`` and ``table_width`` pages."""
-
-        def z(*shape):
-            return torch.zeros(*shape, dtype=torch.long, device=device)
-
-        return cls(
-            z(max_tokens),
-            z(max_tokens),
-            z(max_bs),
-            z(max_bs, table_width),
-            *(z(max_bs) for _ in range(8)),
-        )
-
-    def load(self, plan) -> None:
-        """Copy a plan's arrays in (padding keeps its sentinels); refuses a wider plan."""
-        t, b = plan.running_tokens, plan.running_bs
-        if t > self.positions.shape[0] or b > self.slots.shape[0]:
-            raise ValueError(
-                f"step width ({b} requests, {t} rows) exceeds the buffers "
-                f"({self.slots.shape[0]}, {self.positions.shape[0]})"
-            )
-        w = plan.block_tables.shape[1]
-        if w > self.block_tables.shape[1]:
-            raise ValueError(
-                f"block table width {w} exceeds the buffers' {self.block_tables.shape[1]}"
-            )
-        self.positions[:t].copy_(torch.from_numpy(plan.positions))
-        self.batch_ids[:t].copy_(torch.from_numpy(plan.batch_ids.astype(np.int64)))
-        self.slots[:b].copy_(torch.from_numpy(plan.slots.astype(np.int64)))
-        self.block_tables.fill_(-1)
-        self.block_tables[:b, :w].copy_(torch.from_numpy(plan.block_tables.astype(np.int64)))
-        for name in (
-            "forward_start",
-            "forward_end",
-            "cached_until",
-            "swa_cached_until",
-            "swa_replay_start",
-            "encoder_window_floor",
-            "tail_start",
-            "last_rows",
-        ):
-            getattr(self, name)[:b].copy_(torch.from_numpy(getattr(plan, name).astype(np.int64)))
+    @property
+    def key(self) -> tuple:
+        """What a captured graph is specific to: equal keys read equal device addresses."""
+        return (self.t, self.b, self.decode, self.all_row_logits, self.layout.key)
 
 
 @dataclass
-class StepOutput:
-    """What a forward returns."""
-
-    logits: torch.Tensor
-    """``[running_bs, vocab]`` at each request's last row (zeros for padding requests)."""
-    row_logits: torch.Tensor | None
-    """``[running_tokens, vocab]`` at every row when asked for (decoder replay off only)."""
-
-
-@dataclass
-class _Frame:
+class Frame:
     """The rows one graph stage runs, gathered once (or every row of the width, in place)."""
 
-    rows: torch.Tensor
-    """Flat row of each frame row ``[n]``."""
-    loc: torch.Tensor
-    """Frame row of each flat row ``[t]`` (-1 outside the frame)."""
+    full: bool
+    """Every row of the width (tensors alias the step's; row sets are ``ALL``)."""
+    rows: torch.Tensor | None
+    """Flat row of each frame row ``[n]`` (None for a full frame)."""
+    loc: torch.Tensor | None
+    """Frame row of each flat row ``[t]`` (-1 outside the frame; None for a full frame)."""
     X: torch.Tensor
     pre: torch.Tensor
     pos: torch.Tensor
@@ -161,19 +186,44 @@ class _Frame:
     kv: torch.Tensor
     """This stage's window-KV rows of the current layer ``[n, d]``."""
 
-    @classmethod
-    def of(cls, S, t, X, pre, pos, bid, slot, pages, d, dtype) -> _Frame:
-        """Gather rows ``S`` (None: every row, aliasing the full tensors)."""
-        dev = X.device
-        if S is None:
-            rows = torch.arange(t, device=dev)
-            kv = torch.zeros(t, d, dtype=dtype, device=dev)
-            return cls(rows, rows, X, pre, pos, bid, bid.clamp(min=0), slot, pages, kv)
-        loc = torch.full((t,), -1, dtype=torch.long, device=dev)
-        loc[S] = torch.arange(S.numel(), device=dev)
-        fb = bid[S]
-        kv = torch.zeros(S.numel(), d, dtype=dtype, device=dev)
-        return cls(S, loc, X[S], pre[S], pos[S], fb, fb.clamp(min=0), slot[S], pages[S], kv)
+    def local(self, flat: torch.Tensor | None) -> torch.Tensor | None:
+        """Frame rows of flat rows (``ALL`` stays ``ALL``)."""
+        return flat if flat is None or self.full else self.loc[flat]
+
+
+@dataclass
+class Pieces:
+    """What a layer's dense piece before attention hands the attention and the piece after it
+    (fixed tensors: PIECEWISE graphs pass them from one capture to the next)."""
+
+    need: torch.Tensor | None
+    """Frame rows the layer computes (the largest of its row sets)."""
+    at: torch.Tensor | None
+    rw: torch.Tensor | None
+    cp: torch.Tensor | None
+    ff: torch.Tensor | None
+    a_pre: torch.Tensor
+    a_post: torch.Tensor
+    a_C: torch.Tensor
+    xin: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q: torch.Tensor | None = None
+    qi: torch.Tensor | None = None
+    wts: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    o: torch.Tensor | None = None
+    """Attention output ``[n_at, H, d]``, written by ``layer_attention``."""
+    extra: dict = field(default_factory=dict)
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    return x if idx is None else x[idx]
+
+
+def _count(idx: torch.Tensor | None, n: int) -> int:
+    return n if idx is None else idx.shape[0]
 
 
 class RuntimeModel:
@@ -206,22 +256,22 @@ class RuntimeModel:
         self.dtype, self.acc, self.device = dtype, acc_dtype(dtype), torch.device(device)
         self.backend = backend or TorchBackend()
         self.tp = tp
-        """Tensor-parallel group; ``weights`` are then this rank's shard (``tp.shard_weights``)."""
+        """Tensor-parallel group; ``weights`` are then this rank's shard (``shard_weights``)."""
         self.pools = Pools(self.geometry, num_pages, num_slots, device)
-        self.buf = StepBuffers.allocate(max_tokens, max_bs, table_width, self.device)
+        self.max_tokens, self.max_bs, self.table_width = max_tokens, max_bs, table_width
+        """The widest step the model runs: ``max_tokens`` rows, ``max_bs`` requests, block
+        tables of ``table_width`` PAGEs (every step's tables are padded to it)."""
         self.engram = engram
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]
         self.head = w["head.weight"].to(self.acc)
-        self.attn, self.moe, self.hc_attn, self.hc_ffn, self.attn_norm, self.ffn_norm = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
+        self.attn: list[Attention] = []
+        self.moe: list[MoE] = []
+        self.hc_attn: list[HcParams] = []
+        self.hc_ffn: list[HcParams] = []
+        self.attn_norm: list[torch.Tensor] = []
+        self.ffn_norm: list[torch.Tensor] = []
         self.engram_layers: dict[int, EngramLayer] = {}
         for info in cfg.layers:
             p = f"layers.{info.index}"
@@ -237,12 +287,21 @@ class RuntimeModel:
             self.ffn_norm.append(w[f"{p}.ffn_norm.weight"])
             if info.engram:
                 self.engram_layers[info.index] = EngramLayer(cfg, w, p, dtype)
+        self._engram_shapes = self._engram_table_shapes()
+        self._arange = torch.arange(max(max_tokens, max_bs), device=self.device)
+        self.workspace = {
+            "decode": Workspace(self.device, self._decode_capacity(), growable=False),
+            "step": Workspace(self.device, 0, growable=True),
+        }
+        """Staging per step family: ``decode`` (fixed addresses, read by captured graphs) and
+        ``step`` (prefill and mixed steps, grown as needed)."""
+        quant.warm_tables(self.device)  # constant tables built before any step (no H2D later)
         self.row_counts: Counter = Counter()
-        """Rows each ``(layer, sub_step)`` ran, summed over forwards (the replay row-count
+        """Rows each ``(layer, sub_step)`` ran, summed over prepared steps (the replay row-count
         check)."""
         self.selections: dict[int, torch.Tensor] = {}
-        """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward (-1 on
-        rows that did not select)."""
+        """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward
+        (-1 on rows that did not select)."""
 
     @classmethod
     def from_checkpoint(
@@ -271,60 +330,71 @@ class RuntimeModel:
             **kw,
         )
 
-    # ------------------------------------------------------------------------------------
-    def _index_planes(self, owner: int) -> tuple[torch.Tensor, ...]:
-        p = self.pools
-        return (
-            (p.index[owner],)
-            if owner in p.index
-            else (p.index_values[owner], p.index_scales[owner])
-        )
+    # -- slot state (host bookkeeping beside the device bytes) -------------------------------
+    def reset_slot(self, slot: int) -> None:
+        """Zero a fresh request's STATE entry and mark its Engram history DEAD."""
+        self.pools.reset_slot(slot)
 
-    def _rows(self, plan, layer: int, sub: str, t: int) -> torch.Tensor:
-        """Flat rows of a sub-step: every row of the width when the plan runs all real rows."""
-        arr = plan.layer_rows.get((layer, sub))
-        if arr is None:
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        self.row_counts[(layer, sub)] += len(arr)
-        # layers share a handful of row arrays: copy each to the device once per forward
-        key = ("all", t) if len(arr) == plan.scheduled_tokens else id(arr)
-        hit = self._row_cache.get(key)
-        if hit is None:
-            if isinstance(key, tuple):
-                hit = torch.arange(t, device=self.device)
-            else:
-                hit = torch.from_numpy(arr.astype(np.int64)).to(self.device)
-            self._row_cache[key] = hit
-        return hit
+    def copy_image(self, slot: int, units: tuple[int, ...], *, store: bool) -> None:
+        """Store slot ``slot``'s checkpoint image into PAGE units ``units`` (``store``) or restore
+        it from them, through the generated span table (checked against the pool's layout id and
+        byte totals) and the backend's span copy."""
+        from v41plan.planner.checkpoint import CopyPlanner, ImageOp, load_image_layout
 
-    def _engram_rows(self, plan, token_ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """Host Engram preparation: row ids ``[T, n_layers, cols]`` and the committed cursors."""
-        t, b = plan.running_tokens, plan.running_bs
+        pools = self.pools
+        planner = getattr(self, "_copy_planner", None)
+        if planner is None:
+            g = pools.geometry
+            layout = load_image_layout(g, self.spec.name)
+            planner = self._copy_planner = CopyPlanner(g, pools.num_pages, pools.num_slots, layout)
+        g = planner.geometry
+        op = ImageOp(slot, tuple(units), g.layout_id, g.image_bytes)
+        spans = planner.store(op) if store else planner.restore(op)
+        pools.copy_spans(planner.regions, spans, self.backend)
+
+    # -- host: prepare ------------------------------------------------------------------------
+    def _engram_table_shapes(self) -> tuple[tuple[int, int], ...]:
+        """``(cols, width)`` of each Engram layer's table rows (empty without tables)."""
+        if not self.cfg.engram_layer_ids or not getattr(self.engram, "tables", None):
+            return ()
+        cols = int(self.engram.layout.primes.shape[1])
+        return tuple((cols, int(tab.width)) for tab in self.engram.tables)
+
+    def _decode_capacity(self) -> int:
+        """Bytes of the widest decode step's layout (its workspace never grows)."""
+        t, b = self.max_tokens, self.max_bs
+        return self._layout(t, b, {}, [], {r: True for r in (1, 2)}, False).nbytes
+
+    def _layout(self, t, b, row_sets, stage_sets, ratios, undefined) -> Layout:
         h = self.cfg.engram_max_ngram_size - 1
-        cursors = np.zeros((b, 1 + h), dtype=np.int64)
-        rows = None
-        cur = self.pools.cursor.cpu().numpy()
-        cu = plan.cu_seqlens_q
-        for i in range(plan.scheduled_bs):  # host input preparation, once per request
-            lo, hi = int(cu[i]), int(cu[i + 1])
-            if plan.history_from_plan[i]:
-                hist = plan.history_ids[i][::-1].copy()  # plan: oldest first; cursor: newest first
-            else:
-                hist = cur[int(plan.slots[i]), 1:].copy()
-            r, new_hist = self.engram.prepare(token_ids[lo:hi], hist)
-            if rows is None:
-                rows = np.zeros((t,) + r.shape[1:], dtype=np.int64)
-            rows[lo:hi] = r
-            cursors[i, 0] = plan.forward_end[i]
-            cursors[i, 1:] = new_hist
-        return rows, cursors
+        i64, u8, bl = torch.int64, torch.uint8, torch.bool
+        items = [
+            ("token_ids", i64, (t,)),
+            ("positions", i64, (t,)),
+            ("batch_ids", i64, (t,)),
+            ("slots", i64, (b,)),
+            ("block_tables", i64, (b, self.table_width)),
+            ("per_request", i64, (len(_PER_REQUEST), b)),
+            ("cursors", i64, (b, 1 + h)),
+            ("last_undefined", bl, (b,)),
+        ]
+        items += [(f"rows{i}", i64, (n,)) for i, n in sorted(row_sets.items())]
+        items += [(f"stage{i}", i64, (n,)) for i, n in enumerate(stage_sets)]
+        for r in sorted(ratios):
+            items += [(f"c{r}_idx", i64, (3, t)), (f"c{r}_flags", bl, (2, t))]
+        for li, (cols, width) in enumerate(self._engram_shapes):
+            items += [(f"eg{li}_codes", u8, (t, cols, width))]
+            items += [(f"eg{li}_scales", u8, (t, cols, width // 32))]
+        if undefined:
+            items.append(("undefined", bl, (t,)))
+        return build_layout(items)
 
-    # ------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, plan, token_ids, *, all_row_logits: bool = False) -> StepOutput:
-        """Run one planned forward over ``token_ids`` (``[scheduled_tokens]`` or the width)."""
+    def prepare(self, plan, token_ids, *, all_row_logits: bool = False) -> StepInputs:
+        """Host work of one planned forward over ``token_ids`` (``[scheduled_tokens]`` or the
+        width): every input ``run()`` reads, staged and moved to the device in one copy. Also
+        commits the step's cursor values to the host mirror."""
         ids_np = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        t = plan.running_tokens
+        t, b = plan.running_tokens, plan.running_bs
         if ids_np.shape[0] > t:
             raise ValueError(f"forward given {ids_np.shape[0]} rows but its step declares {t}")
         if ids_np.shape[0] < plan.scheduled_tokens:
@@ -332,194 +402,419 @@ class RuntimeModel:
                 f"forward given {ids_np.shape[0]} rows but its step schedules "
                 f"{plan.scheduled_tokens}"
             )
-        ids_full = np.zeros(t, dtype=np.int64)
-        ids_full[: ids_np.shape[0]] = ids_np
-        self._row_cache: dict = {}  # per forward: the plan's arrays stay alive, so ids are stable
-        self.buf.load(plan)
-        engram_rows, cursors = self._engram_rows(plan, ids_full)
-        cfg, buf, pools, kb = self.cfg, self.buf, self.pools, self.backend
-        pos = buf.positions[:t]
-        bid = buf.batch_ids[:t]
-        b = bid.clamp(min=0)
-        slot_tok = torch.where(bid >= 0, buf.slots[b], -1)
-        pages_tok = torch.where((bid >= 0).unsqueeze(1), buf.block_tables[b], -1)
-        decode_graph = plan.graph_key[0] == "decode"
+        if t > self.max_tokens or b > self.max_bs:
+            raise ValueError(
+                f"step width ({b} requests, {t} rows) exceeds the model's "
+                f"({self.max_bs}, {self.max_tokens})"
+            )
+        w = plan.block_tables.shape[1]
+        if w > self.table_width and (plan.block_tables[:, self.table_width :] >= 0).any():
+            raise ValueError(f"block table width {w} exceeds the model's {self.table_width}")
+        decode = plan.graph_key[0] == "decode"
+        n_sched = plan.scheduled_tokens
 
-        X = self.embed[torch.from_numpy(ids_full).to(self.device)].to(self.dtype)
-        X = X[:, None, :].expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = torch.zeros(t, cfg.hc_mult, dtype=self.acc, device=self.device)
-        pre[:, 0] = 1
-        self.selections = {}
-        cand: torch.Tensor | None = None
-        eps = cfg.rms_norm_eps
-        for stage in plan.stages:
-            S = self._stage_rows(plan, stage, t)
-            if S is not None and S.numel() == 0:
-                continue  # a stage the plan runs on no row (the decoder of a non-final chunk)
-            # the stage's rows gathered once (every row: the tensors themselves, updated in place)
-            fr = _Frame.of(S, t, X, pre, pos, bid, slot_tok, pages_tok, cfg.head_dim, self.dtype)
-            for L in range(stage.first_layer, stage.last_layer + 1):
-                cand = self._layer(L, plan, fr, t, cand, decode_graph, engram_rows)
-            if S is not None:
-                X[S] = fr.X
-                pre[S] = fr.pre
-
-        last = buf.last_rows[: plan.running_bs]
-        lr = last.clamp(min=0)
-        x = rms_norm(hc_collapse(X[lr], pre[lr]), self.norm, eps)
-        logits = F.linear(x.to(self.acc), self.head) * (last >= 0).unsqueeze(1)
-        row_logits = None
-        if all_row_logits:
-            xa = rms_norm(hc_collapse(X, pre), self.norm, eps)
-            row_logits = F.linear(xa.to(self.acc), self.head)
-            if plan.decoder_replay:
-                # Under decoder replay only the rows of requests that ran every layer (decode or a
-                # full-rows scoring request) are defined; the rest read as NaN, never as numbers.
-                bids = plan.batch_ids
-                full = (plan.row_phase == 2)[np.maximum(bids, 0)] & (bids >= 0)
-                undefined = torch.from_numpy(~full).to(self.device)
-                row_logits = row_logits.masked_fill(undefined.unsqueeze(1), float("nan"))
-        # positions and Engram history advance after the forward
-        kb.cursor_write(
-            pools.cursor,
-            buf.slots[: plan.running_bs],
-            torch.from_numpy(cursors).to(self.device),
-            pools.sink_slot,
+        # Row sets: layers share a handful of arrays; a set of every scheduled row runs every
+        # row of the width (padding rows carry sentinels and write only the sinks).
+        staged: dict[int, int] = {}  # id(array) -> row-set index
+        arrays: list[np.ndarray] = []
+        row_index: dict[tuple[int, str], int | None] = {}
+        for key, arr in plan.layer_rows.items():
+            self.row_counts[key] += len(arr)
+            if len(arr) == n_sched:
+                row_index[key] = None
+            elif len(arr):
+                i = staged.get(id(arr))
+                if i is None:
+                    i = staged[id(arr)] = len(arrays)
+                    arrays.append(arr)
+                row_index[key] = i
+        stage_rows: list[np.ndarray | None] = []
+        for st in plan.stages:
+            sets = [
+                arr
+                for (layer, _), arr in plan.layer_rows.items()
+                if st.first_layer <= layer <= st.last_layer
+            ]
+            if any(len(arr) == n_sched for arr in sets):
+                stage_rows.append(None)
+            else:
+                stage_rows.append(
+                    np.unique(np.concatenate(sets)) if sets else np.zeros(0, dtype=np.int64)
+                )
+        for L in self.spec.dims.kv_source_layer_ids:  # groups each owner closes
+            if len(plan.layer_rows.get((L, "compress"), ())):
+                self.row_counts[(L, "compress_groups")] += len(
+                    plan.compress[self.cfg.layers[L].ratio].rows
+                )
+        staged_stages = [s for s in stage_rows if s is not None]
+        ratios = {r: True for r in plan.compress}
+        undefined = bool(all_row_logits and plan.decoder_replay)
+        layout = self._layout(
+            t,
+            b,
+            {i: len(a) for i, a in enumerate(arrays)},
+            [len(s) for s in staged_stages],
+            ratios,
+            undefined,
         )
-        return StepOutput(logits, row_logits)
+        ws = self.workspace["decode" if decode else "step"]
+        hv = ws.host_views(layout)
 
-    # ------------------------------------------------------------------------------------
-    def _stage_rows(self, plan, stage, t: int) -> torch.Tensor | None:
-        """Flat rows a graph stage runs (the union of its layers' row sets), or None for every
-        row of the width."""
-        sets = [
-            arr
-            for (layer, _), arr in plan.layer_rows.items()
-            if stage.first_layer <= layer <= stage.last_layer
-        ]
-        if any(len(arr) == plan.scheduled_tokens for arr in sets):
-            return None
-        rows = np.unique(np.concatenate(sets)) if sets else np.zeros(0, dtype=np.int64)
-        return torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        # Per token, per request.
+        hv["token_ids"][: ids_np.shape[0]] = ids_np
+        hv["positions"][:] = plan.positions
+        hv["batch_ids"][:] = plan.batch_ids
+        hv["slots"][:] = plan.slots
+        bt = hv["block_tables"]
+        bt[:] = -1
+        k = min(w, self.table_width)
+        bt[:, :k] = plan.block_tables[:, :k]
+        pr = hv["per_request"]
+        for j, name in enumerate(_PER_REQUEST):
+            pr[j] = getattr(plan, name)
+        for i, arr in enumerate(arrays):
+            hv[f"rows{i}"][:] = arr
+        for i, s in enumerate(staged_stages):
+            hv[f"stage{i}"][:] = s
+        for r, cpl in plan.compress.items():
+            n = len(cpl.rows)
+            idx = hv[f"c{r}_idx"]
+            idx[0, :n] = cpl.rows
+            idx[1, :] = -1
+            idx[1, :n] = cpl.batch_ids
+            idx[2, :n] = cpl.compressed_rows
+            flags = hv[f"c{r}_flags"]
+            flags[0, cpl.rows[cpl.first_from_tail]] = True
+            flags[1, cpl.tail_store_rows] = True
+        # under decoder replay a forward that does not finish its prompt runs no decoder row
+        hv["last_undefined"][:] = plan.decoder_replay & (plan.row_phase == 0)
+        if undefined:
+            bids = plan.batch_ids
+            full = (plan.row_phase == 2)[np.maximum(bids, 0)] & (bids >= 0)
+            hv["undefined"][:] = ~full
+        self._prepare_engram(plan, hv, ids_np)
 
-    def _layer(self, L, plan, fr, t, cand, decode_graph, engram_rows):
-        """One layer over a stage's rows ``fr``; returns the candidate mask (flat rows)."""
-        cfg, pools, kb = self.cfg, self.pools, self.backend
+        dv = ws.commit(layout)
+        rows = {key: (None if i is None else dv[f"rows{i}"]) for key, i in row_index.items()}
+        stages, si = [], 0
+        for st, s in zip(plan.stages, stage_rows, strict=True):
+            if s is None:
+                stages.append(StageInputs(st.name, st.first_layer, st.last_layer, ALL))
+            else:
+                stages.append(StageInputs(st.name, st.first_layer, st.last_layer, dv[f"stage{si}"]))
+                si += 1
+        compress = {}
+        for r in plan.compress:
+            idx, flags = dv[f"c{r}_idx"], dv[f"c{r}_flags"]
+            compress[r] = CompressInputs(idx[0], idx[1], idx[2], flags[0], flags[1])
+        n_e = len(self._engram_shapes)
+        return StepInputs(
+            t=t,
+            b=b,
+            decode=decode,
+            layout=layout,
+            token_ids=dv["token_ids"],
+            positions=dv["positions"],
+            batch_ids=dv["batch_ids"],
+            slots=dv["slots"],
+            block_tables=dv["block_tables"],
+            per_request={name: dv["per_request"][j] for j, name in enumerate(_PER_REQUEST)},
+            cursors=dv["cursors"],
+            last_undefined=dv["last_undefined"],
+            rows=rows,
+            stages=tuple(stages),
+            compress=compress,
+            engram_codes=tuple(dv[f"eg{li}_codes"] for li in range(n_e)),
+            engram_scales=tuple(dv[f"eg{li}_scales"] for li in range(n_e)),
+            all_row_logits=all_row_logits,
+            undefined_rows=dv["undefined"] if undefined else None,
+        )
+
+    def _prepare_engram(self, plan, hv: dict, ids: np.ndarray) -> None:
+        """Engram row ids from the final token ids and each request's history (the host mirror of
+        its cursor, or the plan's history on a back-off or a fresh slot), the table rows of every
+        row gathered into the staging views, and the cursor values to commit."""
+        t = plan.running_tokens
+        ids_full = np.zeros(t, dtype=np.int64)
+        ids_full[: ids.shape[0]] = ids
+        cursors = hv["cursors"]
+        mirror = self.pools.cursor_host
+        cu = plan.cu_seqlens_q
+        rows = None
+        for i in range(plan.scheduled_bs):  # host input preparation, once per request
+            lo, hi = int(cu[i]), int(cu[i + 1])
+            if plan.history_from_plan[i]:
+                hist = plan.history_ids[i][::-1].copy()  # plan: oldest first; cursor: newest first
+            else:
+                hist = mirror[int(plan.slots[i]), 1:].copy()
+            r, new_hist = self.engram.prepare(ids_full[lo:hi], hist)
+            if rows is None:
+                rows = np.zeros((t,) + r.shape[1:], dtype=np.int64)
+            rows[lo:hi] = r
+            cursors[i, 0] = plan.forward_end[i]
+            cursors[i, 1:] = new_hist
+        real = plan.slots[: plan.scheduled_bs].astype(np.int64)
+        mirror[real] = cursors[: plan.scheduled_bs]  # what run() commits to the device
+        if rows is None or not self._engram_shapes:
+            return
+        for li in range(len(self._engram_shapes)):
+            codes, scales = self.engram.gather(li, rows[:, li])
+            hv[f"eg{li}_codes"][:] = codes.view(torch.uint8).numpy()
+            hv[f"eg{li}_scales"][:] = scales.view(torch.uint8).numpy()
+
+    # -- device: run --------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, si: StepInputs) -> StepOutput:
+        """The forward on prepared inputs: pure tensor work (what FULL graphs capture)."""
+        X, pre = self.embed_rows(si)
+        cand: torch.Tensor | None = None
+        sel: dict[int, torch.Tensor] = {}
+        for st in si.stages:
+            if st.rows is not None and st.rows.shape[0] == 0:
+                continue  # a stage the plan runs on no row (the decoder of a non-final chunk)
+            fr = self.frame(si, st, X, pre)
+            for L in range(st.first_layer, st.last_layer + 1):
+                p = self.layer_pre(L, si, fr)
+                if p is None:
+                    continue
+                cand = self.layer_attention(L, si, fr, p, cand, sel)
+                self.layer_post(L, si, fr, p)
+            if fr.full:
+                X, pre = fr.X, fr.pre
+            else:
+                X[st.rows] = fr.X
+                pre[st.rows] = fr.pre
+        self.selections = sel
+        return self.head_rows(si, X, pre)
+
+    def forward(self, plan, token_ids, *, all_row_logits: bool = False) -> StepOutput:
+        """``run(prepare(plan, token_ids))``: one planned forward, eagerly."""
+        return self.run(self.prepare(plan, token_ids, all_row_logits=all_row_logits))
+
+    def embed_rows(self, si: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Initial residual streams ``[t, hc, D]`` and mHC ``pre`` ``[t, hc]``."""
+        cfg = self.cfg
+        X = self.embed[si.token_ids].to(self.dtype)
+        X = X[:, None, :].expand(si.t, cfg.hc_mult, cfg.hidden_size).contiguous()
+        pre = torch.zeros(si.t, cfg.hc_mult, dtype=self.acc, device=self.device)
+        pre[:, 0] = 1
+        return X, pre
+
+    def frame(self, si: StepInputs, st: StageInputs, X, pre) -> Frame:
+        """The stage's rows gathered once (``ALL``: the step's tensors themselves)."""
+        pos, bid = si.positions, si.batch_ids
+        b = bid.clamp(min=0)
+        slot = torch.where(bid >= 0, si.slots[b], -1)
+        pages = torch.where((bid >= 0).unsqueeze(1), si.block_tables[b], -1)
+        d = self.cfg.head_dim
+        if st.rows is None:
+            kv = torch.zeros(si.t, d, dtype=self.dtype, device=self.device)
+            return Frame(True, None, None, X, pre, pos, bid, b, slot, pages, kv)
+        S = st.rows
+        loc = torch.full((si.t,), -1, dtype=torch.long, device=self.device)
+        loc[S] = self._arange[: S.shape[0]]
+        fb = bid[S]
+        kv = torch.zeros(S.shape[0], d, dtype=self.dtype, device=self.device)
+        return Frame(
+            False, S, loc, X[S], pre[S], pos[S], fb, fb.clamp(min=0), slot[S], pages[S], kv
+        )
+
+    def _row_set(self, si: StepInputs, fr: Frame, L: int, sub: str):
+        """Frame rows of a sub-step: ``ALL``, an index tensor, or an empty index tensor."""
+        if (L, sub) not in si.rows:
+            return self._arange[:0]
+        return fr.local(si.rows[(L, sub)])
+
+    def layer_pre(self, L: int, si: StepInputs, fr: Frame) -> Pieces | None:
+        """Dense piece before attention: Engram injection, attention-site mHC, norm, RoPE, the
+        window-KV rows, the query (and index query), the compressor projections."""
+        cfg = self.cfg
         eps = cfg.rms_norm_eps
         info = cfg.layers[L]
-        at = fr.loc[self._rows(plan, L, "attention", t)]
-        rw = fr.loc[self._rows(plan, L, "ring_write", t)]
-        cp = fr.loc[self._rows(plan, L, "compress", t)] if info.role == "full" else rw[:0]
-        ff = fr.loc[self._rows(plan, L, "ffn", t)]
-        need = cp if cp.numel() >= rw.numel() else rw
-        if need.numel() == 0:
-            return cand
         n = fr.X.shape[0]
-        loc = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        loc[need] = torch.arange(need.numel(), device=self.device)
-        X, pre, pos = fr.X, fr.pre, fr.pos
-        if info.engram and engram_rows is not None:
+        at = self._row_set(si, fr, L, "attention")
+        rw = self._row_set(si, fr, L, "ring_write")
+        cp = self._row_set(si, fr, L, "compress") if info.role == "full" else self._arange[:0]
+        ff = self._row_set(si, fr, L, "ffn")
+        n_rw, n_cp = _count(rw, n), _count(cp, n)
+        need = cp if n_cp >= n_rw else rw
+        n_need = _count(need, n)
+        if n_need == 0:
+            return None
+        if need is None:  # local rows of each set within ``need``: the identity
+            l_rw, l_cp, l_at, l_ff = rw, cp, at, ff
+        else:
+            loc = torch.full((n,), -1, dtype=torch.long, device=self.device)
+            loc[need] = self._arange[:n_need]
+            l_rw, l_cp, l_at, l_ff = (None if s is None else loc[s] for s in (rw, cp, at, ff))
+        if info.engram and si.engram_codes:
             li = cfg.engram_layer_ids.index(L)
-            flat = fr.rows[need].cpu().numpy()
-            codes, scales = self.engram.gather(li, engram_rows[flat, li])
-            emb = dequant_fp8_blocks(codes, scales, self.dtype).to(self.device)
-            X[need] = self.engram_layers[L](X[need], emb)
+            flat = need if fr.full else _take(fr.rows, need)
+            codes = _take(si.engram_codes[li], flat).view(torch.float8_e4m3fn)
+            scales = _take(si.engram_scales[li], flat).view(torch.float8_e8m0fnu)
+            emb = dequant_fp8_blocks(codes, scales, self.dtype)
+            new = self.engram_layers[L](_take(fr.X, need), emb)
+            if need is None:
+                fr.X = new
+            else:
+                fr.X[need] = new
         att = self.attn[L]
-        Xn = X[need]
+        Xn = _take(fr.X, need)
         a_pre, a_post, a_C = hc_predict(
             Xn, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
         )
-        xin = rms_norm(hc_collapse(Xn, pre[need]), self.attn_norm[L], eps)
-        cos, sin = att.rope.cos_sin(pos[need], self.dtype)
-        rwl = loc[rw]
-        fr.kv[rw] = att.window_kv(xin[rwl], cos[rwl], sin[rwl])
+        xin = rms_norm(hc_collapse(Xn, _take(fr.pre, need)), self.attn_norm[L], eps)
+        cos, sin = att.rope.cos_sin(_take(fr.pos, need), self.dtype)
+        kv = att.window_kv(_take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
+        if rw is None:
+            fr.kv = kv
+        else:
+            fr.kv[rw] = kv
+        p = Pieces(need, at, rw, cp, ff, a_pre, a_post, a_C, xin, cos, sin)
+        p.extra = {"l_at": l_at, "l_cp": l_cp, "l_ff": l_ff}
+        if _count(at, n):
+            x = _take(xin, l_at)
+            c, s = _take(cos, l_at), _take(sin, l_at)
+            p.q, qr = att.q_path(x, c, s)
+            if info.ratio > 0 and info.role in ("full", "reindex"):
+                p.qi = apply_rope(att.idx_wq_b(qr).reshape(x.shape[0], att.nih, att.ihd), c, s)
+                p.wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
+            p.o = torch.empty_like(p.q)
+        if info.role == "full" and _count(cp, n):
+            p.v, p.g = att.compress_project(_take(xin, l_cp))
+        return p
+
+    def layer_attention(self, L, si: StepInputs, fr: Frame, p: Pieces, cand, sel) -> torch.Tensor:
+        """Pool work of one layer: ring writes, the compressor's groups and stores, the index
+        selection, sparse attention into ``p.o``. Returns the candidate mask (flat rows)."""
+        cfg, pools, kb = self.cfg, self.pools, self.backend
+        info = cfg.layers[L]
+        n = fr.X.shape[0]
         ring = pools.ring(L)
-        ring_from = self._ring_write_from(info, plan, fr.b, fr.bid)
-        if decode_graph:  # decode: write the ring row first, then read the window from the ring
-            kb.ring_write(ring, fr.kv[rw], fr.slot[rw], pos[rw], ring_from[rw], pools.sink_slot)
-        if info.role == "full" and cp.numel():
-            self._compress(L, att, plan, xin[loc[cp]], cp, fr)
-        y = None
-        if at.numel():
-            y, cand = self._attention(
-                L,
-                info,
-                att,
-                xin[loc[at]],
-                cos[loc[at]],
-                sin[loc[at]],
-                at,
-                t,
-                fr,
-                cand,
-                decode_graph,
+        rw = p.rw
+        ring_from = self._ring_write_from(info, si, fr.b, fr.bid)
+        if si.decode:  # decode: write the ring row first, then read the window from the ring
+            kb.ring_write(
+                ring,
+                _take(fr.kv, rw),
+                _take(fr.slot, rw),
+                _take(fr.pos, rw),
+                _take(ring_from, rw),
+                pools.sink_slot,
             )
-        if not decode_graph:  # prefill: the old ring rows stay until every query has read them
-            kb.ring_write(ring, fr.kv[rw], fr.slot[rw], pos[rw], ring_from[rw], pools.sink_slot)
-        if y is None:
-            return cand
-        atl = loc[at]
-        X[at] = hc_expand(y, X[at], a_post[atl], a_C[atl])
-        if ff.numel() == 0:
-            return cand
-        Xf = X[ff]
+        if info.role == "full" and _count(p.cp, n):
+            self._compress(L, si, fr, p)
+        if p.o is not None:
+            cand = self._attention(L, si, fr, p, cand, sel)
+        if not si.decode:  # prefill: the old ring rows stay until every query has read them
+            kb.ring_write(
+                ring,
+                _take(fr.kv, rw),
+                _take(fr.slot, rw),
+                _take(fr.pos, rw),
+                _take(ring_from, rw),
+                pools.sink_slot,
+            )
+        return cand
+
+    def layer_post(self, L: int, si: StepInputs, fr: Frame, p: Pieces) -> None:
+        """Dense piece after attention: output projection, mHC expand, the FFN site (mHC, norm,
+        MoE, expand); updates the frame's streams and ``pre``."""
+        if p.o is None:
+            return
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        at, ff = p.at, p.ff
+        l_at, l_ff = p.extra["l_at"], p.extra["l_ff"]
+        y = self.attn[L].output(p.o, _take(p.cos, l_at), _take(p.sin, l_at))
+        new = hc_expand(y, _take(fr.X, at), _take(p.a_post, l_at), _take(p.a_C, l_at))
+        if at is None:
+            fr.X = new
+        else:
+            fr.X[at] = new
+        if _count(ff, fr.X.shape[0]) == 0:
+            return
+        Xf = _take(fr.X, ff)
         f_pre, f_post, f_C = hc_predict(
             Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
         )
-        xf = rms_norm(hc_collapse(Xf, a_pre[loc[ff]]), self.ffn_norm[L], eps)
+        xf = rms_norm(hc_collapse(Xf, _take(p.a_pre, l_ff)), self.ffn_norm[L], eps)
         yf, _ = self.moe[L](xf)
-        X[ff] = hc_expand(yf, Xf, f_post, f_C)
-        pre[ff] = f_pre
-        return cand
+        new = hc_expand(yf, Xf, f_post, f_C)
+        if ff is None:
+            fr.X, fr.pre = new, f_pre
+        else:
+            fr.X[ff] = new
+            fr.pre[ff] = f_pre
+
+    def head_rows(self, si: StepInputs, X, pre) -> StepOutput:
+        """Logits at each request's last row (and every row when asked), then the cursor
+        commit."""
+        eps = self.cfg.rms_norm_eps
+        last = si.per_request["last_rows"]
+        lr = last.clamp(min=0)
+        x = rms_norm(hc_collapse(X[lr], pre[lr]), self.norm, eps)
+        logits = F.linear(x.to(self.acc), self.head) * (last >= 0).unsqueeze(1)
+        logits = logits.masked_fill(si.last_undefined.unsqueeze(1), float("nan"))
+        row_logits = None
+        if si.all_row_logits:
+            xa = rms_norm(hc_collapse(X, pre), self.norm, eps)
+            row_logits = F.linear(xa.to(self.acc), self.head)
+            if si.undefined_rows is not None:
+                # Under decoder replay only the rows of requests that ran every layer (decode or
+                # a full-rows scoring request) are defined; the rest read as NaN.
+                row_logits = row_logits.masked_fill(si.undefined_rows.unsqueeze(1), float("nan"))
+        # positions and Engram history advance after the forward
+        self.backend.cursor_write(self.pools.cursor, si.slots, si.cursors, self.pools.sink_slot)
+        return StepOutput(logits, row_logits)
 
     # ------------------------------------------------------------------------------------
-    def _ring_write_from(self, info, plan, b: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
+    def index_planes(self, owner: int) -> tuple[torch.Tensor, ...]:
+        """Owner ``owner``'s index plane(s): the fp8 plane, or the fp4 values and scales."""
+        p = self.pools
+        return (
+            (p.index[owner],)
+            if owner in p.index
+            else (p.index_values[owner], p.index_scales[owner])
+        )
+
+    def _ring_write_from(self, info, si: StepInputs, b: torch.Tensor, bid: torch.Tensor):
         """Per row, the lowest position whose window KV a ring keeps: the request's last ``W``
         rows, at or past ``cached_until`` (the rows a backed-off forward recomputes stay as the
         rings hold them); a decoder layer replayed on a tail writes the whole tail."""
-        buf, W = self.buf, self.cfg.sliding_window
-        lo = buf.forward_end[b] - W
-        keep_from = buf.cached_until[b]
+        pr, W = si.per_request, self.cfg.sliding_window
+        lo = pr["forward_end"][b] - W
+        keep_from = pr["cached_until"][b]
         if info.segment == "decoder":
-            keep_from = torch.where(buf.tail_start[b] >= 0, buf.forward_start[b], keep_from)
+            keep_from = torch.where(pr["tail_start"][b] >= 0, pr["forward_start"][b], keep_from)
         return torch.where(bid >= 0, torch.maximum(lo, keep_from), torch.iinfo(torch.long).max)
 
-    def _compress(self, L, att, plan, xin_cp, cp, fr) -> None:
+    def _compress(self, L: int, si: StepInputs, fr: Frame, p: Pieces) -> None:
         """Close every group of this owner's ratio in the batch in one call and store it."""
         pools, kb = self.pools, self.backend
-        t, pos, bid = fr.X.shape[0], fr.pos, fr.bid
+        att = self.attn[L]
+        n = fr.X.shape[0]
         r = att.ratio
-        cpl = plan.compress[r]
-        # the plan's groups, padded to the width with sentinel batch id -1 (a fixed shape)
-        g_rows = torch.zeros(t, dtype=torch.long, device=self.device)
-        g_b = torch.full((t,), -1, dtype=torch.long, device=self.device)
-        g_c = torch.zeros(t, dtype=torch.long, device=self.device)
-        n = len(cpl.rows)
-        g_rows[:n] = fr.loc[torch.from_numpy(cpl.rows.astype(np.int64)).to(self.device)].clamp(
-            min=0
-        )
-        g_b[:n] = torch.from_numpy(cpl.batch_ids.astype(np.int64))
-        g_c[:n] = torch.from_numpy(cpl.compressed_rows.astype(np.int64))
-        v, g = att.compress_project(xin_cp)
-        v_full = torch.zeros(t, v.shape[1], dtype=v.dtype, device=self.device)
-        v_full[cp] = v
+        ci = si.compress[r]
+        g_rows = fr.local(ci.rows).clamp(min=0) if not fr.full else ci.rows
+        g_b, g_c = ci.batch_ids, ci.compressed_rows
+        if p.cp is None:
+            v_full, g_full = p.v, p.g
+        else:
+            v_full = torch.zeros(n, p.v.shape[1], dtype=p.v.dtype, device=self.device)
+            v_full[p.cp] = p.v
+            g_full = None
+            if r == 2:
+                g_full = torch.zeros_like(v_full)
+                g_full[p.cp] = p.g
         if r == 2:
-            g_full = torch.zeros_like(v_full)
-            g_full[cp] = g
-            # A group's first member comes from the slot's tail when it lies below where the
-            # rows that read the slot's state begin (the resume point of a backed-off forward,
-            # else the forward's first row): the tail holds it exactly as an unreplayed run did.
-            scu = self.buf.swa_cached_until[bid.clamp(min=0)]
-            first = (pos % 2 == 1) & (pos - 1 < scu) & (pos >= scu) & (bid >= 0)
-            store = torch.zeros(t, dtype=torch.bool, device=self.device)
-            store[
-                fr.loc[torch.from_numpy(cpl.tail_store_rows.astype(np.int64)).to(self.device)]
-            ] = True
+            first = _take(ci.first_from_tail, None if fr.full else fr.rows)
+            store = _take(ci.tail_store, None if fr.full else fr.rows)
             ti = pools.tail_index[L]
             pv, ps = kb.compress_groups(
                 v_full,
                 g_full,
-                pos,
+                fr.pos,
                 fr.slot,
                 first,
                 store,
@@ -533,89 +828,102 @@ class RuntimeModel:
         cos, sin = att.rope.cos_sin(g_c * r, self.dtype)
         keys, key_scale = att.index_keys(latent, cos, sin, self.index_fmt)
         comp = att.compressed_kv(latent, cos, sin)
-        addr = pools.row_address(L, self.buf.block_tables, g_b, g_c)
+        addr = pools.row_address(L, si.block_tables, g_b, g_c)
         keep = g_b >= 0
         kb.main_scatter(pools.main[L], comp, addr.page, addr.row, keep, pools.sink_page)
         kb.index_key_store(
-            self._index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page
+            self.index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page
         )
-        self.row_counts[(L, "compress_groups")] += n
 
-    def _index_query(self, att, qr, x, cos, sin):
-        """The index query before rounding (the scorer rounds it to its plane's grid)."""
-        qi = apply_rope(att.idx_wq_b(qr).reshape(x.shape[0], att.nih, att.ihd), cos, sin)
-        wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
-        return qi, wts
-
-    def _attention(self, L, info, att, x, cos, sin, at, t, fr, cand, decode_graph):
-        """Index selection and sparse attention of the query rows ``at`` (local to ``fr``);
-        selections and the candidate mask are kept by flat row."""
-        cfg, buf, pools, kb = self.cfg, self.buf, self.pools, self.backend
+    def _attention(self, L, si: StepInputs, fr: Frame, p: Pieces, cand, sel):
+        """Index selection and sparse attention of the query rows ``p.at`` (frame rows) into
+        ``p.o``; selections and the candidate mask are kept by flat row."""
+        cfg, pools, kb = self.cfg, self.pools, self.backend
+        info = cfg.layers[L]
         W = cfg.sliding_window
-        q, qr = att.q_path(x, cos, sin)
-        pa, ba, bida = fr.pos[at], fr.b[at], fr.bid[at]
-        flat = fr.rows[at]
-        fs = buf.forward_start[ba]
-        if decode_graph:
+        t = si.t
+        at = p.at
+        pa, ba, bida = _take(fr.pos, at), _take(fr.b, at), _take(fr.bid, at)
+        flat = at if fr.full else _take(fr.rows, at)
+        pr = si.per_request
+        if si.decode:
             window_lo = torch.zeros_like(pa)
             ring_until = pa + 1
         else:
-            scu = buf.swa_cached_until[ba]
+            fs = pr["forward_start"][ba]
+            scu = pr["swa_cached_until"][ba]
             floor = (
-                buf.swa_replay_start[ba]
+                pr["swa_replay_start"][ba]
                 if info.segment == "decoder"
-                else buf.encoder_window_floor[ba]
+                else pr["encoder_window_floor"][ba]
             )
             above = pa >= scu
             ring_until = torch.where(above, scu, fs)
             window_lo = torch.where(above, floor, torch.maximum(floor, fs))
             if info.segment == "decoder":  # a replayed tail reads only its own rows
-                ring_until = torch.where(buf.tail_start[ba] >= 0, fs, ring_until)
-        keys, valid = kb.gather_window(
-            pools.ring(L), fr.kv, at, fr.slot[at], pa, window_lo, ring_until, W
-        )
-        parts, masks = [keys], [valid]
+                ring_until = torch.where(pr["tail_start"][ba] >= 0, fs, ring_until)
+        plane = ids = pages = None
+        rows_per_page = 0
         if info.ratio > 0:
             owner = info.kv_owner
-            pages = fr.pages[at]
+            pages = _take(fr.pages, at)
             if info.role in ("full", "reindex"):
-                qi, wts = self._index_query(att, qr, x, cos, sin)
                 bound = (pa + 1) // info.ratio
-                planes = self._index_planes(owner)
+                planes = self.index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
                     ids, cmask = tp_score_candidates_topk(
                         kb,
                         self.tp,
                         planes,
-                        qi,
-                        wts,
+                        p.qi,
+                        p.wts,
                         bound,
                         pages,
                         cfg.index_topk,
                         cfg.candidate_block_size,
                         cfg.candidate_topk_blocks,
                     )
-                    cand = torch.zeros(t, cmask.shape[1], dtype=torch.bool, device=self.device)
-                    cand[flat] = cmask
+                    if flat is None:
+                        cand = cmask
+                    else:
+                        cand = torch.zeros(t, cmask.shape[1], dtype=torch.bool, device=self.device)
+                        cand[flat] = cmask
                 else:
-                    use = cand[flat] if (info.role == "reindex" and info.uses_candidates) else None
-                    ids = tp_score_topk(
-                        kb, self.tp, planes, qi, wts, bound, pages, cfg.index_topk, use
+                    use = (
+                        _take(cand, flat)
+                        if (info.role == "reindex" and info.uses_candidates)
+                        else None
                     )
-                sel = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
-                sel[flat] = ids
-                self.selections[L] = sel
+                    ids = tp_score_topk(
+                        kb, self.tp, planes, p.qi, p.wts, bound, pages, cfg.index_topk, use
+                    )
+                if flat is None:
+                    sel[L] = ids
+                else:
+                    s = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
+                    s[flat] = ids
+                    sel[L] = s
             else:
-                ids = self.selections[info.topk_owner][flat]
+                ids = _take(sel[info.topk_owner], flat)
             ids = torch.where((bida >= 0).unsqueeze(1), ids, -1)
-            rows, ok = kb.gather_selected(
-                pools.main[owner], ids, pages, pools.rows_per_page[owner], cfg.head_dim, self.dtype
-            )
-            parts.append(rows)
-            masks.append(ok)
-        kv = torch.cat(parts, 1)
-        ok = torch.cat(masks, 1)
-        nq, k = ok.shape
-        idx = torch.where(ok, torch.arange(nq * k, device=self.device).view(nq, k), -1)
-        o = sparse_attention(q, kv.reshape(nq * k, -1), idx, att.sink, att.scale)
-        return att.output(o, cos, sin), cand
+            plane, rows_per_page = pools.main[owner], pools.rows_per_page[owner]
+        rows = self._arange[:t] if at is None else at
+        kb.sparse_attention(
+            p.q,
+            self.attn[L].sink,
+            self.attn[L].scale,
+            pools.ring(L),
+            fr.kv,
+            rows,
+            _take(fr.slot, at),
+            pa,
+            window_lo,
+            ring_until,
+            W,
+            plane,
+            ids,
+            pages,
+            rows_per_page,
+            p.o,
+        )
+        return cand

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from v41plan.geometry.runtime import PoolGeometry
@@ -201,6 +202,15 @@ class Pools:
         self.tail_values = views["tail_values"]
         self.tail_scores = views["tail_scores"]
         self.cursor = views["cursor"]
+        cursor_field = next(f for f in g.state_fields if f.name == "cursor")
+        self._cursor_offset = cursor_field.offset
+        self._cursor_bytes = int(np.prod(cursor_field.shape)) * 8
+        self.cursor_host = np.zeros((slots, *cursor_field.shape), dtype=np.int64)
+        """Host mirror of every slot's cursor ``[position, Engram history...]``: what the last
+        prepared step commits, what a reset or an image restore puts there (``prepare`` reads
+        it instead of the device)."""
+        self._image_bytes: dict[int, int] = {}
+        """Cursor bytes copied out of a slot, by backing address (the image's cursor)."""
         # ratio-2 owners in layer order own tail rows 0, 1, 2
         self.tail_index = {
             o: i for i, o in enumerate(sorted(o for o, r in self.ratio.items() if r == 2))
@@ -301,11 +311,83 @@ class Pools:
 
         return side(spans.src_region, spans.src_offset), side(spans.dst_region, spans.dst_offset)
 
+    def copy_spans(self, region_names: tuple[str, ...], spans, backend) -> None:
+        """Run a planner span table (``planner.checkpoint.CopySpans``) on the pools through the
+        backend's ``copy_spans``, keeping the host cursor mirror in step: cursor bytes a span
+        carries out of a STATE slot are remembered by destination address, and a span landing
+        on a slot's cursor takes its bytes from the slot or from that record."""
+        bases = self.region_bases()
+        missing = sorted(
+            {region_names[int(r)] for r in (*spans.src_region, *spans.dst_region)} - set(bases)
+        )
+        if missing:
+            raise ValueError(
+                f"span table names regions this pool does not have: {', '.join(missing)}"
+            )
+        src = [
+            bases[region_names[int(r)]] + int(o) for r, o in zip(spans.src_region, spans.src_offset)
+        ]
+        dst = [
+            bases[region_names[int(r)]] + int(o) for r, o in zip(spans.dst_region, spans.dst_offset)
+        ]
+        n = [int(x) for x in spans.nbytes]
+        for s, d, k in zip(src, dst, n, strict=True):
+            self._mirror_span(s, d, k)
+        backend.copy_spans(self.backing, src, dst, n)
+
+    def _cursor_slot(self, addr: int) -> tuple[int, int] | None:
+        """``(slot, byte within its cursor)`` of a backing address, or None."""
+        s0 = self.state_region[0] + self._cursor_offset
+        if addr < s0:
+            return None
+        slot, within = divmod(addr - s0, self.geometry.state_bytes)
+        if slot > self.num_slots or within >= self._cursor_bytes:
+            return None
+        return slot, within
+
+    def _mirror_span(self, src: int, dst: int, nbytes: int) -> None:
+        """Host bookkeeping of one byte copy for the cursor mirror (at most a cursor's bytes per
+        slot a span touches are looked at)."""
+        sb, cb = self.geometry.state_bytes, self._cursor_bytes
+        s0 = self.state_region[0] + self._cursor_offset
+        mirror = self.cursor_host.view(np.uint8).reshape(self.num_slots + 1, cb)
+
+        def cursor_bytes(lo: int, hi: int):
+            # every (address, slot, byte) of the cursors inside [lo, hi)
+            if hi <= s0:
+                return
+            first = max(0, (lo - s0) // sb)
+            last = min(self.num_slots, (hi - 1 - s0) // sb)
+            for slot in range(first, last + 1):
+                a, b = max(lo, s0 + slot * sb), min(hi, s0 + slot * sb + cb)
+                for addr in range(a, b):
+                    yield addr, slot, addr - (s0 + slot * sb)
+
+        out = list(cursor_bytes(src, src + nbytes))  # cursor bytes leaving a slot
+        for addr, slot, i in out:
+            self._image_bytes[dst + (addr - src)] = int(mirror[slot, i])
+        for addr, slot, i in cursor_bytes(dst, dst + nbytes):  # cursor bytes landing in a slot
+            from_addr = src + (addr - dst)
+            got = self._cursor_slot(from_addr)
+            if got is not None:
+                value = int(mirror[got[0], got[1]])
+            elif from_addr in self._image_bytes:
+                value = self._image_bytes[from_addr]
+            else:
+                raise ValueError(
+                    f"a copy into slot {slot}'s cursor reads bytes the host mirror does not know "
+                    f"(address {from_addr}): copy images only through copy_spans"
+                )
+            mirror[slot, i] = value
+
     # -- slot lifetime ----------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
-        """Zero a fresh request's STATE entry and mark its Engram history DEAD (-1)."""
+        """Zero a fresh request's STATE entry and mark its Engram history DEAD (-1), on the device
+        and in the host mirror."""
         self.state[slot].zero_()
         self.cursor[slot, 1:] = -1
+        self.cursor_host[slot] = 0
+        self.cursor_host[slot, 1:] = -1
 
     def nbytes(self) -> int:
         """Bytes of the backing allocation."""

@@ -66,16 +66,16 @@ class PagedRunner:
             table_width=-(-options.max_model_len // P) + 1,
             dtype=dtype, device=device, cfg=ckpt.config, tp=self.tp,
         )  # fmt: skip
-        from v41plan.runtime.graphs import build_graph_runner
+        from v41plan.runtime.graphs import build_cuda_graphs
 
         # FULL / PIECEWISE decode graphs on CUDA (None under eager execution or on CPU).
-        self.graphs = build_graph_runner(self.model, spec, options)
+        self.graphs = build_cuda_graphs(self.model, spec, options)
         self.flags = {
             "encoder_replay": bool(options.encoder_swa_bounded_replay),
             "decoder_replay": bool(options.decoder_swa_bounded_replay),
         }
         self.stats: Counter = Counter()
-        self._copies = None  # the pool's CopyPlanner, built at the first image copy
+        self._readback: dict = {}  # pinned host buffers of the step's results, by shape
 
     def graph_stats(self) -> dict:
         """Capture report and replay counters (empty under eager execution)."""
@@ -85,46 +85,30 @@ class PagedRunner:
             "mode": self.graphs.mode,
             "buckets": [list(b) for b in self.graphs.buckets],
             "stats": dict(self.graphs.stats),
+            "replays_per_step": self.graphs.replays_per_step(),
             "capture": self.graphs.report,
         }
 
-    # ---- state copies ------------------------------------------------------------------------
-    def _copy_image(self, slot: int, units: tuple[int, ...], store: bool) -> None:
-        """Store or restore one image through the generated span table (checked against the
-        pool's layout id and byte totals) and the backend's copy."""
-        from v41plan.planner.checkpoint import CopyPlanner, ImageOp, load_image_layout
-
-        pools = self.model.pools
-        if self._copies is None:
-            g = pools.geometry
-            self._copies = CopyPlanner(
-                g, pools.num_pages, pools.num_slots, load_image_layout(g, self.spec.name)
-            )
-        g = self._copies.geometry
-        op = ImageOp(slot, tuple(units), g.layout_id, g.image_bytes)
-        spans = self._copies.store(op) if store else self._copies.restore(op)
-        src, dst = pools.span_addresses(self._copies.regions, spans)
-        self.model.backend.copy_image(pools.backing, src, dst)
-
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Stores, restores, fresh-slot resets, then the planned forward."""
+        """Stores, restores, fresh-slot resets, then the planned forward: ``prepare`` on the
+        host, ``run`` (or a graph replay of it) on the device, one readback of the results."""
         from v41plan.planner.step import plan_step
+        from v41plan.runtime.graphs import pad_for_graphs
 
+        model = self.model
         for op in batch.stores:
-            self._copy_image(op.slot, op.units, store=True)
+            model.copy_image(op.slot, op.units, store=True)
             self.stats["stores"] += 1
         for op in batch.restores:
-            self._copy_image(op.slot, op.units, store=False)
+            model.copy_image(op.slot, op.units, store=False)
             self.stats["restores"] += 1
         out = RunnerOutput()
         if not batch.requests:
             return out
         for r in batch.requests:
             if r.fresh_slot:
-                self.model.pools.reset_slot(r.slot)
+                model.reset_slot(r.slot)
                 self.stats["fresh_resets"] += 1
-        from v41plan.runtime.graphs import graph_forward, pad_for_graphs
-
         step = to_step_input(batch, compress=self.engram.compress)
         step = pad_for_graphs(self.graphs, step, batch.phase == "decode")
         plan = plan_step(step, self.spec, **self.flags)
@@ -133,24 +117,49 @@ class PagedRunner:
             [np.asarray(r.token_ids[r.start : r.end], dtype=np.int64) for r in batch.requests]
         )
         want_rows = any(r.all_logits for r in batch.requests)
-        res = graph_forward(self.graphs, self.model, plan, ids, all_row_logits=want_rows)
+        inputs = model.prepare(plan, ids, all_row_logits=want_rows)
+        res = self.graphs.run(inputs) if self.graphs is not None else None
+        if res is None:
+            res = model.run(inputs)
         self.stats["forwards"] += 1
         self.stats["rows"] += int(plan.scheduled_tokens)
         self.stats["replay_rows"] += sum(r.replay_rows for r in batch.requests)
         if plan.decoder_replay:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
+        logits, row_logits = self.read_back(res, want_rows)
         cu = plan.cu_seqlens_q
-        logits = res.logits.float().cpu()  # one device-to-host copy per step, not per request
-        row_logits = (
-            res.row_logits.float().cpu() if want_rows and res.row_logits is not None else None
-        )
         for i, r in enumerate(batch.requests):
             if r.is_final_chunk:
                 out.last_logits[r.seq_id] = logits[i]
             if r.all_logits and row_logits is not None:
                 out.row_logits[r.seq_id] = row_logits[int(cu[i]) : int(cu[i + 1])]
         return out
+
+    def read_back(self, res, want_rows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's one device-to-host transfer: its logits (and row logits when asked), as
+        float32 host tensors, through pinned buffers on CUDA."""
+        parts = [res.logits] + (
+            [res.row_logits] if want_rows and res.row_logits is not None else []
+        )
+        if res.logits.device.type != "cuda":
+            host = [x.float() for x in parts]
+        else:
+            host = []
+            for x in parts:
+                key = (tuple(x.shape), len(host))
+                buf = self._readback.get(key)
+                if buf is None:
+                    buf = self._readback[key] = torch.empty(
+                        x.shape, dtype=torch.float32, pin_memory=True
+                    )
+                buf.copy_(x.float(), non_blocking=True)
+                host.append(buf)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()  # the results are the step's only readback
+            host = [h.clone() for h in host]  # the pinned buffers are reused next step
+        return host[0], (host[1] if len(host) > 1 else None)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

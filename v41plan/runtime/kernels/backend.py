@@ -224,9 +224,12 @@ class CursorWrite(Protocol):
 class CheckpointCopy(Protocol):
     """Checkpoint image byte copies."""
 
-    def copy_image(self, backing: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy bytes ``backing[src] -> backing[dst]`` for byte-index tensors built from the
-        checkpoint schedule's spans (STATE fields <-> PAGE units)."""
+    def copy_spans(
+        self, backing: torch.Tensor, src: list[int], dst: list[int], nbytes: list[int]
+    ) -> None:
+        """Copy ``backing[src[i] : src[i] + nbytes[i]]`` to ``dst[i]`` for each span, in order,
+        on the device (no host sync): a checkpoint schedule's spans between STATE fields and
+        PAGE units (no span's destination overlaps a later span's source)."""
 
 
 class KernelBackend(

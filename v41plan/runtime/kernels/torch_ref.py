@@ -338,5 +338,10 @@ class TorchBackend:
         _put_rows(cursor, (slot,), values.to(cursor.dtype), slot >= 0, (sink_slot,))
 
     # -- checkpoints --------------------------------------------------------------------------
+    def copy_spans(self, backing, src, dst, nbytes):
+        for s, d, n in zip(src, dst, nbytes, strict=True):
+            backing[d : d + n].copy_(backing[s : s + n])
+
     def copy_image(self, backing, src, dst):
+        """Byte-index form of an image copy (tests; the runtime uses ``copy_spans``)."""
         backing.index_copy_(0, dst, backing.index_select(0, src))
