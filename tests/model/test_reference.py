@@ -273,25 +273,3 @@ def test_forced_decisions_replace_the_computed_ones(tiny):
     forced = m.prefill(ids)
     assert torch.equal(m.selections[2], sel) and torch.equal(m.experts[5], experts)
     assert not torch.allclose(forced, base)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.gpu
-def test_cuda_matches_cpu(tiny):
-    cfg, state = tiny
-    ids = _ids(41, 9)
-    cpu = _model(tiny)
-    want = cpu.prefill(ids[:40])
-    want_step = cpu.decode(int(ids[40]))
-    ckpt = LoadedCheckpoint.from_state(cfg, state)
-    gpu = ReferenceModel.from_checkpoint(ckpt, torch.float64, device="cuda")
-    got = gpu.prefill(ids[:40])
-    got_step = gpu.decode(int(ids[40]))
-    assert got.device.type == "cuda"
-    assert _rel(got.cpu(), want) < 1e-10 and _rel(got_step.cpu(), want_step) < 1e-10
-    for layer, sel in cpu.selections.items():
-        assert torch.equal(gpu.selections[layer].cpu(), sel)
-    bf = ReferenceModel.from_checkpoint(
-        LoadedCheckpoint.from_state(cfg, state), torch.bfloat16, "cuda"
-    )
-    assert torch.isfinite(bf.prefill(ids)).all()

@@ -8,12 +8,17 @@ preempted, cancelled, recycled, backed off) finishes with the tokens an uninterr
 run of the same route produced, and that the path it meant to exercise was taken (hits,
 restores and replay rows counted from the engine). There is no separate oracle.
 
-Which uninterrupted run a case compares with: with the ``copy`` transfer a restore is exact, so
-every route is compared with the cold run of its prompt. With the ``replay`` transfer (encoder
-SWA bounded replay) a resumed request's logits differ from a cold prefill's by design, so a
-route that resumes from a prefix hit ``h`` is compared with an uninterrupted run that resumes
-from the same hit: the prompt run again, alone, in an engine whose cache holds the same prefix
-(``warm``). Routes that never resume from a hit are compared with the cold run in both.
+Which run a case compares with, never the same route again: with the ``copy`` transfer a
+restore is exact, so every route is compared with the cold run of its prompt. With the
+``replay`` transfer (encoder SWA bounded replay) a resumed request's logits differ from a cold
+prefill's by design, so a route that resumes from a prefix hit ``h`` is compared with a
+*rebuild reference* built without the scheduler: the runner is driven directly with a cold
+prefill of the prompt's first ``h`` tokens (one forward, its own slot) and then a fresh-slot
+forward of the request starting at the same ``forward_start`` over those pages, followed by the
+route's own chunk and decode boundaries, sampled greedily here (``rebuild_reference``). Routes
+that never resume from a hit are compared with the cold run in both. Which path a case expects
+(restores or replay rows, decoder replay taken) follows from the engine's own options and the
+runner's flags, not from the case's name.
 
 Every rank builds the same engine and drives the same schedule; the token lists of all ranks
 must agree. Only rank 0 prints and writes; it prints ``RUNTIME_ACCEPTANCE_PASSED`` on success.
@@ -122,37 +127,80 @@ class Validator:
         self.events.extend(events)
         return Route([list(s.output_ids) for s in seqs], seqs, events, llm)
 
-    def cold(self, prompt, **overrides) -> list[int]:
+    def cold(self, prompt, params=PARAMS, **overrides) -> list[int]:
         """The prompt alone in a fresh engine: the uninterrupted run of a route without a hit."""
-        key = ("cold", tuple(prompt), tuple(sorted(overrides.items())))
+        key = ("cold", tuple(prompt), params, tuple(sorted(overrides.items())))
         if key not in self._memo:
             self._memo[key] = self.drive(
-                self.engine(**overrides), [prompt], case="reference_cold"
+                self.engine(**overrides), [prompt], params, case="reference_cold"
             ).tokens[0]
         return self._memo[key]
 
-    def warm(self, prompt, warm_prompts, **overrides) -> Route:
-        """The prompt alone after ``warm_prompts`` ran to completion (it resumes from their
-        prefix)."""
-        key = (
-            "warm",
-            tuple(prompt),
-            tuple(map(tuple, warm_prompts)),
-            tuple(sorted(overrides.items())),
-        )
-        if key not in self._memo:
-            llm = self.engine(**overrides)
-            self.drive(llm, warm_prompts, case="reference_warmup")
-            self._memo[key] = self.drive(llm, [prompt], case="reference_warm")
-        return self._memo[key]
-
-    def resumed_reference(self, prompt, warm_prompts, hit: int, **overrides) -> list[int]:
-        """What a request resuming from ``hit`` must produce: cold under copy, warm under replay."""
-        if self.transfer == "copy":
+    def resumed_reference(self, prompt, route: Route, index: int, **overrides) -> list[int]:
+        """What request ``index`` of ``route``, resumed from a prefix hit, must produce: the cold
+        run under ``copy`` (a restore is exact), the rebuild reference under ``replay``."""
+        llm = route.engine
+        if not llm.options.encoder_swa_bounded_replay:
             return self.cold(prompt, **overrides)
-        ref = self.warm(prompt, warm_prompts, **overrides)
-        check(ref.seqs[0].hits == [hit], f"reference resumed at {ref.seqs[0].hits}, not at {hit}")
-        return ref.tokens[0]
+        return self.rebuild_reference(prompt, route, index)
+
+    def rebuild_reference(self, prompt, route: Route, index: int) -> list[int]:
+        """The replay transfer's resume, rebuilt without the scheduler, block manager or prefix
+        cache: a cold prefill of ``prompt[:hit]`` in one forward (slot 0, its own pages), then
+        request ``index``'s forwards from the route's events (the rebuild at the same
+        ``forward_start`` in a fresh slot 1 over the same prefix pages, its later chunks and
+        decode steps), each final row sampled greedily here."""
+        from v41plan.serving.batch import ScheduledBatch, ScheduledRequest
+        from v41plan.serving.sampling import sample
+
+        seq = route.seqs[index]
+        hit = seq.hits[-1]
+        check(hit > 0, f"rebuild reference of a request with no hit ({seq.hits})")
+        spans = [
+            (ev["starts"][k], ev["resumes"][k], ev["ends"][k], ev["phase"])
+            for ev in route.events
+            for k, sid in enumerate(ev["ids"])
+            if sid == seq.seq_id
+        ]
+        # the request's spans from its last admission (the one that resumed at ``hit``)
+        first = max(i for i, (st, res, _e, ph) in enumerate(spans) if res == hit and ph != "decode")
+        spans = spans[first:]
+        P = self.P
+        n_pages = -(-(len(prompt) + PARAMS.max_tokens + 2) // P)
+        prefix_pages = tuple(range(hit // P))
+        own = tuple(range(hit // P, hit // P + n_pages))  # pages only this request writes
+        cold_pages = prefix_pages + tuple(range(hit // P + n_pages, hit // P + n_pages + 2))
+        runner, steps = self.runner, [0]
+
+        def run(req: ScheduledRequest, phase: str):
+            steps[0] += 1
+            # counted like a scheduler step: the graph accounting sees every forward it ran
+            self.events.append({
+                "step": 10_000 + steps[0], "phase": phase, "ids": [req.seq_id],
+                "slots": [req.slot], "starts": [req.start], "resumes": [req.resume],
+                "ends": [req.end], "replay_rows": req.replay_rows, "stores": 0, "restores": 0,
+                "case": "reference_rebuild",
+            })  # fmt: skip
+            return runner.execute(ScheduledBatch(10_000 + steps[0], phase, (req,)))
+
+        for st in range(0, hit, runner.model.max_tokens):  # the prefix, cold, in its own slot
+            end = min(hit, st + runner.model.max_tokens)
+            run(ScheduledRequest(-1, 0, cold_pages, tuple(prompt[:end]), st, st, end, hit, 0,
+                                 st == 0, end == hit), "prefill")  # fmt: skip
+        tokens = list(prompt)
+        table = prefix_pages + own
+        for k, (start, resume, end, phase) in enumerate(spans):
+            req = ScheduledRequest(
+                -2, 1, table, tuple(tokens[:end]), start, resume, end, len(prompt), hit, k == 0,
+                end >= len(prompt),
+            )  # fmt: skip
+            out = run(req, "decode" if phase == "decode" else "prefill")
+            if end >= len(prompt) and len(tokens) - len(prompt) < PARAMS.max_tokens:
+                check(
+                    end == len(tokens), f"reference span {start}..{end} past {len(tokens)} tokens"
+                )
+                tokens.append(sample(out.last_logits[-2], PARAMS, 0, len(tokens) - len(prompt)))
+        return tokens[len(prompt) :]
 
 
 def byte_prompt(llm_or_tok, text: str) -> list[int]:
@@ -242,12 +290,12 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         check(len(base) > 2 * P, "fork prompt must be longer than two PAGEs")
         check(hit > 0, "the second request did not hit the first's prefix")
         check(r.tokens[0] == v.cold(base, **opts), "first fork request differs from its cold run")
-        if v.transfer == "copy":
+        if not r.engine.options.encoder_swa_bounded_replay:
             check(r.restores >= 1, "no checkpoint restore in the copy fork")
         else:
             check(r.replay_rows >= P, "no encoder replay rows in the replay fork")
-        ref = v.resumed_reference(base, [base], hit, **opts)
-        check(r.tokens[1] == ref, f"forked request {r.tokens[1]} != uninterrupted route {ref}")
+        ref = v.resumed_reference(base, r, 1, **opts)
+        check(r.tokens[1] == ref, f"forked request {r.tokens[1]} != its reference {ref}")
         return {
             "hit": hit,
             "restores": r.restores,
@@ -262,7 +310,7 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         dropped = llm.block_manager.drop_images()
         r = v.drive(llm, [base], case="missing_image_replay")
         s = r.seqs[0]
-        if v.transfer == "copy":
+        if not llm.options.encoder_swa_bounded_replay:
             check(dropped >= 1, "no image to drop after a chunked run")
             check(s.hits == [0], f"hit {s.hits} was not rewound to the recoverable boundary 0")
             check(r.tokens[0] == gold["base"], "replay from 0 differs from the baseline")
@@ -272,8 +320,8 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
                 dropped == 0 and not llm.block_manager.images, "the replay transfer kept an image"
             )
             check(s.hits[0] > 0 and s.replay_rows >= P, "no imageless hit with encoder replay")
-            ref = v.resumed_reference(base, [base], s.hits[0], **chunked)
-            check(r.tokens[0] == ref, "imageless replay differs from its uninterrupted route")
+            ref = v.resumed_reference(base, r, 0, **chunked)
+            check(r.tokens[0] == ref, "imageless replay differs from its rebuild reference")
         return {
             "dropped_images": dropped,
             "hits": s.hits,
@@ -302,11 +350,11 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         s = r.seqs[0]
         check(bool(state) and s.preemptions == 1, "the request was not preempted mid-prefill")
         check(s.hits[-1] > 0, f"resume did not go through the prefix cache (hits {s.hits})")
-        if v.transfer == "copy":
+        if not llm.options.encoder_swa_bounded_replay:
             check(s.restores >= 1, "no restore on resume")
         else:
             check(s.replay_rows >= P, "no encoder replay on resume")
-        ref = v.resumed_reference(unique, [unique], s.hits[-1], **chunked)
+        ref = v.resumed_reference(unique, r, 0, **chunked)
         check(r.tokens[0] == ref, f"resumed {r.tokens[0]} != uninterrupted {ref}")
         return {
             "preempted_at": state["cursor"],
@@ -365,6 +413,8 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             "request cancelled before its first token produced output",
         )
         check(r.seqs[0].finish_reason == "length", "the surviving request did not finish")
+        survivor = v.cold(other, CANCEL_PARAMS, **chunked)
+        check(r.tokens[0] == survivor, f"the survivor {r.tokens[0]} != its run alone {survivor}")
         check(len(llm.block_manager.free_slots) == llm.block_manager.num_slots, "slot not freed")
         return {"step": state["step"], "tokens": r.tokens}
 
@@ -381,7 +431,10 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         rows = final["ends"][0] - final["starts"][0]
         check(rows > W, f"final forward of {rows} rows does not exceed W={W}")
         plan = plan_of_final(v, one)
-        check(plan is None or plan["decoder_replay"], "decoder replay not taken on the long prompt")
+        expected = bool(one.engine.options.decoder_swa_bounded_replay)
+        check(
+            plan["decoder_replay"] == expected, f"decoder replay {plan} with the option {expected}"
+        )
         # The same prompt in chunks ends with a final forward that also holds more than W rows.
         two = v.drive(
             v.engine(long_prefill_token_threshold=3 * P, max_num_batched_tokens=4 * P),
@@ -396,7 +449,10 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             taken = {
                 k: stats.get(k, 0) - before.get(k, 0) for k in ("decoder_replay_steps", "tail_rows")
             }
-            check(taken["decoder_replay_steps"] >= 1, "the runner ran no decoder-replay step")
+            ran = taken["decoder_replay_steps"] >= 1
+            check(
+                ran == expected, f"runner decoder-replay steps {taken} with the option {expected}"
+            )
         return {
             "final_rows": rows,
             "plan": plan,
@@ -446,9 +502,9 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             f"forward did not back off a hash block: starts {s.starts}",
         )
         check(s.replay_rows >= P, "no back-off rows counted")
-        if v.transfer == "copy":
+        if not llm.options.encoder_swa_bounded_replay:
             check(s.restores == 1, "no restore for the short suffix")
-        ref = v.resumed_reference(short_suffix, [base], s.hits[0], **chunked)
+        ref = v.resumed_reference(short_suffix, r, 0, **chunked)
         check(r.tokens[0] == ref, f"short-suffix hit {r.tokens[0]} != uninterrupted {ref}")
         return {
             "hits": s.hits,
@@ -460,13 +516,11 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
     return results
 
 
-def plan_of_final(v: Validator, route: Route) -> dict | None:
-    """The planner's view of a route's last prefill batch (None when the planner is absent)."""
-    try:
-        from v41plan.planner.step import plan_step
-        from v41plan.serving.batch import ScheduledBatch, ScheduledRequest, to_step_input
-    except ImportError:
-        return None
+def plan_of_final(v: Validator, route: Route) -> dict:
+    """The planner's view of a route's last prefill batch, under the runner's own flags."""
+    from v41plan.planner.step import plan_step
+    from v41plan.serving.batch import ScheduledBatch, ScheduledRequest, to_step_input
+
     ev = [e for e in route.events if e["phase"] == "prefill"][-1]
     s = route.seqs[0]
     n = ev["ends"][0]
@@ -484,9 +538,7 @@ def plan_of_final(v: Validator, route: Route) -> dict | None:
         True,
     )
     batch = ScheduledBatch(ev["step"], "prefill", (req,))
-    plan = plan_step(
-        to_step_input(batch), v.spec, encoder_replay=v.transfer == "replay", decoder_replay=True
-    )
+    plan = plan_step(to_step_input(batch), v.spec, **v.runner.flags)
     tail = [int(x) for x in plan.tail_rows]
     return {
         "decoder_replay": bool(plan.decoder_replay),

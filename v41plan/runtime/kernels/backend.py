@@ -7,7 +7,7 @@ a row with batch id / slot -1, a negative plan row or a position below its write
 redirected to the pool's sink row and writes back what that row already holds.
 
 ``torch_ref.TorchBackend`` implements the interface with plain torch (CPU, and the GPU
-baseline); Triton kernels and a ROCm backend implement the same methods.
+baseline); any other backend (Triton on CUDA, a ROCm one) implements the same methods.
 
 Shapes: ``T`` rows of the flat token batch (the graph key's ``running_tokens``), ``B``
 requests (``running_bs``), ``P`` block-table columns, ``K`` top-k width, ``W`` window.
