@@ -1,12 +1,19 @@
 """What the scheduler hands a model runner, and what the runner gives back.
 
-A ``ScheduledBatch`` is prefill-only or decode-only. Each ``ScheduledRequest`` names the rows
-its forward runs, ``[start, end)``, and where its cached rows end (``resume``): rows below
-``resume`` are recomputed without writing what the cache holds (``write_from``), and under
-the same slot they read the rings below ``resume`` (``swa_cached_until``). ``fresh_slot`` says the
-slot's state is rebuilt from ``start`` (a position-0 reset at ``start == 0``, an encoder replay
-with windows starting at ``start`` otherwise). The runner performs ``stores`` then
-``restores`` before the forward.
+A ``ScheduledBatch`` is a ragged batch: decode rows of running requests (one each) and prefill
+chunks under one token budget (``phase`` is ``decode`` when every request decodes, the shape
+CUDA graphs capture, else ``prefill``). Each ``ScheduledRequest`` names the rows its forward
+runs, ``[start, end)``, and where its cached rows end (``resume``): rows below ``resume`` are
+recomputed without writing what the cache holds (``write_from``), and under the same slot they
+read the rings below ``resume`` (``swa_cached_until``). ``fresh_slot`` says the slot's state is
+rebuilt from ``start`` (a position-0 reset at ``start == 0``, an encoder replay with windows
+starting at ``start`` otherwise). The runner performs ``stores`` then ``restores`` before the
+forward.
+
+Token ids and block tables are not carried per step: the runner keeps them per slot in
+``SlotTables`` and the batch carries only what changed (``SlotDelta``: the tokens and block ids
+appended since the runner last saw the slot, or a slot's whole content when a request takes
+it), and the slots freed since the last batch, as vLLM v1 hands its workers per-step deltas.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from v41plan.serving.block_manager import RestoreOp, StoreOp
@@ -25,10 +33,6 @@ class ScheduledRequest:
 
     seq_id: int
     slot: int
-    block_table: tuple[int, ...]
-    """PAGE ids covering at least ``[0, end)``."""
-    token_ids: tuple[int, ...]
-    """All token ids of the request up to ``end`` (the forward reads ``[start, end)``)."""
     start: int
     """First position the forward runs (after any back-off)."""
     resume: int
@@ -56,17 +60,101 @@ class ScheduledRequest:
         """Rows recomputed below the resume point."""
         return self.resume - self.start
 
+    @property
+    def is_decode(self) -> bool:
+        """One sampled row past the prompt."""
+        return self.start >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class SlotDelta:
+    """What changed in one slot's token ids and block table since the runner last saw it."""
+
+    slot: int
+    reset: bool
+    """A request takes the slot: what the runner held for it is discarded first."""
+    tokens_from: int
+    """Position of ``new_tokens[0]`` (the runner held ``tokens_from`` tokens before)."""
+    new_tokens: np.ndarray
+    """int64 token ids appended at ``tokens_from``."""
+    blocks_from: int
+    """Index of ``new_blocks[0]`` in the block table."""
+    new_blocks: np.ndarray
+    """int32 PAGE ids appended at ``blocks_from``."""
+
+
+class SlotTables:
+    """Each slot's token ids and block table, kept between steps by a runner and updated only by
+    the batches' deltas (never rebuilt from a request's whole history).
+
+    ``blocks`` is one ``[slots, max_pages]`` int32 array (-1 past a table), so a step's block
+    tables are one fancy-index; token ids are a growable array per slot, and ``last_token``
+    holds each slot's newest token (what a decode row reads)."""
+
+    def __init__(self, num_slots: int, max_pages: int) -> None:
+        self.blocks = np.full((num_slots, max_pages), -1, dtype=np.int32)
+        self.num_blocks = np.zeros(num_slots, dtype=np.int64)
+        self.num_tokens = np.zeros(num_slots, dtype=np.int64)
+        self.last_token = np.zeros(num_slots, dtype=np.int64)
+        self._tokens: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(num_slots)]
+
+    def apply(self, batch: ScheduledBatch) -> None:
+        """Free the batch's freed slots, then apply its deltas in order."""
+        for slot in batch.freed_slots:
+            self.blocks[slot] = -1
+            self.num_blocks[slot] = 0
+            self.num_tokens[slot] = 0
+        for d in batch.deltas:
+            s = d.slot
+            if d.reset:
+                self.blocks[s] = -1
+                self.num_blocks[s] = 0
+                self.num_tokens[s] = 0
+            if d.tokens_from != self.num_tokens[s] or d.blocks_from != self.num_blocks[s]:
+                raise RuntimeError(
+                    f"slot {s}: delta at token {d.tokens_from} / block {d.blocks_from}, but the "
+                    f"runner holds {self.num_tokens[s]} tokens / {self.num_blocks[s]} blocks"
+                )
+            n = len(d.new_tokens)
+            if n:
+                end = d.tokens_from + n
+                buf = self._tokens[s]
+                if end > len(buf):  # grow by doubling: appends stay amortised O(1)
+                    grown = np.zeros(max(end, 2 * len(buf), 64), dtype=np.int64)
+                    grown[: d.tokens_from] = buf[: d.tokens_from]
+                    self._tokens[s] = buf = grown
+                buf[d.tokens_from : end] = d.new_tokens
+                self.num_tokens[s] = end
+                self.last_token[s] = d.new_tokens[-1]
+            k = len(d.new_blocks)
+            if k:
+                if d.blocks_from + k > self.blocks.shape[1]:
+                    raise RuntimeError(f"slot {s}: block table longer than {self.blocks.shape[1]}")
+                self.blocks[s, d.blocks_from : d.blocks_from + k] = d.new_blocks
+                self.num_blocks[s] = d.blocks_from + k
+
+    def tokens(self, slot: int, lo: int, hi: int) -> np.ndarray:
+        """Token ids ``[lo, hi)`` of a slot (a view)."""
+        if hi > self.num_tokens[slot]:
+            raise RuntimeError(f"slot {slot} holds {self.num_tokens[slot]} tokens, not {hi}")
+        return self._tokens[slot][lo:hi]
+
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One step: a prefill-only or decode-only ragged batch plus the state copies before it."""
+    """One step: a ragged batch of requests plus the state copies and slot deltas before it."""
 
     step: int
     phase: str
-    """``prefill`` or ``decode``."""
+    """``decode`` (every request decodes one row) or ``prefill`` (at least one prefill chunk,
+    with any decode rows of running requests beside it)."""
     requests: tuple[ScheduledRequest, ...]
     stores: tuple[StoreOp, ...] = ()
     restores: tuple[RestoreOp, ...] = ()
+    deltas: tuple[SlotDelta, ...] = ()
+    """Token ids and block ids the runner has not seen yet, per slot."""
+    freed_slots: tuple[int, ...] = ()
+    """Slots freed since the previous batch (finished, cancelled or preempted requests)."""
 
     @property
     def num_tokens(self) -> int:
@@ -84,45 +172,74 @@ class RunnerOutput:
     """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
 
 
-def to_step_input(
-    batch: ScheduledBatch,
-    compress=None,
-    running_bs: int | None = None,
-    running_tokens: int | None = None,
-):
-    """The planner's ``StepInput`` for ``batch``.
+def history_window(replay_history_tokens: int, hash_block: int) -> int:
+    """Positions before a request's resume point whose Engram ids a plan may need: a forward
+    starts at most one hash block below its resume point, and reads the history before that."""
+    return hash_block + replay_history_tokens
+
+
+def to_step_input(batch: ScheduledBatch, tables: SlotTables, compress=None, *, history: int = 0,
+                  running_bs: int | None = None, running_tokens: int | None = None,
+                  block_table_width: int | None = None):  # fmt: skip
+    """The planner's columnar ``StepArrays`` for ``batch``, from the runner's ``tables``.
 
     ``compress`` maps raw token ids to Engram-compressed ids (``EngramHost.compress``); without
-    it the raw ids are passed. ``start`` is the resume point: ``plan_step`` applies the same
-    back-off the scheduler counted (``choose_prefill_chunk``), which ``check_plan`` asserts.
+    it the raw ids are passed. Only a prefill request can back off below its cursor and read
+    the plan's history, and only the ``history`` positions before its resume point can be
+    read: just those are compressed. ``start`` is the resume point: ``plan_step`` applies the
+    same back-off the scheduler counted (``choose_prefill_chunk``), which ``check_plan``
+    asserts.
     """
-    import numpy as np
+    from v41plan.planner.step import StepArrays
 
-    from v41plan.planner.step import RequestInput, StepInput
+    reqs = batch.requests
+    n = len(reqs)
+    cols = np.array(
+        [
+            (r.slot, r.prompt_len, r.resume, r.end - r.resume, r.prefix_hit, r.fresh_slot,
+             r.all_logits, r.start >= r.prompt_len)
+            for r in reqs
+        ],
+        dtype=np.int64,
+    ).reshape(n, 8)  # fmt: skip
+    slots = cols[:, 0]
+    width = int(tables.num_blocks[slots].max()) if n else 0
+    ids = None
+    if batch.phase != "decode":
+        ids = []
+        for r in reqs:
+            if r.start >= r.prompt_len:  # decode rows read their history from the cursor
+                ids.append(None)
+                continue
+            lo = max(0, r.resume - history)
+            win = np.full(r.resume, -1, dtype=np.int64)
+            raw = tables.tokens(r.slot, lo, r.resume)
+            win[lo:] = compress(raw) if compress is not None else raw
+            ids.append(win)
+        ids = tuple(ids)
+    return StepArrays(
+        slots=slots,
+        block_tables=tables.blocks[slots, :width],
+        prompt_lens=cols[:, 1],
+        starts=cols[:, 2],
+        chunk_lens=cols[:, 3],
+        is_decode=cols[:, 7].astype(bool),
+        prefix_hits=cols[:, 4],
+        fresh_slot=cols[:, 5].astype(bool),
+        token_ids=ids,
+        full_rows=cols[:, 6].astype(bool),
+        running_bs=running_bs,
+        running_tokens=running_tokens,
+        block_table_width=block_table_width,
+    )
 
-    reqs = []
-    decode = batch.phase == "decode"
-    for r in batch.requests:
-        ids = None
-        if not decode:  # only a prefill can back off below the cursor and read plan history
-            ids = np.asarray(r.token_ids[: r.end], dtype=np.int64)
-            if compress is not None:
-                ids = np.asarray(compress(ids), dtype=np.int64)
-        reqs.append(
-            RequestInput(
-                slot=r.slot,
-                block_table=tuple(r.block_table),
-                prompt_len=r.prompt_len,
-                start=r.resume,
-                chunk_len=r.end - r.resume,
-                phase="decode" if decode else "prefill",
-                prefix_hit=r.prefix_hit,
-                fresh_slot=r.fresh_slot,
-                token_ids=ids,
-                full_rows=r.all_logits,
-            )
-        )
-    return StepInput(tuple(reqs), running_bs=running_bs, running_tokens=running_tokens)
+
+def step_token_ids(batch: ScheduledBatch, tables: SlotTables) -> np.ndarray:
+    """The flat token ids the batch's forward reads, in request order."""
+    if batch.phase == "decode":
+        return tables.last_token[[r.slot for r in batch.requests]]
+    parts = [tables.tokens(r.slot, r.start, r.end) for r in batch.requests]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def check_plan(batch: ScheduledBatch, plan) -> None:

@@ -21,12 +21,19 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import torch
 
 from v41plan.geometry.runtime import CacheSpec
 from v41plan.serving.admission import EngineOptions
-from v41plan.serving.batch import RunnerOutput, ScheduledBatch, check_plan, to_step_input
+from v41plan.serving.batch import (
+    RunnerOutput,
+    ScheduledBatch,
+    SlotTables,
+    check_plan,
+    history_window,
+    step_token_ids,
+    to_step_input,
+)
 
 
 class PagedRunner:
@@ -76,6 +83,9 @@ class PagedRunner:
         }
         self.stats: Counter = Counter()
         self._readback: dict = {}  # pinned host buffers of the step's results, by shape
+        self.tables = SlotTables(options.max_num_seqs, self.model.table_width)
+        """Each slot's token ids and block table, kept up to date by the batches' deltas."""
+        self._history = history_window(spec.replay.replay_history_tokens, P)
 
     def graph_stats(self) -> dict:
         """Capture report and replay counters (empty under eager execution)."""
@@ -93,9 +103,10 @@ class PagedRunner:
         """Stores, restores, fresh-slot resets, then the planned forward: ``prepare`` on the
         host, ``run`` (or a graph replay of it) on the device, one readback of the results."""
         from v41plan.planner.step import plan_step
-        from v41plan.runtime.graphs import pad_for_graphs
+        from v41plan.runtime.graphs import select_bucket
 
         model = self.model
+        self.tables.apply(batch)
         for op in batch.stores:
             model.copy_image(op.slot, op.units, store=True)
             self.stats["stores"] += 1
@@ -109,13 +120,19 @@ class PagedRunner:
             if r.fresh_slot:
                 model.reset_slot(r.slot)
                 self.stats["fresh_resets"] += 1
-        step = to_step_input(batch, compress=self.engram.compress)
-        step = pad_for_graphs(self.graphs, step, batch.phase == "decode")
+        bucket = None
+        if self.graphs is not None and batch.phase == "decode":
+            q = max(r.chunk_len for r in batch.requests)
+            bucket = select_bucket(self.graphs.buckets, len(batch.requests), q)
+        step = to_step_input(
+            batch, self.tables, self.engram.compress, history=self._history,
+            running_bs=None if bucket is None else bucket[0],
+            running_tokens=None if bucket is None else bucket[0] * bucket[1],
+            block_table_width=None if bucket is None else model.table_width,
+        )  # fmt: skip
         plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
-        ids = np.concatenate(
-            [np.asarray(r.token_ids[r.start : r.end], dtype=np.int64) for r in batch.requests]
-        )
+        ids = step_token_ids(batch, self.tables)
         want_rows = any(r.all_logits for r in batch.requests)
         inputs = model.prepare(plan, ids, all_row_logits=want_rows)
         res = self.graphs.run(inputs) if self.graphs is not None else None

@@ -1,8 +1,10 @@
 """Continuous-batching scheduler: chunked prefill, decode, prefix reuse, preemption, cancellation.
 
-A step is prefill-only or decode-only: partial prefills resume first (phase 1), waiting
-requests are admitted in order (phase 2), and only a step with no prefill decodes the running
-requests. Where a forward starts:
+A step mixes decode and prefill under one token budget: every running request past its
+prefill decodes one row (phase 0, first, so no decoding request stalls behind a long prefill),
+then partial prefills resume (phase 1) and waiting requests are admitted in order (phase 2)
+with what the budget has left. A step whose requests all decode is a ``decode`` batch (the
+shape CUDA graphs capture). Where a forward starts:
 
 - a fresh admission with a prefix hit ``h`` under the ``replay`` transfer starts at
   ``grid_back_off(h)`` in a fresh slot (encoder bounded replay rebuilds the windows);
@@ -26,10 +28,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from v41plan.planner.replay import choose_prefill_chunk, grid_back_off
-from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest
+from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest, SlotDelta
 from v41plan.serving.block_manager import BlockManager
 from v41plan.serving.sampling import sample
 from v41plan.serving.sequence import SeqStatus, Sequence
@@ -68,6 +71,7 @@ class Scheduler:
         self.finished: list[Sequence] = []
         self.step_count = 0
         self.events: list[dict] = []
+        self._freed: list[int] = []  # slots freed since the last batch (the runner clears them)
 
     # ---- queue API -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -105,7 +109,9 @@ class Scheduler:
         self.bm.free(seq.block_table)
         if seq.slot is not None:
             self.bm.free_slot(seq.slot)
+            self._freed.append(seq.slot)
             seq.slot = None
+        seq.synced_tokens = seq.synced_blocks = 0
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._free(seq)
@@ -147,8 +153,6 @@ class Scheduler:
         return ScheduledRequest(
             seq_id=seq.seq_id,
             slot=seq.slot,
-            block_table=tuple(seq.block_table),
-            token_ids=tuple(seq.token_ids[:end]),
             start=start,
             resume=seq.num_cached_tokens,
             end=end,
@@ -172,7 +176,6 @@ class Scheduler:
         """Build the next batch, or None when nothing can run."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        reqs: list[ScheduledRequest] = []
         restores = []
         # Requests cancelled between steps finish here, wherever they wait.
         for seq in [s for s in self.running if s.aborted]:
@@ -181,6 +184,10 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.aborted]:
             self.waiting.remove(seq)
             self._finish(seq, "aborted")
+        # Phase 0: every running request past its prefill decodes one row.
+        reqs, seqs = self._schedule_decode(budget)
+        budget -= len(reqs)
+        decodes = len(reqs)
         # Phase 1: partial prefills already running, in queue order.
         for seq in list(self.running):
             if not seq.is_prefilling or seq.aborted:
@@ -189,6 +196,7 @@ class Scheduler:
             if span is None:
                 continue
             reqs.append(self._request(seq, *span))
+            seqs.append(seq)
             seq.starts.append(span[0])
             budget -= span[1] - span[0]
         # Phase 2: admit waiting requests in order.
@@ -213,22 +221,42 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             reqs.append(req)
+            seqs.append(seq)
             if restore is not None:
                 restores.append(restore)
             budget -= req.chunk_len
-        if reqs:
-            phase = "prefill"
-        else:
-            phase = "decode"
-            reqs = self._schedule_decode(budget)
-            if not reqs:
-                if self.bm.pending_stores:
-                    # Nothing to run, but queued image stores still need their batch.
-                    return self._batch("decode", [], [])
-                return None
-        return self._batch(phase, reqs, restores)
+        if not reqs:
+            if self.bm.pending_stores or self._freed:
+                # Nothing to run, but queued image stores (or freed slots) still need a batch.
+                return self._batch("decode", [], [], [])
+            return None
+        phase = "decode" if len(reqs) == decodes else "prefill"
+        return self._batch(phase, reqs, restores, seqs)
 
-    def _batch(self, phase: str, reqs: list[ScheduledRequest], restores) -> ScheduledBatch:
+    def _deltas(self, seqs: list[Sequence]) -> tuple[SlotDelta, ...]:
+        """What each scheduled request's slot gained since the runner last saw it."""
+        out = []
+        for seq in seqs:
+            reset = seq.needs_reset
+            t0 = 0 if reset else seq.synced_tokens
+            b0 = 0 if reset else seq.synced_blocks
+            n_tok, n_blk = len(seq.token_ids), len(seq.block_table)
+            if not reset and t0 == n_tok and b0 == n_blk:
+                continue
+            out.append(
+                SlotDelta(
+                    slot=seq.slot,
+                    reset=reset,
+                    tokens_from=t0,
+                    new_tokens=np.asarray(seq.token_ids[t0:], dtype=np.int64),
+                    blocks_from=b0,
+                    new_blocks=np.asarray(seq.block_table[b0:], dtype=np.int32),
+                )
+            )
+            seq.synced_tokens, seq.synced_blocks, seq.needs_reset = n_tok, n_blk, False
+        return tuple(out)
+
+    def _batch(self, phase: str, reqs: list[ScheduledRequest], restores, seqs) -> ScheduledBatch:
         self.step_count += 1
         batch = ScheduledBatch(
             step=self.step_count,
@@ -236,7 +264,10 @@ class Scheduler:
             requests=tuple(reqs),
             stores=tuple(self.bm.take_stores()),
             restores=tuple(restores),
+            deltas=self._deltas(seqs),
+            freed_slots=tuple(self._freed),
         )
+        self._freed = []
         self.events.append(
             {
                 "step": batch.step,
@@ -289,6 +320,7 @@ class Scheduler:
             seq.num_cached_tokens = 0
             return None
         seq.slot = bm.take_slot()
+        seq.needs_reset = True  # the runner gets the slot's whole content with this batch
         restore = None
         if cfg.transfer == "copy" and hit > 0:
             # Pin the image before allocating, so allocation cannot evict it.
@@ -303,8 +335,10 @@ class Scheduler:
         bm.stats.hits_tokens += hit
         return self._request(seq, *span), restore
 
-    def _schedule_decode(self, budget: int) -> list[ScheduledRequest]:
-        reqs = []
+    def _schedule_decode(self, budget: int) -> tuple[list[ScheduledRequest], list[Sequence]]:
+        """One decode row for every running request past its prefill, in queue order; a request
+        that needs a page when none is left preempts the newest others (or itself)."""
+        reqs: list[ScheduledRequest] = []
         scheduled: list[Sequence] = []
         queue = deque(s for s in self.running if not s.is_prefilling and not s.aborted)
         while queue and budget > 0:
@@ -328,8 +362,6 @@ class Scheduler:
                 ScheduledRequest(
                     seq_id=seq.seq_id,
                     slot=seq.slot,
-                    block_table=tuple(seq.block_table),
-                    token_ids=tuple(seq.token_ids[: pos + 1]),
                     start=pos,
                     resume=pos,
                     end=pos + 1,
@@ -340,7 +372,7 @@ class Scheduler:
                 )
             )
             budget -= 1
-        return reqs
+        return reqs, scheduled
 
     # ---- postprocess -----------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput) -> list[Sequence]:

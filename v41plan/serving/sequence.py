@@ -49,6 +49,12 @@ class Sequence:
     replay_rows: int = 0
     restores: int = 0
     preemptions: int = 0
+    synced_tokens: int = 0
+    """Token ids of this request the runner's slot tables hold (``batch.SlotDelta``)."""
+    synced_blocks: int = 0
+    """Block-table entries the runner's slot tables hold."""
+    needs_reset: bool = False
+    """The request took its slot since the last batch: the runner gets the slot's whole content."""
     _hashes: list[bytes] = field(default_factory=list)
 
     @property

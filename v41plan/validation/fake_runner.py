@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest
+from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest, SlotTables
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class FakeRunner:
         plan_spec=None,
         encoder_replay: bool = True,
         decoder_replay: bool = True,
+        max_pages: int = 512,
     ) -> None:
         self.page_tokens = page_tokens
         self.vocab_size = vocab_size
@@ -56,6 +57,8 @@ class FakeRunner:
         self._image_serial = 0
         # With a spec, every batch is also planned by ``plan_step`` and its starts checked.
         self.plan_spec = plan_spec
+        self.tables = SlotTables(num_slots, max_pages)
+        """Each slot's token ids and block table, from the batches' deltas (as the real runner)."""
         self.flags = {"encoder_replay": encoder_replay, "decoder_replay": decoder_replay}
         self.plans = 0
 
@@ -92,9 +95,9 @@ class FakeRunner:
     # ---- forward -------------------------------------------------------------------------
     def _page_row(self, req: ScheduledRequest, pos: int) -> tuple[int, int]:
         b = pos // self.page_tokens
-        if b >= len(req.block_table):
+        if b >= self.tables.num_blocks[req.slot]:
             raise RuntimeError(f"request {req.seq_id}: position {pos} beyond its block table")
-        return req.block_table[b], pos % self.page_tokens
+        return int(self.tables.blocks[req.slot, b]), pos % self.page_tokens
 
     def _logits(self, req: ScheduledRequest, pos: int, ring: tuple) -> torch.Tensor:
         h = hashlib.sha256()
@@ -121,8 +124,9 @@ class FakeRunner:
                 )
             ring = state.ring
         rows = []
+        tokens = self.tables.tokens(req.slot, 0, req.end)
         for pos in range(req.start, req.end):
-            token = req.token_ids[pos]
+            token = int(tokens[pos])
             page, row = self._page_row(req, pos)
             if pos < req.resume:
                 if self.kv[page][row] != token:
@@ -144,11 +148,13 @@ class FakeRunner:
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Stores, restores, then every request's forward."""
+        self.tables.apply(batch)
         if self.plan_spec is not None and batch.requests:
             from v41plan.planner.step import plan_step
             from v41plan.serving.batch import check_plan, to_step_input
 
-            check_plan(batch, plan_step(to_step_input(batch), self.plan_spec, **self.flags))
+            step = to_step_input(batch, self.tables)
+            check_plan(batch, plan_step(step, self.plan_spec, **self.flags))
             self.plans += 1
         for op in batch.stores:
             self._store(op)

@@ -34,6 +34,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from v41plan.runtime.dist import all_equal, init_distributed, shutdown
 from v41plan.serving.engine import LLM, resolve_spec
 from v41plan.serving.sampling import SamplingParams
@@ -150,7 +152,7 @@ class Validator:
         request ``index``'s forwards from the route's events (the rebuild at the same
         ``forward_start`` in a fresh slot 1 over the same prefix pages, its later chunks and
         decode steps), each final row sampled greedily here."""
-        from v41plan.serving.batch import ScheduledBatch, ScheduledRequest
+        from v41plan.serving.batch import ScheduledBatch, ScheduledRequest, SlotDelta
         from v41plan.serving.sampling import sample
 
         seq = route.seqs[index]
@@ -172,7 +174,11 @@ class Validator:
         cold_pages = prefix_pages + tuple(range(hit // P + n_pages, hit // P + n_pages + 2))
         runner, steps = self.runner, [0]
 
-        def run(req: ScheduledRequest, phase: str):
+        def delta(slot, tokens, blocks, t0=0, b0=0, reset=True):
+            return SlotDelta(slot, reset, t0, np.asarray(tokens, dtype=np.int64), b0,
+                             np.asarray(blocks, dtype=np.int32))  # fmt: skip
+
+        def run(req: ScheduledRequest, phase: str, deltas=()):
             steps[0] += 1
             # counted like a scheduler step: the graph accounting sees every forward it ran
             self.events.append({
@@ -181,20 +187,26 @@ class Validator:
                 "ends": [req.end], "replay_rows": req.replay_rows, "stores": 0, "restores": 0,
                 "case": "reference_rebuild",
             })  # fmt: skip
-            return runner.execute(ScheduledBatch(10_000 + steps[0], phase, (req,)))
+            batch = ScheduledBatch(10_000 + steps[0], phase, (req,), deltas=tuple(deltas))
+            return runner.execute(batch)
 
         for st in range(0, hit, runner.model.max_tokens):  # the prefix, cold, in its own slot
             end = min(hit, st + runner.model.max_tokens)
-            run(ScheduledRequest(-1, 0, cold_pages, tuple(prompt[:end]), st, st, end, hit, 0,
-                                 st == 0, end == hit), "prefill")  # fmt: skip
+            req = ScheduledRequest(-1, 0, st, st, end, hit, 0, st == 0, end == hit)
+            run(req, "prefill", [delta(0, prompt[:hit], cold_pages)] if st == 0 else ())
         tokens = list(prompt)
         table = prefix_pages + own
+        synced = len(tokens)
         for k, (start, resume, end, phase) in enumerate(spans):
             req = ScheduledRequest(
-                -2, 1, table, tuple(tokens[:end]), start, resume, end, len(prompt), hit, k == 0,
-                end >= len(prompt),
-            )  # fmt: skip
-            out = run(req, "decode" if phase == "decode" else "prefill")
+                -2, 1, start, resume, end, len(prompt), hit, k == 0, end >= len(prompt)
+            )
+            if k == 0:
+                deltas = [delta(1, tokens, table)]
+            else:
+                deltas = [delta(1, tokens[synced:], (), synced, len(table), False)]
+            synced = len(tokens)
+            out = run(req, "decode" if phase == "decode" else "prefill", deltas)
             if end >= len(prompt) and len(tokens) - len(prompt) < PARAMS.max_tokens:
                 check(
                     end == len(tokens), f"reference span {start}..{end} past {len(tokens)} tokens"
@@ -489,6 +501,41 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
         )
         return {"tokens": one.tokens + two.tokens}
 
+    @case("mixed_decode_and_prefill")
+    def _():
+        # A long prompt arrives while two requests decode: they ride in the same forwards as its
+        # prefill chunks and advance one token every step, with the tokens they make alone.
+        llm = v.engine(**chunked)
+        state = {"steps": 0}
+
+        def arrive(step, llm, seqs):
+            decoding = [s for s in seqs[:2] if s.output_ids and not s.is_finished]
+            if len(seqs) == 2 and len(decoding) == 2:
+                seqs.append(llm.add_request(long_prompt, PARAMS))
+
+        r = v.drive(llm, [other, unique], CANCEL_PARAMS, before=arrive, case="mixed")
+        check(len(r.seqs) == 3, "the long prompt never arrived while both requests decoded")
+        long_id = r.seqs[2].seq_id
+        last = {s.seq_id: max(ev["step"] for ev in r.events if s.seq_id in ev["ids"])
+                for s in r.seqs[:2]}  # fmt: skip
+        for ev in r.events:
+            if long_id not in ev["ids"] or ev["phase"] != "prefill":
+                continue
+            state["steps"] += 1
+            ends = dict(zip(ev["ids"], zip(ev["starts"], ev["ends"], strict=True), strict=True))
+            for s in r.seqs[:2]:  # decoding from before the arrival until its last step
+                if ev["step"] > last[s.seq_id]:
+                    continue
+                check(s.seq_id in ends, f"step {ev['step']}: request {s.seq_id} did not decode")
+                st, en = ends[s.seq_id]
+                check(en - st == 1, f"request {s.seq_id} ran {en - st} rows beside the prefill")
+        check(state["steps"] >= 2, "the long prompt's prefill took fewer than two mixed steps")
+        for i, prompt in enumerate((other, unique)):
+            alone = v.cold(prompt, CANCEL_PARAMS, **chunked)
+            check(r.tokens[i] == alone, f"request {i} decoded {r.tokens[i]} mixed, {alone} alone")
+        check(r.seqs[2].finish_reason == "length", "the long prompt did not finish")
+        return {"mixed_steps": state["steps"], "tokens": r.tokens}
+
     @case("prefix_hit_short_suffix")
     def _():
         llm = v.engine(**chunked)
@@ -519,26 +566,26 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
 def plan_of_final(v: Validator, route: Route) -> dict:
     """The planner's view of a route's last prefill batch, under the runner's own flags."""
     from v41plan.planner.step import plan_step
-    from v41plan.serving.batch import ScheduledBatch, ScheduledRequest, to_step_input
+    from v41plan.serving.batch import (
+        ScheduledBatch,
+        ScheduledRequest,
+        SlotDelta,
+        SlotTables,
+        to_step_input,
+    )
 
     ev = [e for e in route.events if e["phase"] == "prefill"][-1]
     s = route.seqs[0]
     n = ev["ends"][0]
+    pages = np.arange(-(-n // v.P), dtype=np.int32)
     req = ScheduledRequest(
-        s.seq_id,
-        0,
-        tuple(range(-(-n // v.P))),
-        tuple(s.token_ids[:n]),
-        ev["starts"][0],
-        ev["resumes"][0],
-        n,
-        n,
-        0,
-        ev["starts"][0] == 0,
-        True,
+        s.seq_id, 0, ev["starts"][0], ev["resumes"][0], n, n, 0, ev["starts"][0] == 0, True
     )
-    batch = ScheduledBatch(ev["step"], "prefill", (req,))
-    plan = plan_step(to_step_input(batch), v.spec, **v.runner.flags)
+    delta = SlotDelta(0, True, 0, np.asarray(s.token_ids[:n], dtype=np.int64), 0, pages)
+    batch = ScheduledBatch(ev["step"], "prefill", (req,), deltas=(delta,))
+    tables = SlotTables(1, len(pages))
+    tables.apply(batch)
+    plan = plan_step(to_step_input(batch, tables), v.spec, **v.runner.flags)
     tail = [int(x) for x in plan.tail_rows]
     return {
         "decoder_replay": bool(plan.decoder_replay),
