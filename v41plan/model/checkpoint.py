@@ -320,6 +320,53 @@ def write_checkpoint(
 # --- loading ------------------------------------------------------------------------------
 
 
+def process_state(
+    cfg: ModelConfig,
+    raw: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    resident: bool = False,
+    layer_ids: Any = None,
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """The post-load processing of published tensors ``raw`` (consumed: each entry is popped as
+    it is processed, so host memory falls while the device fills); see
+    ``LoadedCheckpoint.process``. ``layer_ids`` limits the expert fusion to those layers (a
+    partial state: one layer's tensors for a kernel test); default every layer."""
+    w: dict[str, torch.Tensor | QuantWeight] = {}
+    for name in [n for n in raw if ".ffn.experts." not in n and not n.endswith(".scale")]:
+        t = raw.pop(name)
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and base + ".scale" in raw:
+            scale = raw.pop(base + ".scale")
+            if resident:
+                w[name] = QuantWeight(t.to(device), scale.to(device), "fp8")
+            else:
+                w[name] = dequant_fp8_weight(t, scale, dtype).to(device)
+        else:
+            w[name] = t.to(device)
+    E = cfg.n_routed_experts
+    for lid in range(cfg.num_hidden_layers) if layer_ids is None else layer_ids:
+        for proj in ("w1", "w2", "w3"):
+            p = f"layers.{lid}.ffn.experts.{{}}.{proj}."
+            first_w, first_s = raw[p.format(0) + "weight"], raw[p.format(0) + "scale"]
+            if resident:
+                codes = torch.empty((E, *first_w.shape), dtype=first_w.dtype, device=device)
+                scales = torch.empty((E, *first_s.shape), dtype=first_s.dtype, device=device)
+            else:
+                shape = (E, first_w.shape[0], first_w.shape[1] * 2)
+                fused = torch.empty(shape, dtype=dtype, device=device)
+            for e in range(E):
+                we, se = raw.pop(p.format(e) + "weight"), raw.pop(p.format(e) + "scale")
+                if resident:
+                    codes[e].copy_(we)
+                    scales[e].copy_(se)
+                else:
+                    fused[e].copy_(dequant_fp4_weight(we, se, dtype))
+            key = f"layers.{lid}.ffn.experts.{proj}"
+            w[key] = QuantWeight(codes, scales, "fp4") if resident else fused
+    return w
+
+
 class LoadedCheckpoint:
     """A checkpoint's config, raw published tensors and memory-mapped Engram tables.
 
@@ -375,39 +422,8 @@ class LoadedCheckpoint:
                 "post-load processing already ran for this checkpoint; it runs exactly once"
             )
         self.process_calls += 1
-        cfg, raw = self.config, self.raw
-        w: dict[str, torch.Tensor | QuantWeight] = {}
-        for name in [n for n in raw if ".ffn.experts." not in n and not n.endswith(".scale")]:
-            t = raw.pop(name)  # freed as it goes: host memory falls while the device fills
-            base = name[: -len(".weight")] if name.endswith(".weight") else None
-            if base is not None and base + ".scale" in raw:
-                scale = raw.pop(base + ".scale")
-                if resident:
-                    w[name] = QuantWeight(t.to(device), scale.to(device), "fp8")
-                else:
-                    w[name] = dequant_fp8_weight(t, scale, dtype).to(device)
-            else:
-                w[name] = t.to(device)
-        E = cfg.n_routed_experts
-        for lid in range(cfg.num_hidden_layers):
-            for proj in ("w1", "w2", "w3"):
-                p = f"layers.{lid}.ffn.experts.{{}}.{proj}."
-                first_w, first_s = raw[p.format(0) + "weight"], raw[p.format(0) + "scale"]
-                if resident:
-                    codes = torch.empty((E, *first_w.shape), dtype=first_w.dtype, device=device)
-                    scales = torch.empty((E, *first_s.shape), dtype=first_s.dtype, device=device)
-                else:
-                    shape = (E, first_w.shape[0], first_w.shape[1] * 2)
-                    fused = torch.empty(shape, dtype=dtype, device=device)
-                for e in range(E):
-                    we, se = raw.pop(p.format(e) + "weight"), raw.pop(p.format(e) + "scale")
-                    if resident:
-                        codes[e].copy_(we)
-                        scales[e].copy_(se)
-                    else:
-                        fused[e].copy_(dequant_fp4_weight(we, se, dtype))
-                key = f"layers.{lid}.ffn.experts.{proj}"
-                w[key] = QuantWeight(codes, scales, "fp4") if resident else fused
+        cfg = self.config
+        w = process_state(cfg, self.raw, dtype, device, resident)
         self.weights = w
         self.raw = {}  # the published tensors are no longer needed
         self.report = {
