@@ -50,6 +50,12 @@ def test_resident_bytes_are_the_published_bytes(name):
     deq = LoadedCheckpoint.from_state(cfg, state)
     deq.process(torch.bfloat16)
     assert not deq.report["resident"] and deq.report["ratio"] > 1.5  # dequantized: bf16 weights
+    # wo_a on bf16 values (as the published model runs it): still within the 1.05
+    mixed = LoadedCheckpoint.from_state(cfg, state)
+    w = mixed.process(torch.bfloat16, resident=True, dequantize=("attn.wo_a.weight",))
+    assert w["layers.0.attn.wo_a.weight"].dtype == torch.bfloat16
+    assert isinstance(w["layers.0.attn.wo_b.weight"], QuantWeight)
+    assert 1.0 < mixed.report["ratio"] <= 1.05
 
 
 def test_resident_values_equal_the_dequantized_weights(tiny):
