@@ -149,3 +149,20 @@ def test_fp8_row_format_scale_is_amax_over_448():
     assert (codes.abs().amax(-1) == 448).all()
     zc, zs = q.quant_fp8_rows(torch.zeros(1, 128))
     assert torch.equal(zc, torch.zeros(1, 128)) and zs.item() == pytest.approx(1e-4 / 448)
+
+
+def test_one_cast_rounds_every_e4m3_midpoint_as_round_e4m3():
+    """``quant._cast_e4m3`` (the weight and table quantizers' fast path) against the explicit
+    rounding: every value, every midpoint between neighbours and the floats either side of it,
+    signed zeros, beyond-range values (saturated), byte for byte."""
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = torch.unique(vals[torch.isfinite(vals)])
+    mids = (vals[1:] + vals[:-1]) / 2
+    up, down = torch.full_like(mids, float("inf")), torch.full_like(mids, float("-inf"))
+    y = torch.cat(
+        [vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down)]
+        + [torch.tensor([-0.0, -1e-9, 1e-9, 460.0, -1e4, 3e38])]
+    )
+    want = q.e4m3_encode(q.round_e4m3(y)).view(torch.uint8)
+    assert torch.equal(q._cast_e4m3(y).view(torch.uint8), want)
+    assert torch.equal(q._cast_e4m3(y.double()).view(torch.uint8), want)

@@ -14,7 +14,7 @@ from v41plan.geometry.runtime import load_cache_spec
 from v41plan.planner.checkpoint import image_layout, layout_rows, load_image_layout
 from v41plan.planner.stages import derive_stage_table, stage_table
 
-SHIPPED = ("deepseek_v41_flash", "medium", "tiny", "tiny40")
+SHIPPED = ("deepseek_v41_flash", "flash_slice", "medium", "tiny", "tiny40")
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -19,6 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shard-mib", type=int, default=512, help="largest shard in MiB (default 512)"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes writing shards in parallel (same bytes; memory about workers x 4 GiB "
+        "at V4.1-Flash widths)",
+    )
 
 
 def _cache_spec(spec: str):
@@ -58,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     out = write_checkpoint(
-        args.out, cfg, args.seed, shard_bytes=args.shard_mib << 20, progress=True
+        args.out,
+        cfg,
+        args.seed,
+        shard_bytes=args.shard_mib << 20,
+        progress=True,
+        workers=max(1, args.workers),
     )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(

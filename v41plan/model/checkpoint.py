@@ -5,8 +5,9 @@ sharded safetensors ``model-XXXXX-of-YYYYY.safetensors`` and ``model.safetensors
 ``tensor_table(config)`` is the single list of published names, shapes and dtypes that both the
 writer and the loader follow (documented in the README's model section). The loader checks the
 config against the spec before any weight loads, checks every tensor's presence, shape and
-dtype, and runs post-load processing (dequantizing FP8/FP4 weights into the compute dtype and
-fusing experts) exactly once. Engram tables are never loaded whole: they stay memory-mapped.
+dtype, and runs post-load processing exactly once: FP8/FP4 weights dequantized into the compute
+dtype (the CPU reference), or kept resident as published (``QuantWeight``), experts fused either
+way. Engram tables are never loaded whole: they stay memory-mapped.
 DSpark (``mtp.*``) and vision tensors are not part of this table; the loader ignores them.
 """
 
@@ -26,11 +27,13 @@ import torch
 from v41plan.model.config import ModelConfig, check_against_spec
 from v41plan.model.engram import EngramHost, EngramTable, synthetic_token_map
 from v41plan.model.quant import (
+    QuantWeight,
     dequant_fp4_weight,
     dequant_fp8_weight,
     e8m0_encode,
     quantize_fp8_blocks,
     quantize_fp8_weight,
+    weight_nbytes,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -152,6 +155,12 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
     return out
 
 
+def checkpoint_nbytes(cfg: ModelConfig) -> int:
+    """Bytes of the published backbone tensors of ``cfg`` (``tensor_table``), Engram tables
+    apart: what a resident load is compared with."""
+    return sum(t.nbytes for t in tensor_table(cfg) if t.kind not in ("table", "table_scale"))
+
+
 # --- random initialization ----------------------------------------------------------------
 
 
@@ -174,17 +183,17 @@ def random_tensors(
         if t.kind in ("fp8", "table"):
             g = _generator(seed, t.name)
             if t.kind == "fp8":
-                codes, scale = quantize_fp8_weight(torch.randn(t.shape, generator=g) * t.std)
+                codes, scale = quantize_fp8_weight(torch.randn(t.shape, generator=g).mul_(t.std))
             else:  # large tables: generate and quantize in row chunks to bound memory
                 step = max(1, (1 << 22) // t.shape[1])
-                parts = [
-                    quantize_fp8_blocks(
-                        torch.randn(min(step, t.shape[0] - r), t.shape[1], generator=g) * t.std
-                    )
-                    for r in range(0, t.shape[0], step)
-                ]
-                codes = torch.cat([c for c, _ in parts])
-                scale = torch.cat([sc for _, sc in parts])
+                codes = torch.empty(t.shape, dtype=FP8)
+                scale = torch.empty(specs[k + 1].shape, dtype=E8M0)
+                for r in range(0, t.shape[0], step):
+                    rows = min(step, t.shape[0] - r)
+                    draft = torch.randn(rows, t.shape[1], generator=g).mul_(t.std)
+                    c, sc = quantize_fp8_blocks(draft)
+                    codes[r : r + rows] = c
+                    scale[r : r + rows] = sc
             yield t.name, codes
             yield specs[k + 1].name, scale
             k += 2
@@ -194,7 +203,8 @@ def random_tensors(
         elif t.init == "const":
             v = torch.full(t.shape, t.std)
         else:
-            v = torch.randn(t.shape, generator=_generator(seed, t.name)) * t.std
+            # in place: the float32 draft of embed/head alone is 2.6 GB at V4.1-Flash widths
+            v = torch.randn(t.shape, generator=_generator(seed, t.name)).mul_(t.std)
         yield t.name, v.to(t.dtype)
         k += 1
 
@@ -235,36 +245,70 @@ def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorS
     return shards
 
 
+def _write_shard(
+    out: Path, cfg: ModelConfig, seed: int, shard: list[TensorSpec], fname: str
+) -> dict[str, int]:
+    """Generate and save one shard; returns each tensor's byte count (a worker's task)."""
+    from safetensors.torch import save_file
+
+    tensors = dict(random_tensors(cfg, seed, shard))
+    save_file(tensors, str(out / fname), metadata={"format": "pt"})
+    return {name: t.numel() * t.element_size() for name, t in tensors.items()}
+
+
+def _worker_init() -> None:
+    """One intra-op thread per worker process: the parallelism is across shards."""
+    torch.set_num_threads(1)
+
+
 def write_checkpoint(
     out_dir: str | Path,
     cfg: ModelConfig,
     seed: int,
     shard_bytes: int = 512 << 20,
     progress: bool = False,
+    workers: int = 1,
 ) -> Path:
-    """Write a random checkpoint shard by shard (bounded memory); same bytes for the same seed."""
-    from safetensors.torch import save_file
+    """Write a random checkpoint shard by shard; same bytes for the same seed.
 
+    Memory is bounded by ``workers`` shards in flight (each about its bytes plus the float32
+    draft of its largest tensor); ``workers > 1`` writes shards in parallel processes (every
+    tensor is a function of (seed, name) alone, so the bytes do not depend on it).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     specs = tensor_table(cfg)
     shards = _plan_shards(specs, shard_bytes)
-    names = {f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)}
+    fnames = [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
     for old in out.glob("model-*-of-*.safetensors"):  # shards of an earlier, different split
-        if old.name not in names:
+        if old.name not in fnames:
             old.unlink()
     weight_map: dict[str, str] = {}
     total = 0
-    for n, shard in enumerate(shards, 1):
-        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        tensors = dict(random_tensors(cfg, seed, shard))
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        for name, t in tensors.items():
+
+    def done(fname: str, shard: list[TensorSpec], sizes: dict[str, int]) -> None:
+        nonlocal total
+        for name, nb in sizes.items():
             weight_map[name] = fname
-            total += t.numel() * t.element_size()
+            total += nb
         if progress:
             print(f"  wrote {fname} ({sum(t.nbytes for t in shard) / 2**20:.1f} MiB)", flush=True)
-        del tensors
+
+    if workers <= 1:
+        for fname, shard in zip(fnames, shards, strict=True):
+            done(fname, shard, _write_shard(out, cfg, seed, shard, fname))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")  # no forked copy of torch's thread pools
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+            futs = [
+                pool.submit(_write_shard, out, cfg, seed, shard, fname)
+                for fname, shard in zip(fnames, shards, strict=True)
+            ]
+            for fname, shard, fut in zip(fnames, shards, futs, strict=True):
+                done(fname, shard, fut.result())
     (out / INDEX_FILE).write_text(
         json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
@@ -276,6 +320,54 @@ def write_checkpoint(
 
 
 # --- loading ------------------------------------------------------------------------------
+
+
+def process_state(
+    cfg: ModelConfig,
+    raw: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    resident: bool = False,
+    layer_ids: Any = None,
+    dequantize: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """The post-load processing of published tensors ``raw`` (consumed: each entry is popped as
+    it is processed, so host memory falls while the device fills); see
+    ``LoadedCheckpoint.process``. ``layer_ids`` limits the expert fusion to those layers (a
+    partial state: one layer's tensors for a kernel test); default every layer."""
+    w: dict[str, torch.Tensor | QuantWeight] = {}
+    for name in [n for n in raw if ".ffn.experts." not in n and not n.endswith(".scale")]:
+        t = raw.pop(name)
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and base + ".scale" in raw:
+            scale = raw.pop(base + ".scale")
+            if resident and not name.endswith(dequantize):
+                w[name] = QuantWeight(t.to(device), scale.to(device), "fp8")
+            else:
+                w[name] = dequant_fp8_weight(t, scale, dtype).to(device)
+        else:
+            w[name] = t.to(device)
+    E = cfg.n_routed_experts
+    for lid in range(cfg.num_hidden_layers) if layer_ids is None else layer_ids:
+        for proj in ("w1", "w2", "w3"):
+            p = f"layers.{lid}.ffn.experts.{{}}.{proj}."
+            first_w, first_s = raw[p.format(0) + "weight"], raw[p.format(0) + "scale"]
+            if resident:
+                codes = torch.empty((E, *first_w.shape), dtype=first_w.dtype, device=device)
+                scales = torch.empty((E, *first_s.shape), dtype=first_s.dtype, device=device)
+            else:
+                shape = (E, first_w.shape[0], first_w.shape[1] * 2)
+                fused = torch.empty(shape, dtype=dtype, device=device)
+            for e in range(E):
+                we, se = raw.pop(p.format(e) + "weight"), raw.pop(p.format(e) + "scale")
+                if resident:
+                    codes[e].copy_(we)
+                    scales[e].copy_(se)
+                else:
+                    fused[e].copy_(dequant_fp4_weight(we, se, dtype))
+            key = f"layers.{lid}.ffn.experts.{proj}"
+            w[key] = QuantWeight(codes, scales, "fp4") if resident else fused
+    return w
 
 
 class LoadedCheckpoint:
@@ -296,8 +388,11 @@ class LoadedCheckpoint:
         self.raw = raw
         self.tables = tables
         self.path = path
-        self.weights: dict[str, torch.Tensor] | None = None
+        self.weights: dict[str, torch.Tensor | QuantWeight] | None = None
         self.process_calls = 0
+        self.report: dict[str, Any] = {}
+        """After ``process``: ``checkpoint_bytes`` (published backbone tensors, Engram tables
+        apart), ``resident_bytes`` (what ``weights`` holds), their ``ratio``, ``resident``."""
 
     @classmethod
     def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> LoadedCheckpoint:
@@ -310,35 +405,39 @@ class LoadedCheckpoint:
         return cls(cfg, raw, tables)
 
     def process(
-        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> dict[str, torch.Tensor]:
-        """Dequantize FP8/FP4 weights into ``dtype`` and fuse routed experts; exactly once."""
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        resident: bool = False,
+        dequantize: tuple[str, ...] = (),
+    ) -> dict[str, torch.Tensor | QuantWeight]:
+        """Post-load processing, exactly once: the weights the model reads, on ``device``.
+
+        Default (the CPU reference's arithmetic): FP8/FP4 weights dequantized into ``dtype``
+        and the routed experts fused into ``layers.<i>.ffn.experts.w{1,2,3}`` ``[E, out, in]``.
+        ``resident=True`` keeps them as published: every FP8 linear a ``QuantWeight("fp8")``
+        and the fused experts a ``QuantWeight("fp4")`` with codes ``[E, out, in/2]`` and
+        scales ``[E, out, in/32]``; FP8 names ending with one of ``dequantize`` are dequantized
+        into ``dtype`` all the same (``("attn.wo_a.weight",)``: the grouped ``wo_a`` runs on
+        bf16 values in the published model; +3.5 to 4.8% of the bytes on the shipped specs).
+        bf16/fp32 tensors stay in their published dtype either way. ``report`` then holds the
+        device weight bytes next to the checkpoint's (Engram tables apart).
+        """
         if self.weights is not None:
             raise RuntimeError(
                 "post-load processing already ran for this checkpoint; it runs exactly once"
             )
         self.process_calls += 1
-        cfg, raw = self.config, self.raw
-        w: dict[str, torch.Tensor] = {}
-        for name, t in raw.items():
-            if name.endswith(".scale"):
-                continue
-            base = name[: -len(".weight")] if name.endswith(".weight") else None
-            if ".ffn.experts." in name:
-                continue
-            if base is not None and base + ".scale" in raw:
-                w[name] = dequant_fp8_weight(t, raw[base + ".scale"], dtype).to(device)
-            else:
-                w[name] = t.to(device)
-        for lid in range(cfg.num_hidden_layers):
-            for proj in ("w1", "w2", "w3"):
-                mats = []
-                for e in range(cfg.n_routed_experts):
-                    p = f"layers.{lid}.ffn.experts.{e}.{proj}"
-                    mats.append(dequant_fp4_weight(raw[p + ".weight"], raw[p + ".scale"], dtype))
-                w[f"layers.{lid}.ffn.experts.{proj}"] = torch.stack(mats).to(device)
+        cfg = self.config
+        w = process_state(cfg, self.raw, dtype, device, resident, dequantize=dequantize)
         self.weights = w
         self.raw = {}  # the published tensors are no longer needed
+        self.report = {
+            "checkpoint_bytes": checkpoint_nbytes(cfg),
+            "resident_bytes": weight_nbytes(w),
+            "resident": resident,
+        }
+        self.report["ratio"] = self.report["resident_bytes"] / self.report["checkpoint_bytes"]
         return w
 
     def engram_host(self) -> EngramHost:
@@ -373,12 +472,14 @@ def load_checkpoint(
     cache_spec: Any = None,
     dtype: torch.dtype | None = torch.float32,
     device: str | torch.device = "cpu",
+    resident: bool = False,
 ) -> LoadedCheckpoint:
     """Load a published-layout checkpoint directory.
 
     The config is checked against ``cache_spec`` (when given) before any weight is read; every
     tensor of ``tensor_table`` must be present with its shape and dtype. With ``dtype`` set, the
-    post-load processing runs (once) before returning; ``dtype=None`` leaves it to the caller.
+    post-load processing runs (once, ``resident`` as in ``LoadedCheckpoint.process``) before
+    returning; ``dtype=None`` leaves it to the caller.
     """
     from safetensors import safe_open
 
@@ -438,5 +539,5 @@ def load_checkpoint(
             raw[t.name] = x
     ckpt = LoadedCheckpoint(cfg, raw, tables, root)
     if dtype is not None:
-        ckpt.process(dtype, device)
+        ckpt.process(dtype, device, resident=resident)
     return ckpt

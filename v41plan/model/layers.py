@@ -446,6 +446,30 @@ class Attention:
 # --- MoE ----------------------------------------------------------------------------------
 
 
+def moe_route(
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    gate_bias: torch.Tensor,
+    cfg: Any,
+    forced_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: (ids ``[N, k]``, weights ``[N, k]`` in ``gate_w``'s dtype).
+
+    sqrtsoftplus scores ``sqrt(softplus(x @ gate_w^T))``; selection by the biased scores (ties:
+    smaller expert id; ``forced_ids`` replaces it); weights from the unbiased ones, normalised
+    (``norm_topk_prob``, k > 1) and scaled by ``routed_scaling_factor``. Ids are whole-router
+    ids, whichever experts a rank holds.
+    """
+    s = F.linear(x.to(gate_w.dtype), gate_w)
+    s = torch.sqrt(F.softplus(s))
+    k = cfg.num_experts_per_tok
+    ids = stable_topk_desc(s + gate_bias, k) if forced_ids is None else forced_ids
+    wts = torch.gather(s, 1, ids)
+    if cfg.norm_topk_prob and k > 1:
+        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+    return ids, wts * cfg.routed_scaling_factor
+
+
 class MoE:
     """sqrtsoftplus-routed MoE with a shared expert and clamped SwiGLU, dense over experts.
 
@@ -479,19 +503,20 @@ class MoE:
         whole = self.expert_count == cfg.n_routed_experts
         self.expert_first = 0 if whole else tp.rank * self.expert_count
 
+    def route_topk(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ``[N, k]``, weights ``[N, k]`` in ``acc``): ``moe_route`` with this layer's
+        gate."""
+        return moe_route(x, self.gate_w, self.gate_bias, self.cfg, forced_ids)
+
     def route(
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[N, E]`` zero off the selection, ids ``[N, k]``). Ties: smaller expert id."""
-        s = F.linear(x.to(self.gate_w.dtype), self.gate_w)
-        s = torch.sqrt(F.softplus(s))
-        k = self.cfg.num_experts_per_tok
-        ids = stable_topk_desc(s + self.gate_bias, k) if forced_ids is None else forced_ids
-        wts = torch.gather(s, 1, ids)
-        if self.cfg.norm_topk_prob and k > 1:
-            wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
-        wts = wts * self.cfg.routed_scaling_factor
-        return torch.zeros_like(s).scatter(1, ids, wts), ids
+        ids, wts = self.route_topk(x, forced_ids)
+        zeros = torch.zeros(x.shape[0], self.gate_w.shape[0], dtype=wts.dtype, device=x.device)
+        return zeros.scatter(1, ids, wts), ids
 
     def _swiglu(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
         a = acc_dtype(self.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -163,6 +164,13 @@ def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float32).to(torch.float8_e4m3fn)
 
 
+def _cast_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """``e4m3_encode(round_e4m3(y))`` in one cast: torch's float32 -> E4M3 conversion rounds to
+    nearest even (subnormals included) exactly as ``round_e4m3`` does once saturated at +-448
+    (``tests/model/test_quant.py`` checks every tie), at a fraction of the passes."""
+    return y.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 _TABLES: dict = {}
 
 
@@ -213,8 +221,7 @@ def quantize_fp8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     """
     xb = _blocks(x.to(torch.float32), block)
     s = pow2ceil(_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
-    q = round_e4m3(xb / s).reshape(x.shape)
-    return e4m3_encode(q), e8m0_encode(s.squeeze(-1))
+    return _cast_e4m3(xb / s).reshape(x.shape), e8m0_encode(s.squeeze(-1))
 
 
 def dequant_fp8_blocks(
@@ -232,12 +239,14 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     (ue8m0)."""
     out_f, in_f = w.shape
     ro, ri = -(-out_f // block), -(-in_f // block)
-    pad = torch.zeros(ro * block, ri * block, dtype=torch.float32)
-    pad[:out_f, :in_f] = w.to(torch.float32)
-    tiles = pad.reshape(ro, block, ri, block).permute(0, 2, 1, 3)
-    s = pow2ceil(tiles.abs().amax(dim=(-1, -2)).clamp_min(FP8_AMAX_FLOOR) / E4M3_MAX)
-    q = round_e4m3(tiles / s[..., None, None]).permute(0, 2, 1, 3).reshape(ro * block, ri * block)
-    return e4m3_encode(q[:out_f, :in_f].contiguous()), e8m0_encode(s)
+    pad = w.to(torch.float32)
+    if (ro * block, ri * block) != (out_f, in_f):  # zero lanes never raise a block's amax
+        pad = torch.zeros(ro * block, ri * block, dtype=torch.float32, device=w.device)
+        pad[:out_f, :in_f] = w
+    tiles = pad.view(ro, block, ri, block)
+    s = pow2ceil(tiles.abs().amax(dim=(1, 3)).clamp_min(FP8_AMAX_FLOOR) / E4M3_MAX)
+    q = _cast_e4m3(tiles / s[:, None, :, None]).view(ro * block, ri * block)
+    return q[:out_f, :in_f].contiguous(), e8m0_encode(s)
 
 
 def dequant_fp8_weight(
@@ -267,3 +276,64 @@ def dequant_fp4_weight(
     block = v.shape[-1] // scale.shape[-1]
     s = e8m0_decode(scale).repeat_interleave(block, dim=-1)
     return (v * s).to(dtype)
+
+
+# --- resident quantized weights -----------------------------------------------------------
+
+WEIGHT_BLOCK = 32
+"""Lanes of one weight scale block: FP8 weights 32 x 32, FP4 expert weights 1 x 32 along K."""
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A linear weight kept in its published quantized format (``[..., out, in]`` logical).
+
+    ``fp8``: ``codes`` E4M3 ``[out, in]``, ``scales`` E8M0 ``[ceil(out/32), ceil(in/32)]``.
+    ``fp4``: ``codes`` packed E2M1 int8 ``[..., out, in/2]`` (even lane in the low nibble),
+    ``scales`` E8M0 ``[..., out, in/32]``; the fused routed experts carry a leading ``E``.
+    """
+
+    codes: torch.Tensor
+    """The weight codes in their storage dtype (``float8_e4m3fn`` or int8/uint8 packed pairs)."""
+    scales: torch.Tensor
+    """E8M0 power-of-two scales (``float8_e8m0fnu``, or uint8 bytes of the same encoding)."""
+    format: str
+    """``"fp8"`` (dense linears, 32 x 32 blocks) or ``"fp4"`` (routed experts, 1 x 32)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in ("fp8", "fp4"):
+            raise ValueError(f"QuantWeight format {self.format!r}; accepted: fp8, fp4")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape ``[..., out, in]``."""
+        s = tuple(self.codes.shape)
+        return s if self.format == "fp8" else s[:-1] + (s[-1] * 2,)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the codes live."""
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes plus scales."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales))
+
+    def to(self, device: str | torch.device) -> QuantWeight:
+        """The same weight on ``device`` (bytes unchanged)."""
+        return QuantWeight(self.codes.to(device), self.scales.to(device), self.format)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's values in ``dtype`` (exact in bf16 and wider: code times a power of 2)."""
+        if self.format == "fp8":
+            return dequant_fp8_weight(self.codes, self.scales, dtype, WEIGHT_BLOCK)
+        return dequant_fp4_weight(self.codes, self.scales, dtype)
+
+
+def weight_nbytes(weights: dict) -> int:
+    """Bytes of a weight dict whose values are tensors or ``QuantWeight``s."""
+    total = 0
+    for t in weights.values():
+        total += t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+    return total

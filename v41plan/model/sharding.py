@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from v41plan.model.config import ConfigError
+from v41plan.model.quant import WEIGHT_BLOCK, QuantWeight
 
 ACT_BLOCK = 32
 """Lanes of one FP8 activation-quant block along a linear's input (``fake_fp8(x, 32)``)."""
@@ -101,10 +102,48 @@ def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, rank * n, n).contiguous()
 
 
+def slice_quant(q: QuantWeight, rank: int, size: int, dim: int) -> QuantWeight:
+    """Rank ``rank``'s ``1/size`` slice of a resident weight along logical ``dim``, cut on the
+    quantized tensors: codes and the scales of exactly those lanes, never more.
+
+    FP8 slices whole 32 x 32 scale blocks; FP4 slices whole rows (one scale row each) or, along
+    the packed input, whole 32-lane scale blocks. Raises ``TPConfigError`` when a rank's share
+    would split a scale block.
+    """
+    shape = q.shape
+    dim %= len(shape)
+    n = shape[dim] // size
+    lo = rank * n
+    along_k = dim == len(shape) - 1
+    if q.format == "fp8" or along_k:
+        if n % WEIGHT_BLOCK:
+            raise TPConfigError(
+                f"a {q.format} weight {list(shape)} split {size} ways along dim {dim} gives "
+                f"{n} lanes per rank, not whole {WEIGHT_BLOCK}-lane scale blocks"
+            )
+        sb = WEIGHT_BLOCK
+    else:
+        sb = 1  # FP4 rows (and experts) carry their own scale rows
+    pack = 2 if (q.format == "fp4" and along_k) else 1
+    codes = q.codes.narrow(dim, lo // pack, n // pack)
+    scales = q.scales.narrow(dim, lo // sb, n // sb)
+    return QuantWeight(codes.contiguous(), scales.contiguous(), q.format)
+
+
+def _shard(t: Any, rank: int, size: int, dim: int) -> Any:
+    """``_rows`` for tensors, ``slice_quant`` for resident quantized weights."""
+    if isinstance(t, QuantWeight):
+        return slice_quant(t, rank, size, dim)
+    return _rows(t, rank, size, dim)
+
+
 def shard_weights(
-    weights: dict[str, torch.Tensor], cfg: Any, tp: Any, expert_parallel: bool
-) -> dict[str, torch.Tensor]:
+    weights: dict[str, Any], cfg: Any, tp: Any, expert_parallel: bool
+) -> dict[str, Any]:
     """This rank's weights: processed weights (``LoadedCheckpoint.process``) sliced per rank.
+
+    Dequantized tensors and resident ``QuantWeight``s alike: a resident weight is cut on its
+    codes and scales (``slice_quant``), so a rank holds only its share of the published bytes.
 
     Sharded names (per layer): ``attn.wq_b.weight`` and ``attn.attn_sink`` by heads,
     ``attn.wo_a.weight`` rows and ``attn.wo_b.weight`` columns by output groups,
@@ -132,14 +171,14 @@ def shard_weights(
             "ffn.shared_experts.w1.weight",
             "ffn.shared_experts.w3.weight",
         ):
-            out[name] = _rows(t, r, n, 0)
+            out[name] = _shard(t, r, n, 0)
         elif site in ("attn.wo_b.weight", "ffn.shared_experts.w2.weight"):
-            out[name] = _rows(t, r, n, 1)
+            out[name] = _shard(t, r, n, 1)
         elif site in ("ffn.experts.w1", "ffn.experts.w3", "ffn.experts.w2"):
             if expert_parallel:
-                out[name] = _rows(t, r, n, 0)  # whole experts
+                out[name] = _shard(t, r, n, 0)  # whole experts
             else:  # fused [E, I, D] for w1/w3, [E, D, I] for w2
-                out[name] = _rows(t, r, n, 2 if site == "ffn.experts.w2" else 1)
+                out[name] = _shard(t, r, n, 2 if site == "ffn.experts.w2" else 1)
         else:
             out[name] = t
     return out

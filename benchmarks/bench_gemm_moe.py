@@ -1,0 +1,423 @@
+"""W8A8 linear and grouped W4A8 MoE at a spec's widths (default ``flash_slice``), on one GPU.
+
+    python3 benchmarks/bench_gemm_moe.py [--spec flash_slice] [--quick] [--out report.json]
+
+Ceilings measured first, in this process: copy bandwidth (2 GiB, read + write counted), the
+bf16 matmul rate and the FP8 GEMM rate (``torch._scaled_mm`` with row-wise scales), all at
+8192^3. Then, each row timed by CUDA-graph replay (eager where a capture fails; the row says
+which), median of several repetitions:
+
+- ``w8a8 <name> M=8192``: the linear at prefill shapes in each mode (``fp8``: FP8 tensor cores,
+  activation quantizer fused; ``fp8.prequant``: codes from ``act_quant_fp8``; ``bf16``: exact
+  dequantized bf16 operands), floor ``2MNK / FP8 rate``; peer ``_scaled_mm`` row-wise, same
+  shape (per-row scales: coarser than the published 32-lane ones). Goal ``of_floor >= 0.5``.
+- ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
+- ``moe decode64`` / ``moe prefill8k``: one MoE layer (routing, shared expert, routed experts)
+  with ``GroupedMoE`` W4A8 (``fp8`` and ``bf16`` dot modes); floor ``max(bytes / copy BW, FLOPs
+  / FP8 rate)``, the bytes of the distinct experts the batch selects (FP4 codes + E8M0 scales)
+  plus the shared expert and gate; peers timed in the same run: ``GroupedMoE`` torch
+  (``torch._grouped_mm`` bf16 over the selected experts) and the dense-over-experts
+  ``layers.MoE`` (bf16). Goal ``of_floor >= 0.5``.
+
+Prints a table; writes JSON (``device``, ``torch``, ``triton``, ``commit``, ``spec``,
+``ceilings``, ``resident_bytes``/``checkpoint_bytes`` of the layer, ``rows`` with ``ms``,
+``floor_ms``, ``of_floor``, ``peer``, ``peer_ms``) to ``--out`` or ``$OUT/bench_gemm_moe.json``.
+A failing row is reported and the run goes on. Bounded: about 2 minutes on an H200 (``--quick``
+about 1), most of it Triton compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ceilings import bf16_matmul_flop_per_s, copy_bandwidth_bytes_per_s
+
+TARGET_MS = 60.0
+"""Rough device time per measurement repetition."""
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip() or os.environ.get("V41PLAN_COMMIT", "unknown")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("V41PLAN_COMMIT", "unknown")
+
+
+def time_ms(fn, graph: bool = True, reps: int = 5) -> tuple[float, str]:
+    """Median ms per call of ``fn`` (CUDA-graph replays when it captures) and how it ran."""
+    fn()
+    torch.cuda.synchronize()
+    run, how = fn, "eager"
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run, how = g.replay, "graph"
+        except Exception as exc:  # noqa: BLE001 (the row records why it ran eager)
+            how = f"eager (capture failed: {type(exc).__name__})"
+            torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end), 1e-3)
+    n = max(1, min(2000, int(TARGET_MS / one)))
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(n):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times), how
+
+
+def fp8_rowwise_flop_per_s(n: int = 8192) -> float:
+    """``torch._scaled_mm`` FP8 E4M3 GEMM rate with row-wise float32 scales, bf16 output."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    ms, _ = time_ms(
+        lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+        graph=False,
+    )
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def _rowwise_peer(M: int, N: int, K: int):
+    """A ``_scaled_mm`` row-wise call of the same shape (M padded to 16)."""
+    m = max(16, -(-M // 16) * 16)
+    a = torch.randn(m, K, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, N, device="cuda")
+    return lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+def _fp8_weight(N: int, K: int):
+    from v41plan.model.quant import quantize_fp8_weight
+
+    return quantize_fp8_weight(torch.randn(N, K, device="cuda") * K**-0.5)
+
+
+def _gemm_call(fn, args: tuple, dot: str, config):
+    """``fn(*args, dot=dot, config=config)`` as a closure over its own arguments."""
+    return lambda: fn(*args, dot=dot, config=config)
+
+
+def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
+    """The W8A8 linear at prefill and decode shapes."""
+    from v41plan.runtime.kernels.triton_gemm import GemmConfig, w8a8_linear
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    shapes = {
+        "wq_a": (cfg.q_lora_rank, D),
+        "wq_b": (H * d, cfg.q_lora_rank),
+        "wkv": (d, D),
+        "wo_b": (D, cfg.o_groups * cfg.o_lora_rank),
+        "shared.w1": (cfg.moe_intermediate_size, D),
+        "shared.w2": (D, cfg.moe_intermediate_size),
+    }
+    if quick:
+        shapes = {k: shapes[k] for k in ("wq_b", "wo_b", "shared.w1")}
+    M = 8192
+    sweep = {
+        "fp8": [GemmConfig(128, 128, 32, 8, 4), GemmConfig(128, 256, 32, 8, 3)],
+        "bf16": [GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3)],
+    }
+    best: dict[str, GemmConfig] = {}
+    for i, (name, (N, K)) in enumerate(shapes.items()):
+        wc, ws = _fp8_weight(N, K)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        xq, xs = act_quant_fp8(x)
+        flops = 2 * M * N * K
+        floor_ms = flops / ceil["fp8_flop_per_s"] * 1e3
+        try:
+            peer_ms = time_ms(_rowwise_peer(M, N, K))[0]
+        except Exception as exc:  # noqa: BLE001
+            peer_ms = None
+            print(f"peer _scaled_mm {M}x{N}x{K}: {type(exc).__name__}: {exc}")
+        variants = [("fp8", True), ("fp8", False), ("bf16", False)]
+        for dot, fused in variants:
+            label = f"w8a8 {name} M={M} {dot}{'' if fused else '.prequant'}"
+            if time.monotonic() > deadline:
+                rows.append({"name": label, "error": "skipped: time budget"})
+                continue
+            try:
+                cands = sweep[dot] if (i == 0 and not quick) else [best.get(dot, sweep[dot][0])]
+                res = []
+                for c in cands:
+                    args = (
+                        (x, wc, ws, torch.bfloat16) if fused else (xq, wc, ws, torch.bfloat16, xs)
+                    )
+                    ms, how = time_ms(_gemm_call(w8a8_linear, args, dot, c))
+                    res.append((ms, how, c))
+                ms, how, c = min(res, key=lambda r: r[0])
+                best.setdefault(dot, c)
+                rows.append(
+                    {
+                        "name": label,
+                        "shape": [M, N, K],
+                        "ms": ms,
+                        "tflops": flops / ms / 1e9,
+                        "floor_ms": floor_ms,
+                        "of_floor": floor_ms / ms,
+                        "peer": "torch._scaled_mm rowwise",
+                        "peer_ms": peer_ms,
+                        "timing": how,
+                        "config": c.__dict__,
+                    }
+                )
+            except Exception as exc:  # noqa: BLE001 (report the row, keep going)
+                rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                traceback.print_exc()
+    for name in ("wq_b", "wo_b"):
+        N, K = shapes.get(name, (0, 0))
+        if not N:
+            continue
+        wc, ws = _fp8_weight(N, K)
+        wbytes = wc.numel() + ws.numel()
+        for Md in (1, 64):
+            label = f"w8a8 {name} M={Md} fp8"
+            if time.monotonic() > deadline:
+                rows.append({"name": label, "error": "skipped: time budget"})
+                continue
+            try:
+                x = torch.randn(Md, K, device="cuda", dtype=torch.bfloat16)
+                ms, how = time_ms(lambda x=x, wc=wc, ws=ws: w8a8_linear(x, wc, ws, dot="fp8"))
+                floor_ms = (wbytes + 2 * Md * (N + K)) / ceil["copy_bytes_per_s"] * 1e3
+                peer_ms = time_ms(_rowwise_peer(Md, N, K))[0]
+                rows.append(
+                    {
+                        "name": label,
+                        "shape": [Md, N, K],
+                        "ms": ms,
+                        "floor_ms": floor_ms,
+                        "of_floor": floor_ms / ms,
+                        "peer": "torch._scaled_mm rowwise (M padded to 16)",
+                        "peer_ms": peer_ms,
+                        "timing": how,
+                    }
+                )
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                traceback.print_exc()
+
+
+def _moe_layer(cfg, seed: int = 0):
+    """(resident weights, bf16 dequantized weights) of one MoE layer ``layers.0.ffn`` at the
+    spec's widths: random FP4 experts drawn in storage format on the device."""
+    from v41plan.model.quant import QuantWeight, e8m0_encode
+
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def fp4(out: int, inp: int) -> QuantWeight:
+        shape = (E, out, inp // 2)
+        codes = torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8)
+        base = round(math.log2(inp**-0.5 / 2.93))
+        field = torch.randint(-1, 2, (E, out, inp // 32), generator=g, device="cuda") + base
+        scales = e8m0_encode(torch.pow(2.0, field.to(torch.float32)))
+        return QuantWeight(codes.view(torch.int8), scales, "fp4")
+
+    def fp8(out: int, inp: int) -> QuantWeight:
+        return QuantWeight(*_fp8_weight(out, inp), "fp8")
+
+    p = "layers.0.ffn."
+    res = {
+        p + "gate.weight": (torch.randn(E, D, device="cuda", generator=g) * D**-0.5).to(
+            torch.bfloat16
+        ),
+        p + "gate.bias": torch.randn(E, device="cuda", generator=g) * 0.05,
+        p + "experts.w1": fp4(I, D),
+        p + "experts.w3": fp4(I, D),
+        p + "experts.w2": fp4(D, I),
+        p + "shared_experts.w1.weight": fp8(I, D),
+        p + "shared_experts.w3.weight": fp8(I, D),
+        p + "shared_experts.w2.weight": fp8(D, I),
+    }
+    deq = {
+        k: (v.dequantize(torch.bfloat16) if isinstance(v, QuantWeight) else v)
+        for k, v in res.items()
+    }
+    return res, deq
+
+
+def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) -> None:
+    """One MoE layer at decode batch 64 and an 8K prefill, against its floor and two peers."""
+    from v41plan.model.layers import MoE
+    from v41plan.model.quant import weight_nbytes
+    from v41plan.runtime.resident import GroupedMoE
+
+    res, deq = _moe_layer(cfg)
+    E, D, I, k = (
+        cfg.n_routed_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts_per_tok,
+    )
+    expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3  # one expert, w1 + w3 + w2
+    fixed_bytes = sum(
+        weight_nbytes({n: v}) for n, v in res.items() if ".experts.w" not in n
+    )  # shared expert, gate
+    report["resident_bytes"] = weight_nbytes(res)
+    report["bf16_bytes"] = weight_nbytes(deq)
+    report["checkpoint_bytes"] = report["resident_bytes"]  # one layer's published tensors
+    ours = {"fp8": GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="fp8")}
+    if not quick:
+        ours["bf16"] = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
+    grouped = GroupedMoE(cfg, deq, "layers.0", torch.bfloat16, impl="torch", mm_impl="grouped_mm")
+    dense = MoE(cfg, deq, "layers.0", torch.bfloat16)
+    for label, n in (("decode64", 64), ("prefill8k", 8192)):
+        x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+        ids = ours["fp8"].route(x)[0]
+        e_act = int(torch.unique(ids).numel())
+        nbytes = e_act * expert_bytes + fixed_bytes + n * D * 2 * 2
+        flops = 2 * n * (k + 1) * 3 * D * I + 2 * n * E * D
+        floor_ms = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_flop_per_s"]) * 1e3
+        peers = {}
+        for pname, mod in (("grouped_mm bf16", grouped), ("dense-over-experts bf16", dense)):
+            if time.monotonic() > deadline:
+                continue
+            try:
+                peers[pname] = time_ms(lambda mod=mod, x=x: mod(x))[0]
+            except Exception as exc:  # noqa: BLE001
+                peers[pname] = f"{type(exc).__name__}: {exc}"[:200]
+                traceback.print_exc()
+        for dot, mod in ours.items():
+            name = f"moe {label} w4a8 {dot}"
+            if time.monotonic() > deadline:
+                rows.append({"name": name, "error": "skipped: time budget"})
+                continue
+            try:
+                ms, how = time_ms(lambda mod=mod, x=x: mod(x))
+                pm = peers.get("grouped_mm bf16")
+                rows.append(
+                    {
+                        "name": name,
+                        "tokens": n,
+                        "experts_selected": e_act,
+                        "ms": ms,
+                        "floor_ms": floor_ms,
+                        "of_floor": floor_ms / ms,
+                        "floor_bytes": nbytes,
+                        "floor_flops": flops,
+                        "peer": "grouped_mm bf16",
+                        "peer_ms": pm if isinstance(pm, float) else None,
+                        "peers_ms": peers,
+                        "timing": how,
+                    }
+                )
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                traceback.print_exc()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="flash_slice")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes, no config sweep")
+    ap.add_argument("--budget-s", type=float, default=160.0, help="skip rows past this")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemm_moe.py needs a CUDA device")
+        return 1
+    import triton
+
+    from v41plan.geometry.runtime import load_cache_spec
+    from v41plan.model.config import config_from_cache_spec
+
+    t0 = time.monotonic()
+    deadline = t0 + args.budget_s
+    cfg = config_from_cache_spec(load_cache_spec(args.spec))
+    ceil = {
+        "copy_bytes_per_s": copy_bandwidth_bytes_per_s(),
+        "bf16_flop_per_s": bf16_matmul_flop_per_s(),
+        "fp8_flop_per_s": fp8_rowwise_flop_per_s(),
+    }
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": _commit(),
+        "spec": args.spec,
+        "ceilings": ceil,
+    }
+    rows: list = []
+    for part in (
+        lambda: w8a8_rows(cfg, ceil, args.quick, rows, deadline),
+        lambda: moe_rows(cfg, ceil, args.quick, rows, deadline, report),
+    ):
+        try:
+            part()
+        except Exception as exc:  # noqa: BLE001 (a broken part leaves the others' rows)
+            rows.append({"name": "setup", "error": f"{type(exc).__name__}: {exc}"[:400]})
+            traceback.print_exc()
+    report["rows"] = rows
+    report["wall_s"] = time.monotonic() - t0
+    print(
+        f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
+        f"commit {report['commit']}  spec {args.spec}"
+    )
+    print(
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
+        f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, fp8 rowwise "
+        f"{ceil['fp8_flop_per_s'] / 1e12:.0f} TFLOP/s"
+    )
+    print(f"{'row':44} {'ms':>9} {'floor ms':>9} {'of_floor':>8} {'peer ms':>9}  timing")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:44} ERROR {r['error']}")
+            continue
+        pm = r.get("peer_ms")
+        pm_s = f"{pm:9.3f}" if isinstance(pm, float) else f"{'-':>9}"
+        print(
+            f"{r['name']:44} {r['ms']:9.3f} {r['floor_ms']:9.3f} {r['of_floor']:8.3f} "
+            f"{pm_s}  {r['timing']}"
+        )
+        if "peers_ms" in r:
+            print(f"{'':44} peers: {r['peers_ms']}")
+    print(f"wall {report['wall_s']:.0f} s")
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "bench_gemm_moe.json") if os.environ.get("OUT") else None
+    )
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""Resident quantized weights on a GPU: the W8A8 and grouped W4A8 kernels compiled, in every dot
+mode, against the dequantized reference, per layer on tiny40 and medium, and under capture.
+
+Skipped without CUDA. Run with ``python3 -m pytest tests/gpu/test_resident_gpu.py -q -s`` (the
+``-s`` shows the measured errors; with ``$OUT`` set they also land in
+``$OUT/resident_gpu.json``).
+
+Bounds (stated in ``triton_gemm``): a W8A8 product is within ``K * u * P`` of the exact product
+of the dequantized operands, ``u = 2**-24`` for float32 accumulation (the ``fp32``/``bf16`` dot
+modes) and ``2**-13`` for the FP8 tensor cores' in-block accumulation. A whole layer in bf16
+against the dense bf16 reference: relative Frobenius error <= 1e-2 (linear outputs, the SwiGLU
+product and the intermediate's FP8 rounding may each land one step apart), expert choices
+identical wherever the router's top-k margin is clear (> 1e-3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DOTS = ("fp32", "bf16", "fp8")
+U_ACC = {"fp32": 2.0**-24, "bf16": 2.0**-24, "fp8": 2.0**-13}
+LAYER_REL = 1e-2
+MARGIN = 1e-3
+MEASURED: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    for k, v in MEASURED.items():
+        print(f"{k}: {v}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "resident_gpu.json"), "w") as f:
+            json.dump(MEASURED, f, indent=1)
+
+
+def _rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def test_act_quant_is_bit_exact_on_the_device():
+    from v41plan.model.quant import quantize_fp8_blocks
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1024, 2048, generator=g) * torch.logspace(-6, 4, 2048)
+        x[0, :32] = 0.0
+        x[1, :32] = 448.0
+        x = x.to(dtype)
+        q, s = act_quant_fp8(x.cuda())
+        c, sc = quantize_fp8_blocks(x)
+        assert torch.equal(q.cpu().view(torch.uint8), c.view(torch.uint8))
+        assert torch.equal(s.cpu().view(torch.uint8), sc.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("M", [1, 64, 512])
+def test_w8a8_within_the_bound(dot, M):
+    from v41plan.model.quant import dequant_fp8_weight, fake_fp8, quantize_fp8_weight
+    from v41plan.runtime.kernels.triton_gemm import w8a8_linear
+
+    g = torch.Generator().manual_seed(M)
+    N, K = 1056, 2048  # a partial 128-lane output tile
+    x = torch.randn(M, K, generator=g) * 3
+    wc, ws = quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.02)
+    y = w8a8_linear(x.cuda(), wc.cuda(), ws.cuda(), torch.float32, dot=dot)
+    xd, wd = fake_fp8(x.double(), 32), dequant_fp8_weight(wc, ws, torch.float64)
+    exact, P = xd @ wd.T, xd.abs() @ wd.abs().T
+    ratio = float(((y.cpu().double() - exact).abs() / (K * U_ACC[dot] * P + 1e-300)).max())
+    MEASURED[f"w8a8 {dot} M={M} error/bound"] = ratio
+    assert ratio <= 1.0
+
+
+def _fp4_experts(E: int, out: int, inp: int, seed: int):
+    """Random FP4 experts drawn in their storage format: uniform codes, per-32 scales within
+    two binades of the power of two that gives RMS ``inp**-0.5``."""
+    from v41plan.model.quant import QuantWeight, e8m0_encode
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (E, out, inp // 2), generator=g, dtype=torch.int32)
+    base = round(math.log2(inp**-0.5 / 2.93))
+    field = torch.randint(-2, 3, (E, out, inp // 32), generator=g) + base
+    scales = e8m0_encode(torch.pow(2.0, field.to(torch.float32)))
+    return QuantWeight(codes.to(torch.uint8).view(torch.int8).cuda(), scales.cuda(), "fp4")
+
+
+@pytest.mark.parametrize("dot", DOTS)
+def test_grouped_w4a8_equals_the_torch_grouped_moe(dot):
+    from v41plan.model.quant import fake_fp8
+    from v41plan.runtime.kernels.moe_torch import grouped_moe_torch
+    from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    E, D, I, k, N = 48, 1024, 256, 6, 200  # medium's expert widths
+    w1, w3, w2 = _fp4_experts(E, I, D, 1), _fp4_experts(E, I, D, 2), _fp4_experts(E, D, I, 3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(N, D, generator=g).cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).cuda()
+    wts = torch.rand(N, k, generator=g).cuda()
+    xq, xs = act_quant_fp8(x)
+    got = grouped_moe_w4a8(xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, dot=dot)
+    deq = [w.dequantize(torch.float32) for w in (w1, w3, w2)]
+    ref = grouped_moe_torch(fake_fp8(x, 32), ids, wts, *deq, 0, 10.0, impl="gather")
+    err = _rel_fro(got, ref)
+    MEASURED[f"grouped w4a8 {dot} rel"] = err
+    assert err <= (1e-3 if dot == "fp8" else 1e-5)
+
+
+def _layer_state(spec: str, lids: tuple[int, ...]):
+    """(cfg, resident CUDA weights, bf16 dequantized CUDA weights) of a few layers."""
+    from v41plan.geometry.runtime import load_cache_spec
+    from v41plan.model.checkpoint import process_state, random_tensors, tensor_table
+    from v41plan.model.config import config_from_cache_spec
+
+    cfg = config_from_cache_spec(load_cache_spec(spec))
+    sub = [t for t in tensor_table(cfg) if any(t.name.startswith(f"layers.{i}.") for i in lids)]
+    sub = [t for t in sub if t.kind not in ("table", "table_scale")]
+    raw = dict(random_tensors(cfg, 0, sub))
+    res = process_state(cfg, dict(raw), device="cuda", resident=True, layer_ids=lids)
+    deq = process_state(cfg, dict(raw), torch.bfloat16, "cuda", layer_ids=lids)
+    return cfg, res, deq
+
+
+@pytest.mark.parametrize("spec,lids", [("tiny40", (2, 3, 24, 39)), ("medium", (2, 3, 24))])
+def test_resident_layers_match_the_dequantized_reference(spec, lids):
+    from v41plan.model.layers import Linear, MoE
+    from v41plan.runtime.resident import GroupedMoE, ResidentLinear
+
+    cfg, res, deq = _layer_state(spec, lids)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
+    for lid in lids:
+        p = f"layers.{lid}."
+        for name in ("attn.wq_a", "attn.wkv", "ffn.shared_experts.w1"):
+            w = p + name + ".weight"
+            got = ResidentLinear(res[w], torch.bfloat16)(x)
+            ref = Linear(deq[w])(x)
+            err = _rel_fro(got, ref)
+            MEASURED[f"{spec} {w} rel"] = err
+            assert err <= LAYER_REL, w
+        ref, ids = MoE(cfg, deq, p[:-1], torch.bfloat16)(x)
+        moe = GroupedMoE(cfg, res, p[:-1], torch.bfloat16)
+        assert moe.impl == "triton"
+        got, gids = moe(x)
+        s = torch.sqrt(torch.nn.functional.softplus(x.float() @ moe.gate_w.T)) + moe.gate_bias
+        top = s.sort(-1, descending=True).values
+        clear = (top[:, cfg.num_experts_per_tok - 1] - top[:, cfg.num_experts_per_tok]) > MARGIN
+        assert torch.equal(gids[clear], ids[clear])
+        err = _rel_fro(got, ref)
+        MEASURED[f"{spec} layer {lid} moe rel"] = err
+        assert err <= LAYER_REL
+
+
+def test_resident_moe_and_linear_capture_and_replay():
+    from v41plan.runtime.resident import GroupedMoE, ResidentLinear
+
+    cfg, res, _ = _layer_state("medium", (3,))
+    moe = GroupedMoE(cfg, res, "layers.3", torch.bfloat16)
+    lin = ResidentLinear(res["layers.3.attn.wq_a.weight"], torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
+    static = torch.randn(64, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
+
+    def step():
+        return moe(static)[0], lin(static)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (9, 10):
+        static.copy_(torch.randn(64, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda())
+        graph.replay()
+        want = step()
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seed
+
+
+def test_resident_load_on_the_device():
+    from v41plan.geometry.runtime import load_cache_spec
+    from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.model.quant import QuantWeight
+
+    cfg = config_from_cache_spec(load_cache_spec("tiny40"))
+    ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    w = ckpt.process(device="cuda", resident=True)
+    assert ckpt.report["ratio"] == 1.0
+    assert all(v.device.type == "cuda" for v in w.values())
+    assert isinstance(w["layers.5.ffn.experts.w2"], QuantWeight)
+    MEASURED["tiny40 resident bytes"] = ckpt.report

@@ -1,0 +1,256 @@
+"""W8A8 linear in Triton: the published FP8 activation quantizer fused into the GEMM's
+prologue, E4M3 weights with E8M0 32 x 32 block scales, float32 accumulation.
+
+``y[m, n] = sum_kb dot(xq[m, kb], wq[n, kb]) * sx[m, kb] * sw[n // 32, kb]``, ``kb`` the
+32-lane blocks along K. Every product ``xq * sx * wq * sw`` is exact in float32 (two 4-bit
+significands times powers of two), so the result is ``F.linear(fake_fp8(x, 32),
+dequant_fp8_weight(w, scale))`` up to the order of the float32 additions.
+
+**Bound** (checked by ``tests/runtime/test_triton_gemm.py`` on the interpreter and by
+``tests/gpu/test_resident_gpu.py`` on the device): with ``P[m, n] = sum_k |x̂[m, k] ŵ[n, k]|``
+(the dequantized operands) and ``y*`` the exact sum, ``|y - y*| <= K * u * P + |y*| * u_out``,
+``u = 2**-24`` for float32 accumulation (``dot="fp32"`` and ``"bf16"``) and ``u_out`` the output
+dtype's unit roundoff (0 for float32 output; ``2**-8`` for bf16). The ``"fp8"`` mode adds the
+tensor core's own FP8 accumulation inside each 32-lane block, which retains fewer bits (the GPU
+test measures it and holds it to ``u = 2**-13`` within a block).
+
+Dot modes (``dot=``): ``"fp32"`` float32 operands (what Triton's CPU interpreter runs, and an
+exact reference on the GPU), ``"bf16"`` the dequantized operands in bf16 (exact: a 4-bit
+significand times a power of two) on bf16 tensor cores, ``"fp8"`` the E4M3 codes on FP8 tensor
+cores with the scales applied to each 32-lane block's partial product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from v41plan.runtime.kernels.triton_quant import (
+    QUANT_BLOCK,
+    decode_e4m3,
+    e8m0_value,
+    fp8_act_scale,
+    round_bf16,
+    round_e4m3,
+)
+
+DOT_MODES = {"fp32": 0, "bf16": 1, "fp8": 2}
+"""Dot-operand modes of the quantized GEMMs (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch parameters of one quantized GEMM launch."""
+
+    block_m: int
+    """Rows of ``x`` per program."""
+    block_n: int
+    """Output lanes per program."""
+    block_k: int
+    """K lanes per loop step (a multiple of 32; exactly 32 in the ``"fp8"`` mode)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 3
+    """Software-pipelining depth of the K loop."""
+    group_m: int = 8
+    """Row tiles walked together, so that a weight tile is read from L2 while it is hot."""
+
+
+def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
+    """A tile shape for an ``[M, K] x [N, K]`` launch: narrow rows for decode, 128-wide tiles
+    for prefill (the benchmark sweeps alternatives)."""
+    if dot == "fp32" and not torch.cuda.is_available():
+        # Triton's interpreter: its cost is per operation, not per element, so few wide tiles
+        bn, bk = min(128, triton.next_power_of_2(N)), min(128, triton.next_power_of_2(K))
+        return GemmConfig(16, max(bn, 16), bk, num_warps=1, num_stages=1)
+    bk = 32 if dot == "fp8" else 64
+    if M <= 16:
+        return GemmConfig(16, 64, bk if dot == "fp8" else 128, num_warps=4, num_stages=4)
+    if M <= 64:
+        return GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
+    return GemmConfig(128, 128, bk, num_warps=8, num_stages=4 if dot == "fp8" else 3)
+
+
+@triton.jit
+def load_a_tile(
+    x_ptr,
+    xs_ptr,
+    rm,
+    rk,
+    k0,
+    mmask,
+    kmask,
+    sxm,
+    sxsm,
+    QUANT_X: tl.constexpr,
+    DOT: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """One ``[BM, BK]`` activation tile: (operand, per-row scale ``[BM]``).
+
+    ``"fp8"`` (BK = 32): the E4M3 operand and its 32-lane block's scale. Otherwise the
+    dequantized float32 values (the scale already applied) and a dummy scale. ``QUANT_X``
+    quantizes float activations here (``fake_fp8``'s rounding, bit for bit); else ``x_ptr``
+    holds E4M3 bytes and ``xs_ptr`` their E8M0 bytes ``[M, K/32]``.
+    """
+    amask = mmask[:, None] & kmask[None, :]
+    if QUANT_X:
+        xf = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=amask, other=0.0)
+        x3 = tl.reshape(xf.to(tl.float32), [BM, BK // 32, 32])
+        scale, inv, _field = fp8_act_scale(tl.max(tl.abs(x3), axis=2))
+        q3 = round_e4m3(x3 * inv[:, :, None])
+        if DOT == 2:
+            a = tl.reshape(q3, [BM, BK]).to(tl.float8e4nv)
+            sx = tl.reshape(scale, [BM])
+        else:
+            a = tl.reshape(q3 * scale[:, :, None], [BM, BK])
+            sx = tl.zeros([BM], dtype=tl.float32)
+    else:
+        bits = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=amask, other=0)
+        if DOT == 2:
+            a = bits.to(tl.float8e4nv, bitcast=True)
+            sx = e8m0_value(tl.load(xs_ptr + rm * sxsm + k0 // 32, mask=mmask, other=0))
+        else:
+            fld = tl.load(xs_ptr + rm[:, None] * sxsm + rk[None, :] // 32, mask=amask, other=0)
+            a = decode_e4m3(bits) * e8m0_value(fld)
+            sx = tl.zeros([BM], dtype=tl.float32)
+    return a, sx
+
+
+@triton.jit
+def _w8a8_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    y_ptr,
+    M,
+    N,
+    K: tl.constexpr,
+    sxm,
+    sxsm,
+    swn,
+    swsn,
+    sym,
+    QUANT_X: tl.constexpr,
+    DOT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
+    constant: a weight's width, and the interpreter needs Python loop bounds."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < K
+        a, sx = load_a_tile(
+            x_ptr, xs_ptr, rm, rk, k0, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, BK
+        )
+        bmask = nmask[:, None] & kmask[None, :]
+        wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
+        if DOT == 2:
+            sw = e8m0_value(tl.load(ws_ptr + (rn // 32) * swsn + k0 // 32, mask=nmask, other=0))
+            part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
+            acc += part * (sx[:, None] * sw[None, :])
+        else:
+            fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
+            b = decode_e4m3(wb) * e8m0_value(fld)
+            if DOT == 1:
+                acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+            else:
+                acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+    if OUT_BF16:
+        acc = round_bf16(acc)
+    ymask = mmask[:, None] & nmask[None, :]
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def default_dot(device: torch.device) -> str:
+    """``"fp32"`` on the CPU (Triton's interpreter), ``"fp8"`` on CUDA."""
+    return "fp8" if device.type == "cuda" else "fp32"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 / E8M0 / int8 tensor's bytes as uint8 (what the kernels read)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def w8a8_linear(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    x_scales: torch.Tensor | None = None,
+    dot: str | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``y [M, N] = fake_fp8(x, 32) @ dequant(w)^T`` with FP8 operands, one kernel.
+
+    ``x [M, K]``: bf16/fp32/fp16 activations, quantized in the GEMM's prologue; or, with
+    ``x_scales`` (E8M0 ``[M, K/32]``), E4M3 codes already quantized (``act_quant_fp8``).
+    ``w_codes`` ``float8_e4m3fn [N, K]``, ``w_scales`` E8M0 (``float8_e8m0fnu`` or uint8)
+    ``[ceil(N/32), K/32]``. ``K % 32 == 0``. ``out_dtype`` defaults to ``x``'s float dtype (bf16
+    for pre-quantized input). See the module docstring for the error bound and ``dot``.
+    """
+    M, K = x.shape
+    N = w_codes.shape[0]
+    if K % QUANT_BLOCK or w_codes.shape[1] != K:
+        raise ValueError(f"w8a8_linear: x {list(x.shape)} and w {list(w_codes.shape)}")
+    dot = dot or default_dot(x.device)
+    quant_x = x_scales is None
+    if out_dtype is None:
+        out_dtype = x.dtype if quant_x else torch.bfloat16
+    cfg = config or default_config(M, N, K, dot)
+    if dot == "fp8" and cfg.block_k != QUANT_BLOCK:
+        raise ValueError("the fp8 dot mode takes block_k 32 (one scale block per step)")
+    xk = x.contiguous() if quant_x else _bytes(x)
+    xs = xk if quant_x else _bytes(x_scales)
+    w, ws = _bytes(w_codes), _bytes(w_scales)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0:
+        return y
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    _w8a8_kernel[grid](
+        xk,
+        xs,
+        w,
+        ws,
+        y,
+        M,
+        N,
+        K,
+        xk.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        y.stride(0),
+        QUANT_X=quant_x,
+        DOT=DOT_MODES[dot],
+        OUT_BF16=out_dtype == torch.bfloat16,
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        BK=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y

@@ -1,0 +1,398 @@
+"""Grouped W4A8 MoE in Triton over the selected experts only.
+
+Three launches after the routing and ``moe_torch.align_rows`` (the same permutation as the
+torch implementation, padded to the kernel's ``block_m``):
+
+1. ``_gate_up_kernel``: per (row block, intermediate tile) one expert's ``w1`` and ``w3`` tiles,
+   FP4 codes decoded in the kernel (E2M1 nibbles, E8M0 per 32 along K), against the token rows'
+   FP8 input gathered in place; the clamped SwiGLU times the routing weight, then the FP8
+   quantization of the intermediate (E4M3, E8M0 per 32) in the epilogue;
+2. ``_down_kernel``: the grouped ``w2`` GEMM of those rows, rounded to the compute dtype;
+3. ``_combine_kernel``: each token's ``k`` rows summed in slot order (deterministic, no
+   atomics) plus an optional addend (the shared expert), float32.
+
+Blocks past the last expert return at once, so the grid is the worst case and nothing syncs
+with the host. Arithmetic matches ``moe_torch.grouped_moe_torch`` (and ``layers.MoE``) up to
+float32 summation order; a near-tie of the intermediate's FP8 rounding can then take the other
+side (one E4M3 step of one lane), which the tests allow for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from v41plan.model.quant import QuantWeight
+from v41plan.runtime.kernels.moe_torch import MoERows, align_rows
+from v41plan.runtime.kernels.triton_gemm import DOT_MODES, default_dot, load_a_tile
+from v41plan.runtime.kernels.triton_quant import (
+    QUANT_BLOCK,
+    decode_e2m1,
+    e2m1_as_e4m3,
+    e8m0_value,
+    encode_e4m3,
+    fp8_act_scale,
+    round_bf16,
+    round_e4m3,
+)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles of the two grouped GEMMs (``block_m`` is also the permutation's padding)."""
+
+    block_m: int
+    """Rows per block: every block holds one expert's rows."""
+    block_n: int
+    """Intermediate lanes per gate/up program (a multiple of 32: the epilogue quantizes)."""
+    block_n_down: int
+    """Output lanes per down program."""
+    block_k: int
+    """K lanes per step (32 in the ``"fp8"`` mode)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 3
+    """Software-pipelining depth."""
+
+
+def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128) -> MoEConfig:
+    """Tiles for ``rows = N * k`` routed rows: narrow blocks for decode, wide for prefill."""
+    if dot == "fp32" and not torch.cuda.is_available():
+        # Triton's interpreter: its cost is per operation, not per element, so few wide tiles
+        bi = max(32, min(128, triton.next_power_of_2(inter)))
+        bd = max(32, min(128, triton.next_power_of_2(hidden)))
+        return MoEConfig(16, bi, bd, max(bi, bd), num_warps=1, num_stages=1)
+    bk = 32 if dot == "fp8" else 64
+    if rows <= 1024:
+        return MoEConfig(16, 64, 64, bk, num_warps=4, num_stages=4)
+    return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def load_fp4_tile(
+    w_ptr,
+    s_ptr,
+    rn,
+    rk,
+    k0,
+    nmask,
+    kmask,
+    swn,
+    ssn,
+    K: tl.constexpr,
+    DOT: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """One ``[BN, BK]`` tile of a packed E2M1 weight ``[out, K/2]`` (even lane in the low
+    nibble) with E8M0 row scales ``[out, K/32]``: (operand, per-row scale ``[BN]``) as in
+    ``load_a_tile``."""
+    rp = k0 // 2 + tl.arange(0, BK // 2)
+    pmask = nmask[:, None] & (rp < K // 2)[None, :]
+    p = tl.load(w_ptr + rn[:, None] * swn + rp[None, :], mask=pmask, other=0).to(tl.int32)
+    codes = tl.interleave(p & 15, p >> 4)
+    if DOT == 2:
+        b = e2m1_as_e4m3(codes).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        sw = e8m0_value(tl.load(s_ptr + rn * ssn + k0 // 32, mask=nmask, other=0))
+    else:
+        bmask = nmask[:, None] & kmask[None, :]
+        fld = tl.load(s_ptr + rn[:, None] * ssn + rk[None, :] // 32, mask=bmask, other=0)
+        b = decode_e2m1(codes) * e8m0_value(fld)
+        sw = tl.zeros([BN], dtype=tl.float32)
+    return b, sw
+
+
+@triton.jit
+def qdot(acc, a, sa, b, sb, DOT: tl.constexpr):
+    """``acc + a @ b^T``: per-32-block scales applied to the partial product in the ``"fp8"``
+    mode, bf16 or exact float32 operands otherwise."""
+    if DOT == 2:
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    elif DOT == 1:
+        acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+    else:
+        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(
+    xq_ptr,
+    xs_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    row_ptr,
+    bexp_ptr,
+    rw_ptr,
+    act_ptr,
+    acts_ptr,
+    limit,
+    sx,
+    sxs,
+    swe,
+    swn,
+    sse,
+    ssn,
+    sa,
+    sas,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    TOPK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
+    weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.load(bexp_ptr + pid_m)
+    if g < 0:
+        return
+    rr = pid_m * BM + tl.arange(0, BM)
+    flat = tl.load(row_ptr + rr)
+    valid = flat >= 0
+    tok = tl.where(valid, flat // TOPK, 0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < I
+    w1 = w1_ptr + g.to(tl.int64) * swe
+    w3 = w3_ptr + g.to(tl.int64) * swe
+    s1 = s1_ptr + g.to(tl.int64) * sse
+    s3 = s3_ptr + g.to(tl.int64) * sse
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < D
+        a, sxv = load_a_tile(xq_ptr, xs_ptr, tok, rk, k0, valid, kmask, sx, sxs, False, DOT, BM, BK)
+        b1, sw1 = load_fp4_tile(w1, s1, rn, rk, k0, nmask, kmask, swn, ssn, D, DOT, BN, BK)
+        acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
+        b3, sw3 = load_fp4_tile(w3, s3, rn, rk, k0, nmask, kmask, swn, ssn, D, DOT, BN, BK)
+        acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
+    if ROUND_BF16:  # the published linears round their outputs to bf16
+        acc1 = round_bf16(acc1)
+        acc3 = round_bf16(acc3)
+    gate = tl.minimum(acc1, limit)
+    up = tl.minimum(tl.maximum(acc3, -limit), limit)
+    rw = tl.load(rw_ptr + flat, mask=valid, other=0.0)
+    act = gate * tl.sigmoid(gate) * up * rw[:, None]
+    if ROUND_BF16:
+        act = round_bf16(act)
+    act3 = tl.reshape(act, [BM, BN // 32, 32])
+    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(act3), axis=2))
+    q = tl.reshape(encode_e4m3(round_e4m3(act3 * inv[:, :, None])), [BM, BN])
+    tl.store(act_ptr + rr[:, None] * sa + rn[None, :], q.to(tl.uint8), mask=nmask[None, :])
+    rb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+    bmask = (rb < I // 32)[None, :]
+    tl.store(acts_ptr + rr[:, None] * sas + rb[None, :], field.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    acts_ptr,
+    w2_ptr,
+    s2_ptr,
+    bexp_ptr,
+    y_ptr,
+    sa,
+    sas,
+    swe,
+    swn,
+    sse,
+    ssn,
+    sy,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
+    stored in ``y``'s dtype (the compute dtype's rounding of a linear output)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.load(bexp_ptr + pid_m)
+    if g < 0:
+        return
+    rr = pid_m * BM + tl.arange(0, BM)
+    rmask = rr >= 0
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < D
+    w2 = w2_ptr + g.to(tl.int64) * swe
+    s2 = s2_ptr + g.to(tl.int64) * sse
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < I
+        a, sav = load_a_tile(
+            act_ptr, acts_ptr, rr, rk, k0, rmask, kmask, sa, sas, False, DOT, BM, BK
+        )
+        b, sw = load_fp4_tile(w2, s2, rn, rk, k0, nmask, kmask, swn, ssn, I, DOT, BN, BK)
+        acc = qdot(acc, a, sav, b, sw, DOT)
+    if ROUND_BF16:
+        acc = round_bf16(acc)
+    tl.store(
+        y_ptr + rr[:, None] * sy + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=nmask[None, :]
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    pos_ptr,
+    add_ptr,
+    out_ptr,
+    sy,
+    sadd,
+    so,
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """One token x ``BD`` lanes: its ``TOPK`` rows summed in slot order (+ the addend)."""
+    n = tl.program_id(0)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = rd < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = tl.load(pos_ptr + n * TOPK + j)
+        v = tl.load(y_ptr + p * sy + rd, mask=dmask & (p >= 0), other=0.0)
+        acc += v.to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + n * sadd + rd, mask=dmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * so + rd, acc, mask=dmask)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def moe_combine(
+    y_rows: torch.Tensor, pos: torch.Tensor, k: int, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[N, D]`` float32: each token's ``k`` rows of ``y_rows`` (``pos [N*k]``, -1 none) summed
+    in slot order, plus ``add [N, D]`` when given. One launch, no atomics."""
+    nk, D = pos.shape[0], y_rows.shape[1]
+    n = nk // k
+    out = torch.empty((n, D), dtype=torch.float32, device=y_rows.device)
+    if n == 0:
+        return out
+    BD = 128 if D >= 128 else triton.next_power_of_2(D)
+    a = add if add is not None else out
+    grid = (n, triton.cdiv(D, BD))
+    _combine_kernel[grid](
+        y_rows, pos, a, out, y_rows.stride(0), a.stride(0), out.stride(0), D, k, add is not None, BD
+    )
+    return out
+
+
+def grouped_moe_w4a8(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w1: QuantWeight,
+    w3: QuantWeight,
+    w2: QuantWeight,
+    expert_first: int,
+    limit: float,
+    dtype: torch.dtype,
+    add: torch.Tensor | None = None,
+    dot: str | None = None,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts' sum ``[N, D]`` (float32, plus ``add`` when given) over the selected
+    experts only, W4A8.
+
+    ``xq``/``xs``: the FP8 input (``act_quant_fp8``: E4M3 ``[N, D]``, E8M0 ``[N, D/32]``);
+    ``ids``/``weights [N, k]`` the routing; ``w1``/``w3`` FP4 ``QuantWeight`` ``[El, I, D]`` and
+    ``w2`` ``[El, D, I]``, this rank's experts from ``expert_first``. ``dtype`` is the compute
+    dtype the linear outputs and the SwiGLU product round to (bf16 or float32).
+    """
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"grouped_moe_w4a8 computes in bf16 or float32, not {dtype}")
+    n, k = ids.shape
+    El, I, D = w1.shape
+    dot = dot or default_dot(xq.device)
+    cfg = config or default_moe_config(n * k, dot, D, I)
+    if dot == "fp8" and cfg.block_k != QUANT_BLOCK:
+        raise ValueError("the fp8 dot mode takes block_k 32 (one scale block per step)")
+    rows: MoERows = align_rows(ids, expert_first, El, cfg.block_m)
+    R = rows.rows
+    dev = xq.device
+    act = torch.empty((R, I), dtype=torch.uint8, device=dev)
+    acts = torch.empty((R, I // QUANT_BLOCK), dtype=torch.uint8, device=dev)
+    y_rows = torch.empty((R, D), dtype=dtype, device=dev)
+    xq8, xs8 = _bytes(xq), _bytes(xs)
+    c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
+    g1, g3, g2 = _bytes(w1.scales), _bytes(w3.scales), _bytes(w2.scales)
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if R:
+        nb = R // cfg.block_m
+        _gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n))](
+            xq8,
+            xs8,
+            c1,
+            g1,
+            c3,
+            g3,
+            rows.row_ids,
+            rows.block_expert,
+            rw,
+            act,
+            acts,
+            float(limit),
+            xq8.stride(0),
+            xs8.stride(0),
+            c1.stride(0),
+            c1.stride(1),
+            g1.stride(0),
+            g1.stride(1),
+            act.stride(0),
+            acts.stride(0),
+            D=D,
+            I=I,
+            TOPK=k,
+            ROUND_BF16=dtype == torch.bfloat16,
+            DOT=DOT_MODES[dot],
+            BM=cfg.block_m,
+            BN=cfg.block_n,
+            BK=cfg.block_k,
+            **common,
+        )
+        _down_kernel[(nb, triton.cdiv(D, cfg.block_n_down))](
+            act,
+            acts,
+            c2,
+            g2,
+            rows.block_expert,
+            y_rows,
+            act.stride(0),
+            acts.stride(0),
+            c2.stride(0),
+            c2.stride(1),
+            g2.stride(0),
+            g2.stride(1),
+            y_rows.stride(0),
+            D=D,
+            I=I,
+            ROUND_BF16=dtype == torch.bfloat16,
+            DOT=DOT_MODES[dot],
+            BM=cfg.block_m,
+            BN=cfg.block_n_down,
+            BK=cfg.block_k,
+            **common,
+        )
+    return moe_combine(y_rows, rows.pos, k, add)

@@ -1,0 +1,158 @@
+"""Triton pieces of the published quantizers: E8M0 scales, E4M3 and E2M1 codes, bit for bit.
+
+The device functions here reproduce ``v41plan.model.quant`` exactly, with integer arithmetic on
+the float32 bit pattern (no division, no ``log2``): ``fp8_act_scale`` is ``pow2ceil(max(amax,
+1e-4) / 448)``, ``round_e4m3`` the round-to-nearest-even E4M3 grid saturating at 448, and the
+decoders turn stored bytes back into float32 values. The kernels that use them pass codes as
+uint8 bytes (E4M3 bits, packed E2M1 pairs with the even lane in the low nibble, E8M0 scale
+bytes), so one kernel source serves the GPU and Triton's CPU interpreter alike.
+
+``act_quant_fp8`` is the activation quantizer (``act_quant``: E4M3 with one power-of-two scale
+per 32 lanes) as one kernel: codes and E8M0 scale bytes for a W8A8 or W4A8 GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_BLOCK = 32
+"""Lanes of one activation scale block (and of one weight scale block along K)."""
+
+# float32 rounding constant: (v + 1.5 * 2**23) - 1.5 * 2**23 rounds |v| < 2**22 to the nearest
+# integer, ties to even, in the hardware's own rounding mode
+_RNE_MAGIC = 12582912.0
+
+
+@triton.jit
+def e8m0_value(field):
+    """E8M0 byte (as an integer) -> the float32 power of two it encodes (0 for byte 0)."""
+    return (field.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_act_scale(amax):
+    """``pow2ceil(max(amax, 1e-4) / 448)`` exactly: (scale, 1/scale, E8M0 field).
+
+    ``a / 448 = (m / 1.75) * 2**(e - 8)`` for ``a = m * 2**e``: a power of two up to ``m = 1.75``
+    (fraction bits ``0x600000``), the next one above it.
+    """
+    bits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
+    field = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    scale = (field << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - field) << 23).to(tl.float32, bitcast=True)
+    return scale, inv, field
+
+
+@triton.jit
+def round_e4m3(y):
+    """Float32 ``y`` rounded to the E4M3 (fn) grid: nearest, ties to even, saturating at 448;
+    the sign is kept (a negative value rounding to zero is -0, as a cast gives)."""
+    a = tl.minimum(tl.abs(y), 448.0)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)  # the subnormal grid below 2**-6 has the step 2**-9
+    step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
+    inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
+    r = tl.minimum((((a * inv) + _RNE_MAGIC) - _RNE_MAGIC) * step, 448.0)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """Float32 ``x`` rounded to the nearest bf16 value, ties to even, returned as float32.
+
+    By integer arithmetic: the interpreter's own float32 -> bf16 conversion truncates, so a
+    kernel rounds with this first and the conversion after it is exact everywhere.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def encode_e4m3(q):
+    """Float32 values already on the E4M3 grid -> their E4M3 bytes (int32 0..255)."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(q)
+    ab = a.to(tl.int32, bitcast=True)
+    normal = ((((ab >> 23) & 0xFF) - 120) << 3) | ((ab >> 20) & 7)
+    sub = (a * 512.0).to(tl.int32)  # multiples of 2**-9 below 2**-6
+    return sign | tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def decode_e4m3(b):
+    """E4M3 bytes (integers 0..255) -> float32 values."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def decode_e2m1(c):
+    """E2M1 codes (integers 0..15, bit 3 the sign) -> float32 values {0, .5, 1, 1.5, 2, 3, 4, 6}."""
+    c = c.to(tl.int32)
+    c3 = c & 7
+    normal = ((((c3 >> 1) + 126) << 23) | ((c3 & 1) << 22)).to(tl.float32, bitcast=True)
+    v = tl.where(c3 < 2, c3.to(tl.float32) * 0.5, normal)
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def e2m1_as_e4m3(c):
+    """E2M1 codes -> the E4M3 bytes of the same values (every E2M1 value is an E4M3 value)."""
+    c = c.to(tl.int32)
+    c3 = c & 7
+    return ((c & 8) << 4) | tl.where(c3 < 2, c3 * 0x30, (c3 + 12) << 2)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    sxm,
+    sqm,
+    ssm,
+    BM: tl.constexpr,
+    BKB: tl.constexpr,
+):
+    """One program: ``BM`` rows x ``BKB`` 32-lane blocks of ``x`` -> E4M3 bytes + E8M0 bytes."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    kb = tl.program_id(1) * BKB + tl.arange(0, BKB)
+    lane = tl.arange(0, 32)
+    k = kb[None, :, None] * 32 + lane[None, None, :]
+    mask = (rm[:, None, None] < M) & (k < K)
+    x = tl.load(x_ptr + rm[:, None, None] * sxm + k, mask=mask, other=0.0).to(tl.float32)
+    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(x), axis=2))
+    q = round_e4m3(x * inv[:, :, None])
+    tl.store(q_ptr + rm[:, None, None] * sqm + k, encode_e4m3(q).to(tl.uint8), mask=mask)
+    smask = (rm[:, None] < M) & (kb[None, :] < K // 32)
+    tl.store(s_ptr + rm[:, None] * ssm + kb[None, :], field.to(tl.uint8), mask=smask)
+
+
+def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 activation quantizer of a ``[M, K]`` tensor (``K % 32 == 0``), one kernel.
+
+    Returns (codes ``float8_e4m3fn [M, K]``, scales ``float8_e8m0fnu [M, K/32]``) with
+    ``codes * scale`` equal to ``quant.fake_fp8(x, 32)`` bit for bit.
+    """
+    if x.dim() != 2 or x.shape[1] % QUANT_BLOCK:
+        raise ValueError(f"act_quant_fp8 takes [M, K] with K % 32 == 0, got {list(x.shape)}")
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.uint8, device=x.device)
+    s = torch.empty((M, K // QUANT_BLOCK), dtype=torch.uint8, device=x.device)
+    BM, BKB = 16, 4
+    grid = (triton.cdiv(M, BM), triton.cdiv(K // QUANT_BLOCK, BKB))
+    if M:
+        _act_quant_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BM, BKB)
+    return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)

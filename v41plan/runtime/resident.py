@@ -1,0 +1,174 @@
+"""Layers over resident (published-format) weights: the W8A8 linear and the grouped MoE.
+
+``ResidentLinear`` and ``GroupedMoE`` take the weights ``LoadedCheckpoint.process`` returns,
+either arrangement: dequantized tensors (the CPU reference) or ``QuantWeight``s kept as published
+(``resident=True``), sliced per rank by ``model.sharding.shard_weights``. Their arithmetic is
+``model.layers.Linear`` / ``model.layers.MoE``'s; only the kernels differ:
+
+- ``ResidentLinear``: an FP8 ``QuantWeight`` on CUDA runs ``triton_gemm.w8a8_linear`` (the
+  activation quantizer fused into the GEMM); elsewhere the weight is dequantized once and the
+  product is ``F.linear(fake_fp8(x, 32), W)``.
+- ``GroupedMoE``: routing (``layers.moe_route``), then the routed experts over the selected
+  rows only: ``impl="triton"`` W4A8 on the FP4 codes (``triton_moe.grouped_moe_w4a8``, the
+  shared expert through ``w8a8_linear`` on the same FP8 input), ``impl="torch"`` the same
+  permutation with torch ops on dequantized experts (``moe_torch.grouped_moe_torch``,
+  ``torch._grouped_mm`` for bf16 on CUDA). One all-reduce of routed + shared at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from v41plan.model.layers import ONE_RANK, acc_dtype, moe_route
+from v41plan.model.quant import QuantWeight, fake_fp8
+from v41plan.runtime.kernels.moe_torch import grouped_moe_torch, swiglu
+
+
+def _dense(w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight's values in ``dtype`` (a resident weight dequantized)."""
+    return w.dequantize(dtype) if isinstance(w, QuantWeight) else w.to(dtype)
+
+
+def triton_ready(w: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """True where the Triton kernels serve ``w``: a resident weight on CUDA, bf16/fp32 compute."""
+    return (
+        isinstance(w, QuantWeight)
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float32)
+    )
+
+
+class ResidentLinear:
+    """``y = fake_fp8(x, 32) @ W^T`` (``act_quant``) or ``x @ W^T``, output in ``dtype``."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor | QuantWeight,
+        dtype: torch.dtype,
+        act_quant: bool = True,
+        impl: str = "auto",
+    ):
+        self.dtype, self.act_quant = dtype, act_quant
+        dev = weight.device
+        if impl == "auto":
+            impl = "triton" if triton_ready(weight, dev, dtype) and act_quant else "torch"
+        self.impl = impl
+        if impl == "triton":
+            if not isinstance(weight, QuantWeight) or weight.format != "fp8":
+                raise ValueError("ResidentLinear impl='triton' takes an FP8 QuantWeight")
+            self.weight: Any = weight
+        else:
+            self.weight = _dense(weight, dtype)
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the weight (this rank's share)."""
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, out]`` in ``dtype``."""
+        if self.impl == "triton":
+            from v41plan.runtime.kernels.triton_gemm import w8a8_linear
+
+            return w8a8_linear(x, self.weight.codes, self.weight.scales, self.dtype)
+        if self.act_quant:
+            x = fake_fp8(x, 32)
+        return F.linear(x.to(self.dtype), self.weight)
+
+    def quantized(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """The product of an already-quantized input (``act_quant_fp8``: E4M3 ``[N, in]``,
+        E8M0 ``[N, in/32]``) on the Triton path: no second quantization."""
+        from v41plan.runtime.kernels.triton_gemm import w8a8_linear
+
+        return w8a8_linear(xq, self.weight.codes, self.weight.scales, self.dtype, x_scales=xs)
+
+
+class GroupedMoE:
+    """``model.layers.MoE``'s arithmetic over the selected experts only (see the module doc).
+
+    ``impl``: ``"triton"`` (FP4 ``QuantWeight`` experts: W4A8), ``"torch"`` (dequantized experts,
+    any dtype; resident experts are dequantized once here) or ``"auto"`` (Triton where the
+    experts are resident on CUDA and the compute dtype is bf16/fp32, else torch). ``mm_impl`` is
+    the torch path's grouped product (``moe_torch.grouped_mm``).
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        w: dict[str, Any],
+        prefix: str,
+        dtype: torch.dtype,
+        tp: Any = ONE_RANK,
+        impl: str = "auto",
+        mm_impl: str = "auto",
+        dot: str | None = None,
+    ):
+        a = acc_dtype(dtype)
+        p = prefix + ".ffn."
+        self.cfg, self.dtype, self.tp, self.dot, self.mm_impl = cfg, dtype, tp, dot, mm_impl
+        self.gate_w = w[p + "gate.weight"].to(a)
+        self.gate_bias = w[p + "gate.bias"].to(a)
+        e1, e3, e2 = (w[p + f"experts.{n}"] for n in ("w1", "w3", "w2"))
+        if impl == "auto":
+            impl = "triton" if triton_ready(e1, e1.device, dtype) else "torch"
+        self.impl = impl
+        if impl == "triton":
+            if not all(isinstance(e, QuantWeight) and e.format == "fp4" for e in (e1, e3, e2)):
+                raise ValueError("GroupedMoE impl='triton' takes FP4 QuantWeight experts")
+            self.w1, self.w3, self.w2 = e1, e3, e2
+        else:
+            self.w1, self.w3, self.w2 = (_dense(e, dtype) for e in (e1, e3, e2))
+        lin = "triton" if impl == "triton" else "torch"
+        self.s1 = ResidentLinear(w[p + "shared_experts.w1.weight"], dtype, False, lin)
+        self.s3 = ResidentLinear(w[p + "shared_experts.w3.weight"], dtype, False, lin)
+        self.s2 = ResidentLinear(w[p + "shared_experts.w2.weight"], dtype, True, lin)
+        self.limit = cfg.swiglu_limit
+        # expert parallel: this rank holds the router's experts [first, first + count)
+        self.expert_count = self.w1.shape[0]
+        whole = self.expert_count == cfg.n_routed_experts
+        self.expert_first = 0 if whole else tp.rank * self.expert_count
+
+    def route(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ``[N, k]``, weights ``[N, k]`` in ``acc``): ``layers.moe_route``."""
+        return moe_route(x, self.gate_w, self.gate_bias, self.cfg, forced_ids)
+
+    def __call__(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output ``[N, D]`` in dtype, selected expert ids ``[N, k]``)."""
+        a = acc_dtype(self.dtype)
+        ids, wts = self.route(x, forced_ids)
+        if self.impl == "triton":
+            from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8
+            from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+            xq, xs = act_quant_fp8(x.to(self.dtype))  # quantized once: routed and shared
+            h = swiglu(self.s1.quantized(xq, xs), self.s3.quantized(xq, xs), self.limit, a)
+            shared = self.s2(h.to(self.dtype))
+            y = grouped_moe_w4a8(
+                xq,
+                xs,
+                ids,
+                wts,
+                self.w1,
+                self.w3,
+                self.w2,
+                self.expert_first,
+                self.limit,
+                self.dtype,
+                add=shared,
+                dot=self.dot,
+            )
+            return self.tp.all_reduce(y).to(self.dtype), ids
+        xq = fake_fp8(x, 32).to(self.dtype)
+        y = grouped_moe_torch(
+            xq, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit, self.mm_impl
+        )
+        shared = self.s2(swiglu(self.s1(xq), self.s3(xq), self.limit, a).to(self.dtype))
+        # one reduction per layer: routed + shared partials, in acc, rounded after the sum
+        return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids
