@@ -243,6 +243,27 @@ class RuntimeModel:
         self.selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward (-1 on
         rows that did not select)."""
+        self._routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._width = 0
+        self.forced_selections: dict[int, torch.Tensor] = {}
+        """Index top-k ``[running_tokens, index_topk]`` by flat row to use instead of the
+        scorer's, per index source (teacher forcing, as ``ReferenceModel.forced_selections``);
+        Reuse layers inherit it. The candidate mask still comes from the scores."""
+        self.forced_experts: dict[int, torch.Tensor] = {}
+        """Routed expert ids ``[running_tokens, num_experts_per_tok]`` by flat row to use instead
+        of the router's, per layer."""
+
+    @property
+    def experts(self) -> dict[int, torch.Tensor]:
+        """Routed expert ids ``[running_tokens, num_experts_per_tok]`` per layer in the last
+        forward (-1 on rows that did not run the layer's FFN); built when read, so a forward
+        (or a captured graph) launches nothing for it."""
+        out = {}
+        for L, (rows, ids) in self._routed.items():
+            ex = torch.full((self._width, ids.shape[1]), -1, dtype=torch.long, device=ids.device)
+            ex[rows] = ids
+            out[L] = ex
+        return out
 
     @classmethod
     def from_checkpoint(
@@ -349,7 +370,7 @@ class RuntimeModel:
         X = X[:, None, :].expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(t, cfg.hc_mult, dtype=self.acc, device=self.device)
         pre[:, 0] = 1
-        self.selections = {}
+        self.selections, self._routed, self._width = {}, {}, t
         cand: torch.Tensor | None = None
         eps = cfg.rms_norm_eps
         for stage in plan.stages:
@@ -467,7 +488,10 @@ class RuntimeModel:
             Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
         )
         xf = rms_norm(hc_collapse(Xf, a_pre[loc[ff]]), self.ffn_norm[L], eps)
-        yf, _ = self.moe[L](xf)
+        flat_ff = fr.rows[ff]
+        forced = self.forced_experts.get(L)
+        yf, ids = self.moe[L](xf, None if forced is None else forced.to(self.device)[flat_ff])
+        self._routed[L] = (flat_ff, ids)
         X[ff] = hc_expand(yf, Xf, f_post, f_C)
         pre[ff] = f_pre
         return cand
@@ -602,6 +626,8 @@ class RuntimeModel:
                     ids = tp_score_topk(
                         kb, self.tp, planes, qi, wts, bound, pages, cfg.index_topk, use
                     )
+                if L in self.forced_selections:
+                    ids = self.forced_selections[L].to(self.device)[flat]
                 sel = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
                 sel[flat] = ids
                 self.selections[L] = sel
