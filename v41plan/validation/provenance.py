@@ -60,15 +60,19 @@ def digest_lines(items: Iterable[tuple[str, str]]) -> str:
 
 
 def hashed_files(root: str | Path = ROOT) -> list[str]:
-    """The hashed files present under ``root`` (POSIX relative paths, sorted; links not
-    followed)."""
+    """The hashed files present under ``root`` (POSIX relative paths, sorted; symbolic links are
+    neither followed nor hashed, as the commit check skips them)."""
     root = Path(root)
     out = [name for name in HASHED_FILES if (root / name).is_file()]
     for top in HASHED_DIRS:
         for dirpath, dirnames, filenames in os.walk(root / top):
             dirnames[:] = [d for d in dirnames if d not in _SKIP_PARTS]
             rel = Path(dirpath).relative_to(root).as_posix()
-            out += [f"{rel}/{f}" for f in filenames if is_hashed(f"{rel}/{f}")]
+            out += [
+                f"{rel}/{f}"
+                for f in filenames
+                if is_hashed(f"{rel}/{f}") and not Path(dirpath, f).is_symlink()
+            ]
     return sorted(out)
 
 
