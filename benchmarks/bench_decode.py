@@ -5,9 +5,12 @@
 Each batch size runs ``bs`` requests prefilled to ``--context`` tokens, then times the same
 decode step (every request one token) three ways: eager ``RuntimeModel.forward`` (host work
 included), a FULL graph step (host preparation + one replay) and the replay alone on device
-events. Both ceilings are measured in this process; each figure is given with its floor
-(``medium_model.step_floor``: bytes / copy bandwidth vs FLOPs / bf16 rate, the larger) and as
-``floor / measured``. Writes JSON to ``--out`` (``$OUT/bench_decode.json`` on the device).
+events. The ceilings (copy bandwidth, bf16 and FP8 matmul rates) are measured in this process;
+each figure is given with its two floors (``medium_model.step_floor``: ``floor_ms`` with the
+weights in their shipped formats and W8A8/W4A8 work at the FP8 rate, ``floor_bf16_ms`` with
+bf16 weights and the bf16 rate, as the runtime holds them today) and as ``floor / measured``
+(``of_floor``: of the replay). Writes JSON, with the tree's provenance, to ``--out``
+(``$OUT/bench_decode.json`` on the device).
 """
 
 from __future__ import annotations
@@ -24,8 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ceilings import measure_ceilings
-from medium_model import load_spec, load_weights, step_floor, time_device, time_host
+from ceilings import ceilings_line, measure_ceilings
+from medium_model import (
+    load_spec,
+    load_weights,
+    pool_row_bytes,
+    step_floor,
+    time_device,
+    time_host,
+)
 
 
 def main(argv=None) -> int:
@@ -48,6 +58,7 @@ def main(argv=None) -> int:
     from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.graphs import CudaGraphs, capture_buckets
     from v41plan.runtime.paged_model import RuntimeModel
+    from v41plan.validation.provenance import provenance
 
     ceil = measure_ceilings()
     spec = load_spec()
@@ -72,9 +83,7 @@ def main(argv=None) -> int:
         device="cuda",
         cfg=cfg,
     )
-    geom = m.geometry
-    kv_row_bytes = next(p.row_bytes for p in geom.planes if p.kind == "main")
-    index_row_bytes = next((p.row_bytes for p in geom.planes if p.kind != "main"), 0)
+    row_bytes = pool_row_bytes(m.geometry)
     runner = CudaGraphs(
         m, spec, [b for b in capture_buckets(spec, max_bs, max_bs) if b[0] in sizes], "FULL"
     )
@@ -143,9 +152,7 @@ def main(argv=None) -> int:
         )
         g = runner.graphs[m.prepare(plan, tok).key]
         replay_s = time_device(g.replay, args.iters)
-        fl = step_floor(
-            cfg, weights, plan, ceil, kv_row_bytes=kv_row_bytes, index_row_bytes=index_row_bytes
-        )
+        fl = step_floor(cfg, plan, ceil, rows=row_bytes, index_cache_dtype=args.index_cache_dtype)
         rows.append(
             {
                 "batch": bs,
@@ -159,6 +166,9 @@ def main(argv=None) -> int:
                 "max_logit_diff": max_diff,
                 **fl,
                 "floor_ms": fl["floor_s"] * 1e3,
+                "floor_bf16_ms": fl["floor_bf16_s"] * 1e3,
+                "of_floor": fl["floor_s"] / replay_s,
+                "of_floor_bf16": fl["floor_bf16_s"] / replay_s,
                 "eager_of_floor": fl["floor_s"] / eager_s,
                 "graph_step_of_floor": fl["floor_s"] / graph_s,
                 "replay_of_floor": fl["floor_s"] / replay_s,
@@ -166,6 +176,7 @@ def main(argv=None) -> int:
         )
 
     report = {
+        "provenance": provenance(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "spec": spec.name,
@@ -176,21 +187,18 @@ def main(argv=None) -> int:
         "capture": capture,
         "rows": rows,
     }
-    print(
-        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
-        f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
-    )
+    print(ceilings_line(ceil))
     print(
         f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'replay ms':>9} {'x step':>7} {'x replay':>8} "
-        f"{'floor ms':>9} {'bound':>6} {'eager/fl':>8} {'replay/fl':>9} tokens="
+        f"{'floor ms':>9} {'bf16 fl':>8} {'bound':>6} {'replay/fl':>9} {'/fl bf16':>8} tokens="
     )
     for r in rows:
         print(
             f"{r['batch']:>4} {r['eager_ms']:>9.2f} {r['graph_step_ms']:>9.2f} "
             f"{r['replay_ms']:>9.2f} "
             f"{r['speedup_step']:>7.1f} {r['speedup_replay']:>8.1f} {r['floor_ms']:>9.3f} "
-            f"{r['bound']:>6} "
-            f"{r['eager_of_floor']:>8.3f} {r['replay_of_floor']:>9.3f} {r['tokens_equal']}"
+            f"{r['floor_bf16_ms']:>8.3f} {r['bound']:>6} "
+            f"{r['of_floor']:>9.4f} {r['of_floor_bf16']:>8.4f} {r['tokens_equal']}"
         )
     out = args.out or (
         os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None

@@ -4,9 +4,11 @@
 
 A fresh request's whole prompt in one forward (prefill is always eager). With decoder replay
 on, the stage table runs the decoder layers on the tail (the last ``W`` rows) only; off, every
-layer runs every row. Both ceilings are measured in this process and each time is given with
-its floor (``medium_model.step_floor``, rows per layer from the plan) and as ``floor / measured``.
-Writes JSON to ``--out`` (``$OUT/bench_prefill.json`` on the device).
+layer runs every row. The ceilings (copy bandwidth, bf16 and FP8 matmul rates) are measured in
+this process and each time is given with its two floors (``medium_model.step_floor``, rows per
+layer from the plan: ``floor_ms`` shipped weight formats with W8A8/W4A8 work at the FP8 rate,
+``floor_bf16_ms`` bf16 weights at the bf16 rate) and as ``of_floor = floor / measured``. Writes
+JSON, with the tree's provenance, to ``--out`` (``$OUT/bench_prefill.json`` on the device).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ceilings import measure_ceilings
-from medium_model import load_spec, load_weights, step_floor, time_host
+from ceilings import ceilings_line, measure_ceilings
+from medium_model import load_spec, load_weights, pool_row_bytes, step_floor, time_host
 
 
 def main(argv=None) -> int:
@@ -43,6 +45,7 @@ def main(argv=None) -> int:
         return 2
     from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.paged_model import RuntimeModel
+    from v41plan.validation.provenance import provenance
 
     ceil = measure_ceilings()
     spec = load_spec()
@@ -85,7 +88,13 @@ def main(argv=None) -> int:
 
         logits[replay] = run().logits.float()
         t = time_host(run, args.iters, warmup=1)
-        fl = step_floor(cfg, weights, plan, ceil, kv_row_bytes=0, index_row_bytes=0)
+        fl = step_floor(
+            cfg,
+            plan,
+            ceil,
+            rows=pool_row_bytes(m.geometry),
+            index_cache_dtype=args.index_cache_dtype,
+        )
         layer_rows = [
             len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers
         ]
@@ -98,35 +107,36 @@ def main(argv=None) -> int:
                 "rows_run": int(sum(layer_rows)),
                 **fl,
                 "floor_ms": fl["floor_s"] * 1e3,
+                "floor_bf16_ms": fl["floor_bf16_s"] * 1e3,
                 "of_floor": fl["floor_s"] / t,
+                "of_floor_bf16": fl["floor_bf16_s"] / t,
             }
         )
     same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
     report = {
+        "provenance": provenance(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "spec": spec.name,
         "dtype": "bfloat16",
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
         "ceilings": ceil,
         "rows": rows,
         "speedup_replay_on": rows[0]["ms"] / rows[1]["ms"],
         "last_token_equal": same,
     }
-    print(
-        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
-        f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s"
-    )
+    print(ceilings_line(ceil))
     print(
         f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} "
-        f"{'floor ms':>9} "
-        f"{'bound':>6} {'floor/ms':>8}"
+        f"{'fp8 TF':>7} {'floor ms':>9} {'bf16 fl':>8} {'bound':>6} {'of floor':>8} {'of bf16':>8}"
     )
     for r in rows:
         print(
             f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} "
-            f"{r['tokens_per_s']:>9.0f} "
-            f"{r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['bound']:>6} "
-            f"{r['of_floor']:>8.3f}"
+            f"{r['tokens_per_s']:>9.0f} {r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} "
+            f"{r['fp8_flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['floor_bf16_ms']:>8.2f} "
+            f"{r['bound']:>6} {r['of_floor']:>8.4f} {r['of_floor_bf16']:>8.4f}"
         )
     print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
     out = args.out or (

@@ -1,21 +1,35 @@
 """Shared set-up of the GPU benchmarks: the MEDIUM model in bf16, its floors, timing helpers.
 
-Floors (``performance_method.md``): a figure's floor is ``max(bytes / copy bandwidth, FLOPs /
-bf16 matmul rate)`` with both ceilings measured in the same process (``ceilings.py``).
+Floors (``performance_method.md``): a figure's floor is ``max(bytes / copy bandwidth, FLOPs at
+their rates)`` with every ceiling measured in the same process (``ceilings.py``). Two floors are
+reported while the runtime holds dequantised bf16 weights:
 
-How bytes and FLOPs are counted (the work the model must do, not what this executor does):
+- ``floor`` (shipped formats): weight bytes as the checkpoint ships them (``tensor_table``: FP8
+  E4M3 dense weights with their E8M0 block scales, FP4 E2M1 routed experts with their E8M0 row
+  scales, bf16 and fp32 tensors at their published size); W8A8 and W4A8 work (every FP8 or FP4
+  linear but ``wo_a``, which the published model runs dequantised) at the FP8 GEMM rate, the rest
+  at the bf16 rate; index scoring at the FP8 rate over the fp8 index plane;
+- ``floor_bf16``: every parameter at 2 bytes (no scales) and every FLOP at the bf16 rate, the
+  floor of the runtime as it runs today.
 
-- Weight bytes: every device weight the step uses, read once, at its bf16 compute size;
-  routed experts only for the experts the batch can touch (expected distinct experts of
-  ``tokens * top_k`` uniform picks, at most all of them); the embedding and LM head rows of
-  the batch only for the embedding, the whole LM head.
-- Pool bytes (decode): per request and layer the ``W`` window rows and, on compressed layers,
-  the ``index_topk`` selected main rows (head_dim each, at the pool's row size), plus the index
-  rows its scorer reads (every visible compressed row of the owner's plane).
-- FLOPs: ``2 * rows * active parameters`` per layer (attention projections, shared expert,
-  ``top_k`` routed experts), plus attention ``4 * heads * head_dim * (W + topk)`` per row and
-  index scoring ``2 * index_heads * index_head_dim * visible rows`` per scoring row; rows per
-  layer come from the step plan (decoder replay cuts them).
+How bytes and FLOPs are counted (the work the model must do, not what this executor does), per
+layer from the step plan's row sets (decoder replay cuts them):
+
+- Weight bytes: each tensor a layer uses is read once when its sub-step runs any row: query,
+  output and indexer-query weights on the attention rows, the window-KV projection on the
+  ring-write rows, the compressor and index-key weights on the compress rows, the FFN on the FFN
+  rows; routed experts only for the experts the layer's FFN rows can touch (expected distinct
+  experts of ``rows * top_k`` uniform picks, at most all); the embedding rows of the batch and
+  the whole LM head. Engram tables are read on the host and not counted.
+- Pool bytes (decode): per attention row its window rows (at the ring's row size) and, on
+  compressed layers, its selected main rows (at the main plane's row size), plus the index rows
+  its scorer reads (every visible compressed row of the owner's plane).
+- FLOPs: ``2 * rows * parameters`` of every matrix on the rows that use it (routed experts:
+  ``top_k`` of them per row), attention ``4 * heads * head_dim * keys`` per row (window keys
+  from the row's floor, selected keys ``min(visible, index_topk)``), index scoring ``2 *
+  index_heads * index_head_dim * visible rows`` per scoring row, and the LM head at the last
+  rows. Published fp32 pieces (mHC, gate, head, ratio-2 compressor) count at the bf16 rate, a
+  lower bound on their time.
 """
 
 from __future__ import annotations
@@ -82,18 +96,52 @@ def time_device(fn, iters: int, warmup: int = 2) -> float:
 
 
 # ---- floors ------------------------------------------------------------------------------------
-def weight_groups(weights: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Parameter counts by role: routed experts, embedding, head, the rest (per-layer dense)."""
-    out = {"routed": 0, "embed": 0, "head": 0, "dense": 0}
-    for name, t in weights.items():
-        if ".ffn.experts." in name:
-            out["routed"] += t.numel()
-        elif name == "embed.weight":
-            out["embed"] += t.numel()
-        elif name == "head.weight":
-            out["head"] += t.numel()
+_ATTN = ("attn.wq_a", "attn.q_norm", "attn.wq_b", "attn.wo_a", "attn.wo_b", "attn.attn_sink")
+_ATTN += ("attn.indexer.wq_b", "attn.indexer.weights_proj")
+_RING = ("attn.wkv", "attn.kv_norm")
+_COMP = ("attn.compressor.", "attn.indexer.wk", "attn.indexer.k_norm")
+
+
+def _sub_step(rest: str) -> str:
+    """Which rows read a layer tensor (its name after ``layers.{i}.``)."""
+    if rest.startswith(("ffn.", "hc_ffn_", "ffn_norm")):
+        return "ffn"
+    if rest.startswith(_COMP):
+        return "compress"
+    if rest.startswith(_RING):
+        return "ring_write"
+    if rest.startswith(_ATTN):
+        return "attention"
+    return "layer"  # mHC of the attention site, attn_norm, Engram: every row the layer runs
+
+
+def layer_tensors(cfg) -> dict:
+    """Per layer, per sub-step: ``[(name, shipped bytes, parameters, rate class)]`` from the
+    published tensor table; ``"global"`` holds the embedding, final norm and LM head. Rate class:
+    ``fp8`` (W8A8 / W4A8 matrices), ``bf16`` (other matrices), None (vectors and scales)."""
+    from v41plan.model.checkpoint import tensor_table
+
+    out: dict = {"global": [], "layers": {i.index: {} for i in cfg.layers}}
+    for t in tensor_table(cfg):
+        if t.kind in ("table", "table_scale"):
+            continue  # Engram tables: a host-side gather
+        n = 1
+        for d in t.shape:
+            n *= d
+        params = 0 if t.kind.endswith("scale") else (2 * n if t.kind == "fp4" else n)
+        if t.kind.endswith("scale") or len(t.shape) < 2:
+            rate = None
+        elif t.kind in ("fp8", "fp4") and ".wo_a." not in t.name:
+            rate = "fp8"
         else:
-            out["dense"] += t.numel()
+            rate = "bf16"
+        entry = (t.name, t.nbytes, params, rate)
+        if not t.name.startswith("layers."):
+            out["global"].append(entry)
+            continue
+        _, i, rest = t.name.split(".", 2)
+        sub = "expert" if rest.startswith("ffn.experts.") else _sub_step(rest)
+        out["layers"][int(i)].setdefault(sub, []).append(entry)
     return out
 
 
@@ -102,52 +150,114 @@ def expected_experts(tokens: int, top_k: int, experts: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
-def step_floor(cfg, weights, plan, ceilings, *, kv_row_bytes: int, index_row_bytes: int) -> dict:
-    """Bytes, FLOPs and the floor (seconds) of one planned forward (see the module docstring)."""
+def pool_row_bytes(geometry) -> dict[str, int]:
+    """Row sizes a decode step reads: ``ring`` (window KV), ``main`` (compressed KV) and
+    ``index`` (the index plane's row, 0 without one)."""
+    ring = next(f for f in geometry.state_fields if f.name == "swa_rings")
+    ring_row = ring.shape[-1] * (2 if ring.dtype == "bfloat16" else 1)
+    main = next(p.row_bytes for p in geometry.planes if p.kind == "main")
+    index = next((p.row_bytes for p in geometry.planes if p.kind != "main"), 0)
+    return {"ring": ring_row, "main": main, "index": index}
+
+
+def step_floor(cfg, plan, ceilings, *, rows: dict[str, int], index_cache_dtype: str) -> dict:
+    """Bytes, FLOPs and both floors (seconds) of one planned forward (see the module docstring).
+
+    ``rows`` is ``pool_row_bytes(geometry)``; ``ceilings`` holds ``copy_bytes_per_s``,
+    ``bf16_flop_per_s`` and ``fp8_flop_per_s`` (None or absent: not measured, the FP8 work then
+    counts at the bf16 rate and ``fp8_rate_measured`` is false).
+    """
     import numpy as np
 
-    g = weight_groups(weights)
+    tensors = layer_tensors(cfg)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    n_layers = len(cfg.layers)
-    per_expert = g["routed"] / (E * n_layers)
-    rows_total = int(plan.scheduled_tokens)
-    experts_read = min(E, expected_experts(rows_total, k, E))
-    weight_bytes = 2 * (
-        g["dense"] + g["head"] + experts_read * per_expert * n_layers + rows_total * cfg.hidden_size
-    )
-    dense_per_layer = g["dense"] / n_layers
-    flops = 2 * cfg.vocab_size * cfg.hidden_size * plan.scheduled_bs  # LM head at the last rows
-    pool_bytes = 0
-    decode = plan.graph_key[0] == "decode"
     W, topk = cfg.sliding_window, cfg.index_topk
-    pos = plan.positions.astype(np.int64)
+    decode = plan.graph_key[0] == "decode"
+    total = int(plan.scheduled_tokens)
+    pos = plan.positions[:total].astype(np.int64)
+    bid = np.maximum(plan.batch_ids[:total], 0)
+    shipped = bf16 = pool = 0
+    flops = {"fp8": 0.0, "bf16": 0.0}
+
+    def rows_of(layer: int, sub: str) -> np.ndarray:
+        arr = plan.layer_rows.get((layer, sub))
+        r = np.zeros(0, np.int64) if arr is None else np.asarray(arr, dtype=np.int64)
+        return r[r < total]
+
     for info in cfg.layers:
-        rows = np.asarray(
-            plan.layer_rows.get((info.index, "attention"), np.zeros(0, np.int64)), dtype=np.int64
+        L = info.index
+        sets = {s: rows_of(L, s) for s in ("ring_write", "compress", "attention", "ffn")}
+        sets["layer"] = np.unique(np.concatenate(list(sets.values())))
+        for sub, entries in tensors["layers"][L].items():
+            if sub == "expert":
+                n = len(sets["ffn"])
+                if n == 0:
+                    continue
+                touched = min(E, expected_experts(n, k, E)) / E
+                for _name, nbytes, params, rate in entries:
+                    shipped += touched * nbytes
+                    bf16 += touched * 2 * params
+                    if rate:
+                        flops[rate] += 2 * n * params * k / E
+                continue
+            n = len(sets[sub])
+            if n == 0:
+                continue
+            for _name, nbytes, params, rate in entries:
+                shipped += nbytes
+                bf16 += 2 * params
+                if rate:
+                    flops[rate] += 2 * n * params
+        at = sets["attention"]
+        if len(at) == 0:
+            continue
+        p = pos[at]
+        floor = (
+            plan.swa_replay_start[bid[at]]
+            if info.segment == "decoder"
+            else plan.encoder_window_floor[bid[at]]
         )
-        rows = rows[rows < rows_total]
-        n = len(rows)
-        flops += 2 * n * (dense_per_layer + k * per_expert)
-        flops += 4 * cfg.num_attention_heads * cfg.head_dim * (W + (topk if info.ratio else 0)) * n
-        if info.ratio and info.role in ("full", "reindex"):
-            vis = int(((pos[rows] + 1) // info.ratio).sum())
-            flops += 2 * cfg.index_n_heads * cfg.index_head_dim * vis
+        window = np.minimum(p + 1 - np.minimum(floor, p), W)
+        keys = window.sum()
+        if info.ratio:
+            vis = (p + 1) // info.ratio
+            keys += np.minimum(vis, topk).sum()
+            if info.role in ("full", "reindex"):
+                rate = "fp8" if index_cache_dtype == "fp8" else "bf16"
+                flops[rate] += 2 * cfg.index_n_heads * cfg.index_head_dim * int(vis.sum())
+                if decode:
+                    pool += int(vis.sum()) * rows["index"]
             if decode:
-                pool_bytes += vis * index_row_bytes
+                pool += int(np.minimum(vis, topk).sum()) * rows["main"]
         if decode:
-            window = np.minimum(pos[rows] + 1, W).sum()
-            sel = np.minimum((pos[rows] + 1) // info.ratio, topk).sum() if info.ratio else 0
-            pool_bytes += int(window + sel) * kv_row_bytes
-    total_bytes = weight_bytes + pool_bytes
-    t_bytes = total_bytes / ceilings["copy_bytes_per_s"]
-    t_flops = flops / ceilings["bf16_flop_per_s"]
+            pool += int(window.sum()) * rows["ring"]
+        flops["bf16"] += 4 * cfg.num_attention_heads * cfg.head_dim * int(keys)
+    for name, nbytes, params, _rate in tensors["global"]:
+        if name == "embed.weight":  # only the batch's rows
+            nbytes, params = nbytes * total // cfg.vocab_size, params * total // cfg.vocab_size
+        shipped += nbytes
+        bf16 += 2 * params
+    flops["bf16"] += 2 * cfg.vocab_size * cfg.hidden_size * plan.scheduled_bs  # LM head
+    bw, r16 = ceilings["copy_bytes_per_s"], ceilings["bf16_flop_per_s"]
+    r8 = ceilings.get("fp8_flop_per_s") or None
+    t_bytes = (shipped + pool) / bw
+    t_flops = flops["bf16"] / r16 + flops["fp8"] / (r8 or r16)
+    t_bytes16 = (bf16 + pool) / bw
+    t_flops16 = (flops["bf16"] + flops["fp8"]) / r16
     return {
-        "bytes": int(total_bytes),
-        "weight_bytes": int(weight_bytes),
-        "pool_bytes": int(pool_bytes),
-        "flops": int(flops),
+        "bytes": int(shipped + pool),
+        "weight_bytes": int(shipped),
+        "pool_bytes": int(pool),
+        "flops": int(flops["bf16"] + flops["fp8"]),
+        "fp8_flops": int(flops["fp8"]),
         "floor_bytes_s": t_bytes,
         "floor_flops_s": t_flops,
         "floor_s": max(t_bytes, t_flops),
         "bound": "bytes" if t_bytes >= t_flops else "flops",
+        "fp8_rate_measured": r8 is not None,
+        "bf16_weight_bytes": int(bf16),
+        "floor_bf16_bytes_s": t_bytes16,
+        "floor_bf16_flops_s": t_flops16,
+        "floor_bf16_s": max(t_bytes16, t_flops16),
+        "bound_bf16": "bytes" if t_bytes16 >= t_flops16 else "flops",
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU validation in one command (run from the repository root on a CUDA machine):
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
-# Reports land in $OUT (default reports/gpu). STEPS picks a subset, in this order:
+# Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
+# provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
 #   STEPS="tests tiny40 ckpt decode prefill medium" TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests 30 s, tiny40 both transfers about 230 s, ckpt 20 s,
@@ -32,6 +33,9 @@ run_step() {  # name, time limit in seconds, command...
 
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$LOG"
+# the tree that runs, hashed here (verify at the checkout: python -m v41plan.validation.provenance
+# --check $OUT/gpu_validate.log); every JSON report records it too
+echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee -a "$LOG"
 
 run_step tests 150 python3 -m pytest tests/gpu -q -p no:cacheprovider
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \

@@ -63,6 +63,9 @@ def test_validate_runtime_world_size_1(tmp_path):
         for t, v in report["transfers"].items()
     }
     assert rc == 0 and report["passed"], failed
+    from v41plan.validation.provenance import tree_sha256
+
+    assert report["provenance"]["tree_sha256"] == tree_sha256()  # the tree that ran
     for transfer, v in report["transfers"].items():
         assert v["paged"] and v["runner"] == "PagedRunner"
         cases = v["cases"]

@@ -302,6 +302,30 @@ class RuntimeModel:
         self.selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward
         (-1 on rows that did not select)."""
+        self._routed: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._width = 0
+        self.forced_selections: dict[int, torch.Tensor] = {}
+        """Index top-k ``[running_tokens, index_topk]`` by flat row to use instead of the
+        scorer's, per index source (teacher forcing, as ``ReferenceModel.forced_selections``);
+        Reuse layers inherit it. The candidate mask still comes from the scores."""
+        self.forced_experts: dict[int, torch.Tensor] = {}
+        """Routed expert ids ``[running_tokens, num_experts_per_tok]`` by flat row to use instead
+        of the router's, per layer."""
+
+    @property
+    def experts(self) -> dict[int, torch.Tensor]:
+        """Routed expert ids ``[running_tokens, num_experts_per_tok]`` per layer in the last
+        forward (-1 on rows that did not run the layer's FFN); built when read, so a forward
+        (or a captured graph) launches nothing for it."""
+        out = {}
+        for L, (rows, ids) in self._routed.items():
+            if rows is None:
+                out[L] = ids
+                continue
+            ex = torch.full((self._width, ids.shape[1]), -1, dtype=torch.long, device=ids.device)
+            ex[rows] = ids
+            out[L] = ex
+        return out
 
     @classmethod
     def from_checkpoint(
@@ -567,6 +591,7 @@ class RuntimeModel:
     def run(self, si: StepInputs) -> StepOutput:
         """The forward on prepared inputs: pure tensor work (what FULL graphs capture)."""
         X, pre = self.embed_rows(si)
+        self._routed, self._width = {}, si.t
         cand: torch.Tensor | None = None
         sel: dict[int, torch.Tensor] = {}
         for st in si.stages:
@@ -739,7 +764,12 @@ class RuntimeModel:
             Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
         )
         xf = rms_norm(hc_collapse(Xf, _take(p.a_pre, l_ff)), self.ffn_norm[L], eps)
-        yf, _ = self.moe[L](xf)
+        flat_ff = ff if fr.full else fr.rows[_take(self._arange[: fr.X.shape[0]], ff)]
+        forced = self.forced_experts.get(L)
+        if forced is not None:
+            forced = _take(forced.to(self.device), flat_ff)
+        yf, ids = self.moe[L](xf, forced)
+        self._routed[L] = (flat_ff, ids)
         new = hc_expand(yf, Xf, f_post, f_C)
         if ff is None:
             fr.X, fr.pre = new, f_pre
@@ -897,6 +927,8 @@ class RuntimeModel:
                     ids = tp_score_topk(
                         kb, self.tp, planes, p.qi, p.wts, bound, pages, cfg.index_topk, use
                     )
+                if L in self.forced_selections:
+                    ids = _take(self.forced_selections[L].to(self.device), flat)
                 if flat is None:
                     sel[L] = ids
                 else:

@@ -39,6 +39,7 @@ import numpy as np
 from v41plan.runtime.dist import all_equal, init_distributed, shutdown
 from v41plan.serving.engine import LLM, resolve_spec
 from v41plan.serving.sampling import SamplingParams
+from v41plan.validation.provenance import provenance
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 CANCEL_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -660,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
     }
     report: dict = {
+        "provenance": provenance(),
         "spec": spec.name,
         "world_size": info.world_size,
         "tensor_parallel_size": tp,

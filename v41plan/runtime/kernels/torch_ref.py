@@ -1,8 +1,10 @@
 """Torch implementation of the kernel backend (CPU, and the GPU baseline).
 
-Storage codecs live here too: they turn values already on the model's grid into the pool's
-bytes and back, losslessly (an E2M1 code times an E4M3 or power-of-two scale, an E4M3 code
-times a power-of-two scale). Every scatter redirects a sentinel row to the pool's sink row and
+Storage codecs live here too: they turn values into the pool's bytes and back, and what the
+bytes hold is the model's fake quantizer of the value (an E2M1 code times an E4M3 or
+power-of-two scale, an E4M3 code times a power-of-two scale), so values already on the model's
+grid are stored losslessly (the E4M3-scaled FP4 only for normal scales, see
+``encode_fp4_e4m3_scales``). Every scatter redirects a sentinel row to the pool's sink row and
 writes back the bytes the sink holds, so padding changes no byte.
 """
 
@@ -15,8 +17,15 @@ from v41plan.model.layers import sparse_attention as _attend
 
 
 # -- codecs: the quantizers' own rounding (v41plan.model.quant), split into codes and scales ------
+# Values are divided and rounded in their own precision (float64 stays float64), as the fake
+# quantizers do: a float32 cast first would round a float64 value twice.
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.unflatten(-1, (x.shape[-1] // block, block))
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the quantizers' arithmetic dtype: float64 for float64, else float32."""
+    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def _amax(xb: torch.Tensor, floor: float) -> torch.Tensor:
@@ -25,8 +34,10 @@ def _amax(xb: torch.Tensor, floor: float) -> torch.Tensor:
 
 def encode_fp4_e4m3_scales(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """Main-KV FP4 row bytes: packed E2M1 values (``d/2`` bytes) then E4M3 scales per ``block``
-    lanes; exact for values already on ``quant.fake_fp4_e4m3``'s grid."""
-    xb = _blocks(x.to(torch.float32), block)
+    lanes; decodes to ``quant.fake_fp4_e4m3(x)``. Values already on that grid come back exactly
+    when their block's E4M3 scale is a normal number (amax >= 6 * 2**-6); a subnormal scale is
+    re-derived from the rounded values and can differ (a known gap, see tests/model)."""
+    xb = _blocks(_wide(x), block)
     s = Q.round_e4m3(_amax(xb, Q.FP4_E4M3_AMAX_FLOOR) / Q.E2M1_MAX)
     codes = Q.round_e2m1(xb / s).flatten(-2)
     return torch.cat((Q.pack_e2m1(codes), Q.e4m3_encode(s.squeeze(-1)).view(torch.uint8)), dim=-1)
@@ -44,7 +55,7 @@ def decode_fp4_e4m3_scales(
 def encode_fp4_e8m0(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Index-key FP4 (``quant.fake_fp4``'s grid): ``(packed E2M1 [..., d/2], E8M0 bytes [...,
     d/32])``."""
-    xb = _blocks(x.to(torch.float32), block)
+    xb = _blocks(_wide(x), block)
     s = Q.pow2ceil(_amax(xb, Q.FP4_E8M0_AMAX_FLOOR) / Q.E2M1_MAX)
     codes = Q.round_e2m1(xb / s).flatten(-2)
     return Q.pack_e2m1(codes), Q.e8m0_encode(s.squeeze(-1)).view(torch.uint8)
@@ -60,7 +71,7 @@ def decode_fp4_e8m0(
 
 def encode_fp8_e8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Ring row bytes under FP4 main (``quant.fake_fp8``'s grid): E4M3 values then E8M0 scales."""
-    xb = _blocks(x.to(torch.float32), block)
+    xb = _blocks(_wide(x), block)
     s = Q.pow2ceil(_amax(xb, Q.FP8_AMAX_FLOOR) / Q.E4M3_MAX)
     q = Q.round_e4m3(xb / s).flatten(-2)
     return torch.cat(
@@ -77,7 +88,7 @@ def decode_fp8_e8m0(row: torch.Tensor, d: int, dtype: torch.dtype, block: int = 
 
 def encode_fp8_row(x: torch.Tensor) -> torch.Tensor:
     """FP8 index-plane row bytes: E4M3 codes then the fp32 row scale (``quant.quant_fp8_rows``)."""
-    xf = x.to(torch.float32)
+    xf = _wide(x)
     scale = _amax(xf, Q.FP8_AMAX_FLOOR) / Q.E4M3_MAX
     codes = Q.round_e4m3(xf / scale)
     return torch.cat((Q.e4m3_encode(codes).view(torch.uint8), scale.view(torch.uint8)), -1)

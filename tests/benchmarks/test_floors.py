@@ -1,0 +1,81 @@
+"""The benchmark floors: shipped-format and bf16 weight bytes, FP8-rate FLOPs, README tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import medium_model as mm
+
+from tests.runtime.paged_helpers import model, step
+from v41plan.model.checkpoint import LoadedCheckpoint, random_state, tensor_table
+
+CEIL = {"copy_bytes_per_s": 4e12, "bf16_flop_per_s": 8e14, "fp8_flop_per_s": 1.6e15}
+
+
+def _floor(plan, ix="fp8", ceilings=CEIL):
+    spec, cfg, _w, _e = model("tiny")
+    rows = mm.pool_row_bytes(spec.geometry("bf16", ix))
+    return mm.step_floor(cfg, plan, ceilings, rows=rows, index_cache_dtype=ix)
+
+
+def test_weight_bytes_in_shipped_formats_and_at_bf16():
+    spec, cfg, _w, _e = model("tiny")
+    n = 2000  # enough rows that every expert is touched (to 1e-12)
+    plan = step(spec, [(1, tuple(range(64)), n, 0, n, "prefill")])
+    f = _floor(plan)
+    tables = {t.name for t in tensor_table(cfg) if t.kind.startswith("table")}
+    shipped = sum(t.nbytes for t in tensor_table(cfg) if t.name not in tables)
+    embed = next(t for t in tensor_table(cfg) if t.name == "embed.weight")
+    shipped -= embed.nbytes - embed.nbytes * n // cfg.vocab_size  # only the batch's rows
+    assert f["weight_bytes"] == pytest.approx(shipped, rel=1e-9)
+    # the bf16 count is what the runtime holds: every processed weight at 2 bytes
+    ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    held = ckpt.process(torch.bfloat16)
+    bf16 = sum(2 * t.numel() for k, t in held.items() if k != "embed.weight")
+    bf16 += 2 * held["embed.weight"].numel() * n // cfg.vocab_size
+    assert f["bf16_weight_bytes"] == pytest.approx(bf16, rel=1e-9)
+    assert f["weight_bytes"] < 0.6 * f["bf16_weight_bytes"]  # FP8 dense, FP4 experts
+
+
+def test_fp8_work_runs_at_the_fp8_rate_and_replay_cuts_rows():
+    spec, *_ = model("tiny")
+    n = 300
+    full = step(spec, [(1, tuple(range(12)), n, 0, n, "prefill")])
+    f = _floor(full)
+    assert 0 < f["fp8_flops"] < f["flops"]
+    t = (f["flops"] - f["fp8_flops"]) / CEIL["bf16_flop_per_s"] + f["fp8_flops"] / 1.6e15
+    assert f["floor_flops_s"] == pytest.approx(t)
+    assert f["floor_bf16_flops_s"] == pytest.approx(f["flops"] / CEIL["bf16_flop_per_s"])
+    unmeasured = _floor(full, ceilings=dict(CEIL, fp8_flop_per_s=None))
+    assert not unmeasured["fp8_rate_measured"]
+    assert unmeasured["floor_flops_s"] == pytest.approx(f["floor_bf16_flops_s"])
+    tail = _floor(step(spec, [(1, tuple(range(12)), n, 0, n, "prefill")], decoder_replay=True))
+    assert tail["flops"] < f["flops"] and tail["weight_bytes"] <= f["weight_bytes"]
+    # a non-final chunk under decoder replay reads no decoder attention or FFN weights
+    part = _floor(step(spec, [(1, tuple(range(12)), n, 0, 200, "prefill")], decoder_replay=True))
+    assert part["weight_bytes"] < tail["weight_bytes"]
+    # index scoring over the fp4 plane is not FP8 work
+    assert _floor(full, ix="fp4")["fp8_flops"] < f["fp8_flops"]
+
+
+def test_decode_reads_the_pool_rows_at_their_row_sizes():
+    spec, *_ = model("tiny")
+    plan = step(spec, [(1, (1, 2, 3, 4), 100, 100, 1, "decode")])
+    rows = {"ring": 1, "main": 0, "index": 0}
+    _spec, cfg, *_ = model("tiny")
+    f = mm.step_floor(cfg, plan, CEIL, rows=rows, index_cache_dtype="fp8")
+    assert f["pool_bytes"] == len(cfg.layers) * cfg.sliding_window  # one W-row window a layer
+
+
+def test_the_readme_tables_are_the_committed_json_recomputed():
+    import readme_floor_tables
+
+    assert readme_floor_tables.main(["--check", str(ROOT / "README.md")]) == 0
