@@ -222,6 +222,8 @@ _KNOWN_EXTRA = frozenset({
     "topk_group", "num_experts", "rope_type", "pad_token_id", "image_token_id",
     "dspark_num_experts_per_tok", "dspark_n_routed_experts", "max_window_layers",
 })  # fmt: skip
+# Upper bounds where a larger value is no model but a very long wait (the Engram prime search).
+_AT_MOST = {"engram_vocab_size": 2**31 - 1}
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
 
 
@@ -251,6 +253,8 @@ def _checked(name: str, kind: str, v: Any) -> Any:
             raise fail("an integer")
         if v < (1 if name in _POSITIVE else 0):
             raise fail("an integer >= 1" if name in _POSITIVE else "an integer >= 0")
+        if v > _AT_MOST.get(name, v):
+            raise fail(f"an integer <= {_AT_MOST[name]}")
     elif kind == "float":
         if not (is_int(v) or isinstance(v, float)) or not math.isfinite(v):
             raise fail("a finite number")
