@@ -4,13 +4,15 @@ Device copy bandwidth (read + write bytes counted) and the bf16 matmul rate, mea
 calling process so that ratios come from one run. Import ``measure_ceilings`` from other
 benchmarks; run this file alone to print both.
 
-    python benchmarks/ceilings.py
+    python benchmarks/ceilings.py [--out ceilings.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 
 import torch
 
@@ -60,11 +62,24 @@ def measure_ceilings() -> dict[str, float]:
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Print both ceilings (and write them as JSON to ``--out``); 2 without CUDA."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="also write the JSON here (default: stdout only)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("ceilings.py needs a CUDA device")
+        print("ceilings.py: needs a CUDA device, and this machine has none", file=sys.stderr)
+        return 2
     c = measure_ceilings()
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"copy bandwidth : {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write)")
     print(f"bf16 matmul    : {c['bf16_flop_per_s'] / 1e12:.1f} TFLOP/s (8192^3)")
     print(json.dumps(c))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(c, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
