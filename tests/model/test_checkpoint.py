@@ -99,8 +99,13 @@ def test_layout_is_sharded_with_an_index(tiny_dir):
     assert "layers.1.engram.embed.weight" in wm and "layers.6.engram.embed.scale" in wm
 
 
-def test_shards_have_ordinary_file_modes(tiny_dir):
+def test_shards_have_ordinary_file_modes_and_say_their_weights_are_random(tiny_dir, tmp_path):
     import os
+
+    from v41plan.model.checkpoint import random_weights_seed
+
+    assert random_weights_seed(tiny_dir) == 7
+    assert random_weights_seed(tmp_path) is None  # no shard: nothing says so
 
     umask = os.umask(0)
     os.umask(umask)

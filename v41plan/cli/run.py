@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, spec, prompts, labels, params, info) -> int:
-    from v41plan.model.checkpoint import CheckpointError
+    from v41plan.model.checkpoint import CheckpointError, random_weights_seed
     from v41plan.serving.admission import ConfigError, default_tensor_parallel_size
     from v41plan.serving.engine import LLM
 
@@ -394,6 +394,11 @@ def _generate(args, spec, prompts, labels, params, info) -> int:
         notes.append(
             f"no --checkpoint: spec {spec.name} runs on random weights (seed "
             f"{args.random_weights_seed}), so the completion is noise, not language"
+        )
+    elif (seed := random_weights_seed(args.checkpoint)) is not None:
+        notes.append(
+            f"--checkpoint {args.checkpoint} holds random weights (init-checkpoint, seed {seed}), "
+            f"so the completion is noise, not language"
         )
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
         try:

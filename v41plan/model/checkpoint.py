@@ -35,6 +35,9 @@ from v41plan.model.quant import (
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+RANDOM_SEED_KEY = "v41plan_random_weights_seed"
+"""Key ``write_checkpoint`` sets in the index file's ``metadata``: the weights are random, drawn
+from this seed (a shard's own metadata would not keep its key order, nor its bytes, stable)."""
 FP8, E8M0, BF16, F32, I8 = (
     torch.float8_e4m3fn,
     torch.float8_e8m0fnu,
@@ -276,7 +279,9 @@ def write_checkpoint(
         del tensors
     (out / INDEX_FILE).write_text(
         json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
+            {"metadata": {"total_size": total, RANDOM_SEED_KEY: seed}, "weight_map": weight_map},
+            indent=2,
+            sort_keys=True,
         )
         + "\n"
     )
@@ -473,6 +478,18 @@ def _weight_map(root: Path, shards: _Shards) -> dict[str, str]:
         f = shards.handle("model.safetensors", listed=False)
         return {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (not iterable)
     raise CheckpointError(f"{root}: neither {INDEX_FILE} nor model.safetensors")
+
+
+def random_weights_seed(path: str | Path) -> int | None:
+    """The seed of a checkpoint ``write_checkpoint`` filled with random weights, else None
+    (read from its index file; None too when that cannot be read)."""
+    try:
+        doc = json.loads((Path(path) / INDEX_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    meta = doc.get("metadata") if isinstance(doc, dict) else None
+    seed = meta.get(RANDOM_SEED_KEY) if isinstance(meta, dict) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
 def check_checkpoint(
