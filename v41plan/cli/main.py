@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank refuses alike
             print(f"v41plan {args.command}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    except BrokenPipeError:  # the reader went away (`| head`): nothing to report to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"v41plan {args.command}: interrupted", file=sys.stderr)
         return 130
