@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_prefill.py needs a CUDA device")
+        print("bench_prefill.py: needs a CUDA device, and this machine has none", file=sys.stderr)
         return 2
     from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.paged_model import RuntimeModel

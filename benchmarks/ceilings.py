@@ -6,13 +6,15 @@ W4A8 work), measured in the calling process so that ratios come from one run. Im
 ``measure_ceilings`` from other benchmarks; run this file alone to print them (JSON with the
 tree's provenance).
 
-    python benchmarks/ceilings.py
+    python benchmarks/ceilings.py [--out ceilings.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 
 import torch
 
@@ -98,10 +100,14 @@ def ceilings_line(c: dict) -> str:
     )
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Print both ceilings (and write them as JSON to ``--out``); 2 without CUDA."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="also write the JSON here (default: stdout only)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("ceilings.py needs a CUDA device")
-    import sys
+        print("ceilings.py: needs a CUDA device, and this machine has none", file=sys.stderr)
+        return 2
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -116,4 +122,13 @@ if __name__ == "__main__":
         "fp8 matmul     : "
         + (f"{fp8 / 1e12:.1f} TFLOP/s (8192^3, row-wise scales)" if fp8 else c["fp8_error"])
     )
-    print(json.dumps({**c, "device": torch.cuda.get_device_name(), "provenance": provenance()}))
+    report = {**c, "device": torch.cuda.get_device_name(), "provenance": provenance()}
+    print(json.dumps(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,4 +22,11 @@ def test_unknown_benchmark_is_a_usage_error(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
 def test_a_cuda_benchmark_refuses_cleanly_on_cpu(capsys):
-    assert main(["bench", "ceilings"]) == 1
+    assert main(["bench", "ceilings"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("v41plan bench: ceilings: needs a CUDA device") and err.count("\n") == 1
+
+
+def test_a_benchmark_help_runs_without_cuda(capsys):
+    assert main(["bench", "ceilings", "--help"]) == 0
+    assert "--out" in capsys.readouterr().out

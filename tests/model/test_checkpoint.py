@@ -99,6 +99,44 @@ def test_layout_is_sharded_with_an_index(tiny_dir):
     assert "layers.1.engram.embed.weight" in wm and "layers.6.engram.embed.scale" in wm
 
 
+def test_shards_have_ordinary_file_modes_and_say_their_weights_are_random(tiny_dir, tmp_path):
+    import os
+
+    from v41plan.model.checkpoint import random_weights_seed
+
+    assert random_weights_seed(tiny_dir) == 7
+    assert random_weights_seed(tmp_path) is None  # no shard: nothing says so
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tiny_dir.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name  # 0644 under umask 022
+
+
+def test_truncated_and_corrupt_shards_are_named(tiny_dir, tmp_path, specs):
+    from v41plan.model.checkpoint import CheckpointError
+
+    bad = _copy(tiny_dir, tmp_path / "trunc")
+    shard = max(bad.glob("model-*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=f"{shard.name} is truncated or corrupt"):
+        load_checkpoint(bad, specs["tiny"])
+    bad = _copy(tiny_dir, tmp_path / "corrupt")
+    shard = min(bad.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"[[[["
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard.name} is truncated or corrupt"):
+        load_checkpoint(bad, specs["tiny"])
+    bad = _copy(tiny_dir, tmp_path / "index")
+    (bad / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(CheckpointError, match="index.json: not valid JSON"):
+        load_checkpoint(bad, specs["tiny"])
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_checkpoint(tmp_path / "nowhere", specs["tiny"])
+
+
 def test_init_checkpoint_is_deterministic_per_seed(tiny_dir, tmp_path, specs_dir):
     again = tmp_path / "again"
     other = tmp_path / "other"

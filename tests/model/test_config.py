@@ -86,3 +86,39 @@ def test_unknown_published_fields_survive_a_round_trip(spec):
     cfg = ModelConfig.from_hf(hf)
     assert cfg.extra["dspark_block_size"] == 5
     assert cfg.to_hf()["text_config"]["dspark_block_size"] == 5
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("vocab_size", "260", "vocab_size must be an integer, got '260'"),
+        ("vocab_size", 260.0, "vocab_size must be an integer, got 260.0"),
+        ("hidden_size", True, "hidden_size must be an integer, got True"),
+        ("hidden_size", 0, "hidden_size must be an integer >= 1, got 0"),
+        ("rms_norm_eps", "1e-6", "rms_norm_eps must be a finite number, got '1e-6'"),
+        ("norm_topk_prob", 1, "norm_topk_prob must be true or false, got 1"),
+        ("compress_ratios", "0,0,2", "compress_ratios must be a list of integers >= 0"),
+        ("rope_scaling", {"original_max_position_embeddings": 64}, "rope_scaling.factor"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_naming_the_key(spec, key, value, message):
+    hf = config_from_cache_spec(spec["tiny"]).to_hf()
+    hf["text_config"][key] = value
+    with pytest.raises(ValueError) as exc:
+        ModelConfig.from_hf(hf)
+    assert message in str(exc.value)
+
+
+def test_a_key_one_typo_from_a_field_is_refused(spec):
+    hf = config_from_cache_spec(spec["tiny"]).to_hf()
+    hf["text_config"]["hiden_size"] = 64  # next to the real hidden_size: still a typo
+    with pytest.raises(ValueError, match=r"unknown key 'hiden_size' \(did you mean 'hidden_size'"):
+        ModelConfig.from_hf(hf)
+    hf = config_from_cache_spec(spec["tiny"]).to_hf()
+    hf["text_config"]["qk_nope_head_dim"] = 48  # a published field of the family, not a typo
+    assert ModelConfig.from_hf(hf).extra["qk_nope_head_dim"] == 48
+
+
+def test_a_config_that_is_not_an_object_is_refused():
+    with pytest.raises(TypeError, match="config.json must be a JSON object, got list"):
+        ModelConfig.from_hf([])

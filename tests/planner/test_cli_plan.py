@@ -108,7 +108,7 @@ def test_spec_by_path(tmp_path, capsys, specs_dir):
 def test_invalid_batches_get_one_clear_line(tmp_path, capsys, batch, message):
     rc, out, err = run_plan(tmp_path, capsys, batch)
     assert rc == 2 and out == ""
-    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert err.startswith("v41plan plan: --batch ") and message in err and "Traceback" not in err
     assert err.count("\n") == 1
 
 

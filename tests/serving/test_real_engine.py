@@ -136,7 +136,8 @@ def test_prompt_logprobs_match_dense_reference(runners):
     )
     lp = torch.log_softmax(ref.prefill(p).double(), -1)
     want = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
-    assert out.prompt_logprobs == pytest.approx(want, abs=1e-6)
+    assert out.prompt_logprobs[0] is None  # vLLM's shape: nothing precedes the first token
+    assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-6)
     assert runner is not off
 
 
@@ -161,7 +162,7 @@ def test_prompt_logprobs_under_decoder_replay(runners):
     )
     lp = torch.log_softmax(ref.prefill(p).double(), -1)
     want = [float(lp[i, p[i + 1]]) for i in range(len(p) - 1)]
-    assert outs[0].prompt_logprobs == pytest.approx(want, abs=1e-6)
+    assert outs[0].prompt_logprobs == pytest.approx([None, *want], abs=1e-6)
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
 
 
@@ -198,8 +199,15 @@ def test_cli_run_prints_text(capsys):
 def test_cli_run_refuses_before_load(capsys):
     from v41plan.cli.main import main
 
-    rc = main(["run", "--kv-cache-dtype", "fp8"])
-    assert rc == 2 and "kv_cache_dtype='fp8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # an unknown format is refused by the parser
+        main(["run", "--kv-cache-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--kv-cache-dtype: invalid choice: 'fp8'" in err
+    rc = main(["run", "--max-num-seqs", "0"])  # and a bad engine option by admission
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (
+        "v41plan run: --max-num-seqs: max_num_seqs=0 is refused: accepted: an integer >= 1\n"
+    )
 
 
 @pytest.mark.slow

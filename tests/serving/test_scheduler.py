@@ -375,7 +375,7 @@ def test_prompt_logprobs_independent_of_chunking():
     chunked = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16).generate(
         [p], sp
     )[0]
-    assert len(whole.prompt_logprobs) == 89
+    assert len(whole.prompt_logprobs) == 90 and whole.prompt_logprobs[0] is None  # per position
     assert whole.prompt_logprobs == pytest.approx(chunked.prompt_logprobs)
     llm = fake_llm(decoder_swa_bounded_replay=False, long_prefill_token_threshold=16)
     seq = llm.add_request(p, sp)
@@ -383,7 +383,7 @@ def test_prompt_logprobs_independent_of_chunking():
     llm.step()
     llm.preempt(seq)
     llm.run_until_done()
-    assert seq.prompt_logprobs == pytest.approx(whole.prompt_logprobs)
+    assert [None, *seq.prompt_logprobs] == pytest.approx(whole.prompt_logprobs)
     # with decoder replay on, a scoring request opts out of it and scores every row
     replayed = fake_llm(long_prefill_token_threshold=16).generate([p], sp)[0]
     assert replayed.error is None and replayed.prompt_logprobs == pytest.approx(

@@ -12,9 +12,11 @@ import runpy
 import sys
 from pathlib import Path
 
+from v41plan.cli.args import Refused
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
-# NAME -> (script, one-line description)
+# NAME -> (script, one-line description); "(CUDA)" marks the ones refused on a CPU machine
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "plan_step": (
         "bench_plan_step.py",
@@ -37,29 +39,54 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
+def needs_cuda(name: str) -> bool:
+    """True for a benchmark that runs only on a CUDA device."""
+    return BENCHMARKS[name][1].endswith("(CUDA)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``v41plan bench``."""
     names = "\n".join(f"  {k:17s} {v[1]}" for k, v in BENCHMARKS.items())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.description = f"Run a benchmark from benchmarks/.\n\nbenchmarks:\n{names}"
-    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    parser.description = (
+        f"Run a benchmark from benchmarks/.\n\nbenchmarks:\n{names}\n\n"
+        f"`v41plan bench NAME --help` shows a benchmark's own options."
+    )
+    parser.add_argument(
+        "name", choices=sorted(BENCHMARKS), help="which benchmark, one of %(choices)s"
+    )
+    parser.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="arguments passed to the benchmark (default: none)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark script as ``__main__`` with its own arguments."""
     script = BENCH_DIR / BENCHMARKS[args.name][0]
     if not script.exists():
-        print(
-            f"v41plan bench: {script} not found: benchmarks ship with a source checkout "
-            f"(run from a clone of the repository)",
-            file=sys.stderr,
+        raise Refused(
+            f"{args.name}: {script} not found: benchmarks ship with a source checkout "
+            f"(run from a clone of the repository)"
         )
-        return 2
+    asks_help = any(a in ("-h", "--help") for a in args.args)
+    if needs_cuda(args.name) and not asks_help:
+        import torch
+
+        if not torch.cuda.is_available():
+            cpu = ", ".join(k for k in sorted(BENCHMARKS) if not needs_cuda(k))
+            raise Refused(
+                f"{args.name}: needs a CUDA device, and this machine has none "
+                f"(CPU benchmarks: {cpu})"
+            )
     sys.argv = [str(script), *args.args]
     sys.path.insert(0, str(BENCH_DIR))  # benchmarks import their neighbours (ceilings.py, ...)
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(f"v41plan bench {args.name}: {exc.code}", file=sys.stderr)
+        return 1
     return 0

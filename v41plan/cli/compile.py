@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from v41plan.cli.args import path_exists, refuse
 from v41plan.codegen.check import check_tree
 from v41plan.codegen.emit import GENERATED_ROOT, GeneratedFile, spec_packages, write_tree
 from v41plan.codegen.targets import render_spec
@@ -20,8 +21,12 @@ from v41plan.geometry.errors import SpecError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``v41plan compile``."""
-    p.add_argument("specs", help="spec folder (every *.yaml) or one spec file")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    p.add_argument("specs", help="spec folder (every *.yaml in it) or one spec file")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming every missing, stale or extra file (default: write)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -59,17 +64,15 @@ def run(args: argparse.Namespace) -> int:
     """Validate, then regenerate (or check) the generated code."""
     specs = Path(args.specs)
     root = Path(args.out) if args.out is not None else GENERATED_ROOT
-    if not specs.exists():
-        print(f"v41plan compile: {specs}: no such file or folder", file=sys.stderr)
-        return 2
+    if not path_exists(specs):
+        return refuse("compile", f"{specs}: no such file or folder")
     files, names, errors = render_specs(specs)
     for err in errors:
         print(err, file=sys.stderr)
     if errors:
         return 1
     if not names:
-        print(f"v41plan compile: no *.yaml spec in {specs}", file=sys.stderr)
-        return 2
+        return refuse("compile", f"{specs}: no *.yaml spec in this folder")
     # A folder owns the packages compiled from it (so orphans are found); a file only its own.
     if specs.is_dir():
         packages = sorted(set(names) | set(spec_packages(root, specs.resolve().name)))
@@ -89,7 +92,14 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"generated code is up to date ({len(names)} specs, {len(files)} files)")
         return 0
-    changed = write_tree(root, files, packages)
+    try:
+        changed = write_tree(root, files, packages)
+    except OSError as exc:
+        print(
+            f"v41plan compile: {exc.filename or root}: cannot write ({exc.strerror})",
+            file=sys.stderr,
+        )
+        return 1
     for rel in changed:
         print(f"wrote {shown}/{rel}")
     if not changed:

@@ -18,19 +18,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from v41plan.geometry.errors import SpecError
+from v41plan.cli.args import Refused, spec_arg
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``v41plan explain``."""
-    p.add_argument("spec", help="spec file (specs/deepseek_v41_flash.yaml)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16")
-    p.add_argument("--index-cache-dtype", choices=INDEX_CACHE_DTYPES, default="fp8")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "spec", help="spec file (specs/deepseek_v41_flash.yaml) or compiled spec name (tiny)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="bf16",
+        help="main pool format, one of %(choices)s",
+    )
+    p.add_argument(
+        "--index-cache-dtype",
+        choices=INDEX_CACHE_DTYPES,
+        default="fp8",
+        help="index plane format, one of %(choices)s",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (default: a readable table)"
+    )
 
 
 def explain_dict(cs: CacheSpec, kv_cache_dtype: str, index_cache_dtype: str) -> dict[str, Any]:
@@ -167,23 +180,15 @@ def explain_text(d: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Compile the spec (with located errors) and print its layers and bytes."""
-    from v41plan.geometry.spec import compile_spec
-
-    try:
-        cs = compile_spec(args.spec)
-    except SpecError as exc:
-        print(exc, file=sys.stderr)
-        return 1
+    """Load the spec (a broken file is refused at its ``file:line:col``) and print its layers
+    and bytes."""
+    cs = spec_arg(args.spec)
     key = (args.kv_cache_dtype, args.index_cache_dtype)
     if key not in cs.geometries:
         declared = ", ".join(f"{kv}/{ix}" for kv, ix in cs.geometries)
-        print(
-            f"v41plan explain: {cs.spec_path} does not compile the pair {key[0]}/{key[1]}; "
-            f"declared: {declared}",
-            file=sys.stderr,
+        raise Refused(
+            f"{cs.spec_path} does not compile the pair {key[0]}/{key[1]}; declared: {declared}"
         )
-        return 2
     d = explain_dict(cs, *key)
     print(json.dumps(d, indent=2) if args.json else explain_text(d))
     return 0

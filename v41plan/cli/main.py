@@ -2,13 +2,20 @@
 
 Each subcommand lives in the module that owns its work and exposes ``add_arguments(parser)``
 and ``run(args) -> int``; modules are imported lazily so ``compile`` never loads torch.
+
+Errors: a refused option or input is one line on stderr, ``v41plan COMMAND: INPUT: what is
+wrong``, exit 2, before any work; a run or check that failed exits 1; an internal error (a bug)
+is one line on stderr and exit 1 (``V41PLAN_TRACEBACK=1`` shows its traceback).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import os
 import sys
+
+from v41plan import __version__
+from v41plan.cli.args import EXIT_FAILED, EXIT_REFUSED, Parser, Refused, one_line
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,28 +28,49 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> Parser:
     """Build the parser; only the chosen subcommand's module is imported."""
-    parser = argparse.ArgumentParser(prog="v41plan", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = Parser(prog="v41plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"v41plan {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``v41plan`` console script."""
+    """Entry point of the ``v41plan`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 2
+        parser.print_help(sys.stderr)
+        return EXIT_REFUSED
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except Refused as exc:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank refuses alike
+            print(f"v41plan {args.command}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except BrokenPipeError:  # the reader went away (`| head`): nothing to report to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"v41plan {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: one line, not a traceback, unless asked
+        if os.environ.get("V41PLAN_TRACEBACK"):
+            raise
+        print(
+            f"v41plan {args.command}: internal error: {type(exc).__name__}: {one_line(exc)} "
+            f"(set V41PLAN_TRACEBACK=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from v41plan.cli.args import Refused, spec_arg
 from v41plan.planner.stages import PHASES
 
 _REQUEST_KEYS = {
@@ -39,42 +40,26 @@ class BatchError(ValueError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``v41plan plan``."""
-    p.add_argument("spec", help="spec path (specs/tiny.yaml) or name (tiny)")
-    p.add_argument("--batch", required=True, help="batch description JSON file ('-' for stdin)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("spec", help="spec path (specs/tiny.yaml) or compiled spec name (tiny)")
+    p.add_argument(
+        "--batch", required=True, help="batch description JSON file ('-' for stdin); required"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (default: a readable table)")
     p.add_argument(
         "--no-decoder-swa-bounded-replay",
         dest="decoder_replay",
         action="store_false",
         default=None,
-        help="plan with decoder bounded replay off",
+        help="plan with decoder bounded replay off (default: the spec's rule, on)",
     )
     p.add_argument(
         "--no-encoder-swa-bounded-replay",
         dest="encoder_replay",
         action="store_false",
         default=None,
-        help="plan with the copy transfer (encoder bounded replay off)",
+        help="plan with the copy transfer, encoder bounded replay off (default: the spec's "
+        "rule, on)",
     )
-
-
-def load_spec(spec: str):
-    """The compiled spec, or the YAML itself when no generated code exists yet."""
-    from v41plan.geometry.runtime import load_cache_spec
-
-    try:
-        return load_cache_spec(spec)
-    except ValueError as exc:
-        if "no generated code" not in str(exc):
-            raise
-    p = Path(spec)
-    if p.suffix not in (".yaml", ".yml"):
-        p = Path("specs") / f"{spec}.yaml"
-    if not p.exists():
-        raise ValueError(f"spec {spec!r}: no generated code and no file {p}")
-    from v41plan.geometry.derive import load_cache_spec_unchecked
-
-    return load_cache_spec_unchecked(str(p))
 
 
 def _int(d: dict, key: str, where: str, default: int | None = None) -> int:
@@ -246,19 +231,29 @@ def render_text(d: dict) -> str:
     return "\n".join(lines)
 
 
+def read_batch(path: str):
+    """The parsed JSON of ``--batch`` (a file, or ``-`` for stdin); ``BatchError`` otherwise."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BatchError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot look up
+        raise BatchError(f"cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BatchError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise BatchError("JSON nested too deeply") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Plan the batch and print it; 2 with a one-line error for bad input."""
+    """Plan the batch and print it; a bad spec or batch is refused in one line (exit 2)."""
     from v41plan.planner.step import PlanError, plan_step
 
+    spec = spec_arg(args.spec)
     try:
-        spec = load_spec(args.spec)
-        text = sys.stdin.read() if args.batch == "-" else Path(args.batch).read_text()
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BatchError(
-                f"{args.batch}: not valid JSON ({exc.msg} at line {exc.lineno})"
-            ) from exc
+        doc = read_batch(args.batch)
         enc = (
             spec.replay.encoder_swa_bounded_replay
             if args.encoder_replay is None
@@ -266,9 +261,8 @@ def run(args: argparse.Namespace) -> int:
         )
         step = parse_batch(doc, spec, enc)
         plan = plan_step(step, spec, decoder_replay=args.decoder_replay, encoder_replay=enc)
-    except (BatchError, PlanError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (BatchError, PlanError) as exc:
+        raise Refused(f"--batch {args.batch}: {exc}") from None
     d = describe(plan, spec.dims.sliding_window)
     print(json.dumps(d, indent=2) if args.json else render_text(d))
     return 0

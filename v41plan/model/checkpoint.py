@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from v41plan.model.quant import (
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+RANDOM_SEED_KEY = "v41plan_random_weights_seed"
+"""Key ``write_checkpoint`` sets in the index file's ``metadata``: the weights are random, drawn
+from this seed (a shard's own metadata would not keep its key order, nor its bytes, stable)."""
 FP8, E8M0, BF16, F32, I8 = (
     torch.float8_e4m3fn,
     torch.float8_e8m0fnu,
@@ -253,12 +257,19 @@ def _write_shard(
 
     tensors = dict(random_tensors(cfg, seed, shard))
     save_file(tensors, str(out / fname), metadata={"format": "pt"})
+    os.chmod(out / fname, 0o666 & ~_umask())  # safetensors creates 0600; a checkpoint is shared
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
 
 def _worker_init() -> None:
     """One intra-op thread per worker process: the parallelism is across shards."""
     torch.set_num_threads(1)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_checkpoint(
@@ -311,7 +322,9 @@ def write_checkpoint(
                 done(fname, shard, fut.result())
     (out / INDEX_FILE).write_text(
         json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
+            {"metadata": {"total_size": total, RANDOM_SEED_KEY: seed}, "weight_map": weight_map},
+            indent=2,
+            sort_keys=True,
         )
         + "\n"
     )
@@ -458,13 +471,155 @@ class LoadedCheckpoint:
 
 def read_config(path: str | Path) -> ModelConfig:
     """Read and validate ``config.json`` of a checkpoint directory."""
-    p = Path(path) / "config.json"
+    root = Path(path)
+    if not _exists(root):
+        raise CheckpointError(f"{path}: no such directory")
+    if not root.is_dir():
+        raise CheckpointError(f"{path}: not a directory (a checkpoint is a directory)")
+    p = root / "config.json"
     if not p.exists():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint directory)")
+    doc = _read_json(p)
     try:
-        return ModelConfig.from_hf(json.loads(p.read_text()))
+        return ModelConfig.from_hf(doc)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{p}: {exc}") from exc
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except (OSError, ValueError):  # a name the OS cannot look up (too long, a NUL byte)
+        return False
+
+
+def _read_json(p: Path) -> Any:
+    """A JSON file's value; ``CheckpointError`` naming the file when it is not readable JSON."""
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{p}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(f"{p}: JSON nested too deeply") from None
+
+
+class _Shards:
+    """Open safetensors shards of one checkpoint, each opened once; every failure to read a
+    shard's header or tensor is a ``CheckpointError`` naming the shard."""
+
+    def __init__(self, root: Path) -> None:
+        from safetensors import SafetensorError
+
+        self.root = root
+        self.handles: dict[str, Any] = {}
+        self.errors = (SafetensorError, OSError, RuntimeError, ValueError)
+
+    def handle(self, fname: str, listed: bool = True) -> Any:
+        """The open shard ``fname`` (``listed``: named by the index file)."""
+        from safetensors import safe_open
+
+        if fname not in self.handles:
+            path = self.root / fname
+            if not path.is_file():
+                where = f" listed in {INDEX_FILE}" if listed else ""
+                raise CheckpointError(f"{self.root}: shard {fname}{where} is missing")
+            try:
+                self.handles[fname] = safe_open(str(path), framework="pt")
+            except self.errors as exc:
+                raise CheckpointError(
+                    f"{self.root}: {fname} is truncated or corrupt ({exc})"
+                ) from None
+        return self.handles[fname]
+
+    def header(self, fname: str, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """Shape and dtype of tensor ``name`` from the shard's header (no data read)."""
+        f = self.handle(fname)
+        if name not in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            raise CheckpointError(
+                f"{self.root}: {INDEX_FILE} puts tensor {name} in {fname}, which lacks it"
+            )
+        try:
+            sl = f.get_slice(name)
+            shape = tuple(sl.get_shape())
+            return shape, (sl[:0].dtype if shape and shape[0] else None)
+        except self.errors as exc:
+            raise CheckpointError(f"{self.root}: {fname}: tensor {name}: {exc}") from None
+
+    def tensor(self, fname: str, name: str) -> torch.Tensor:
+        """Tensor ``name`` of shard ``fname``."""
+        try:
+            return self.handle(fname).get_tensor(name)
+        except self.errors as exc:
+            raise CheckpointError(
+                f"{self.root}: {fname} is truncated or corrupt at tensor {name} ({exc})"
+            ) from None
+
+
+def _weight_map(root: Path, shards: _Shards) -> dict[str, str]:
+    """Tensor name -> shard file, from the index file or the single ``model.safetensors``."""
+    index = root / INDEX_FILE
+    if index.exists():
+        doc = _read_json(index)
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(
+                f'{index}: needs a "weight_map" object of tensor name -> shard file name'
+            )
+        return wm
+    if (root / "model.safetensors").exists():
+        f = shards.handle("model.safetensors", listed=False)
+        return {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (not iterable)
+    raise CheckpointError(f"{root}: neither {INDEX_FILE} nor model.safetensors")
+
+
+def random_weights_seed(path: str | Path) -> int | None:
+    """The seed of a checkpoint ``write_checkpoint`` filled with random weights, else None
+    (read from its index file; None too when that cannot be read)."""
+    try:
+        doc = json.loads((Path(path) / INDEX_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    meta = doc.get("metadata") if isinstance(doc, dict) else None
+    seed = meta.get(RANDOM_SEED_KEY) if isinstance(meta, dict) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def check_checkpoint(
+    path: str | Path, cache_spec: Any = None
+) -> tuple[ModelConfig, list[TensorSpec], dict[str, str], _Shards]:
+    """Check a checkpoint without reading any weight: its ``config.json`` (against
+    ``cache_spec`` when given), and every tensor's presence, shape and dtype from the shard
+    headers. Returns the config, tensor table, weight map and open shards; raises
+    ``CheckpointError`` with one line naming the file and what is wrong."""
+    root = Path(path)
+    cfg = read_config(root)
+    if cache_spec is not None:
+        try:
+            check_against_spec(cfg, cache_spec)
+        except ValueError as exc:
+            raise CheckpointError(f"{root}: {exc}") from exc
+    shards = _Shards(root)
+    weight_map = _weight_map(root, shards)
+    specs = tensor_table(cfg)
+    for t in specs:  # presence, shape and dtype, from headers only
+        if t.name not in weight_map:
+            raise CheckpointError(
+                f"{root}: missing tensor {t.name} (expected shape {list(t.shape)})"
+            )
+        shape, dt = shards.header(weight_map[t.name], t.name)
+        if shape != t.shape:
+            raise CheckpointError(
+                f"{root}: tensor {t.name} has shape {list(shape)}, expected {list(t.shape)}"
+            )
+        if dt is not None and dt not in _ACCEPT[t.dtype]:
+            raise CheckpointError(f"{root}: tensor {t.name} has dtype {dt}, expected {t.dtype}")
+    return cfg, specs, weight_map, shards
 
 
 def load_checkpoint(
@@ -477,61 +632,27 @@ def load_checkpoint(
     """Load a published-layout checkpoint directory.
 
     The config is checked against ``cache_spec`` (when given) before any weight is read; every
-    tensor of ``tensor_table`` must be present with its shape and dtype. With ``dtype`` set, the
-    post-load processing runs (once, ``resident`` as in ``LoadedCheckpoint.process``) before
-    returning; ``dtype=None`` leaves it to the caller.
+    tensor of ``tensor_table`` must be present with its shape and dtype (``check_checkpoint``).
+    With ``dtype`` set, the post-load processing runs (once, ``resident`` as in
+    ``LoadedCheckpoint.process``) before returning; ``dtype=None`` leaves it to the caller. Every
+    problem is a ``CheckpointError`` naming the file.
     """
-    from safetensors import safe_open
-
     root = Path(path)
-    cfg = read_config(root)
-    if cache_spec is not None:
-        try:
-            check_against_spec(cfg, cache_spec)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from exc
-    index = root / INDEX_FILE
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").exists():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-    else:
-        raise CheckpointError(f"{root}: neither {INDEX_FILE} nor model.safetensors")
-    specs = tensor_table(cfg)
-    handles: dict[str, Any] = {}
-
-    def handle(fname: str) -> Any:
-        if fname not in handles:
-            if not (root / fname).exists():
-                raise CheckpointError(f"{root}: shard {fname} listed in {INDEX_FILE} is missing")
-            handles[fname] = safe_open(str(root / fname), framework="pt")
-        return handles[fname]
-
-    for t in specs:  # presence, shape and dtype, from headers only
-        if t.name not in weight_map:
-            raise CheckpointError(
-                f"{root}: missing tensor {t.name} (expected shape {list(t.shape)})"
-            )
-        sl = handle(weight_map[t.name]).get_slice(t.name)
-        shape = tuple(sl.get_shape())
-        if shape != t.shape:
-            raise CheckpointError(
-                f"{root}: tensor {t.name} has shape {list(shape)}, expected {list(t.shape)}"
-            )
-        dt = sl[:0].dtype if shape and shape[0] else None
-        if dt is not None and dt not in _ACCEPT[t.dtype]:
-            raise CheckpointError(f"{root}: tensor {t.name} has dtype {dt}, expected {t.dtype}")
+    cfg, specs, weight_map, shards = check_checkpoint(root, cache_spec)
     raw: dict[str, torch.Tensor] = {}
     tables: list[EngramTable] = []
     for t in specs:
+        fname = weight_map[t.name]
         if t.kind == "table":
             prefix = t.name[: -len(".embed.weight")]
-            tables.append(
-                EngramTable.open(root / weight_map[t.name], prefix, handle(weight_map[t.name]))
-            )
+            try:
+                tables.append(EngramTable.open(root / fname, prefix, shards.handle(fname)))
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"{root}: {fname}: Engram table {prefix} cannot be mapped ({exc})"
+                ) from None
         elif t.kind != "table_scale":
-            x = handle(weight_map[t.name]).get_tensor(t.name)
+            x = shards.tensor(fname, t.name)
             if t.dtype == BF16 and x.dtype == F32:
                 x = x.to(BF16)
             if t.kind in ("fp8_scale", "fp4_scale") and x.dtype == torch.uint8:

@@ -129,19 +129,34 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a ``config.json`` mapping: flat, or with the text fields under
-        ``text_config``."""
+        ``text_config``.
+
+        Every field is checked against its type (no coercion: ``"260"`` is not an integer),
+        sizes against their range, and a key that is one typo away from a field name
+        (``hiden_size``) is refused; other unknown keys are published fields this model does
+        not use and are kept in ``extra``. Raises ``ValueError`` naming the key (``TypeError``
+        when ``cfg`` is not a mapping).
+        """
+        if not isinstance(cfg, dict):
+            raise TypeError(f"config.json must be a JSON object, got {type(cfg).__name__}")
+        text = cfg.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise TypeError(f"text_config must be an object, got {type(text).__name__}")
         flat = {k: v for k, v in cfg.items() if k not in _TOP_LEVEL_KEYS}
-        flat.update(cfg.get("text_config") or {})
+        flat.update(text or {})
         flat.pop("model_type", None)
-        names = {f.name for f in fields(cls)} - {"extra"}
+        kinds = {f.name: str(f.type) for f in fields(cls) if f.name != "extra"}
+        names = set(kinds)
+        for key in flat:
+            _check_unknown_key(key, names)
         missing = sorted(n for n in names if n not in flat and n != "engram_num_embeddings")
         if missing:
             raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
         vals: dict[str, Any] = {}
-        for n in names:
+        for n in sorted(names):
             if n not in flat:
                 continue
-            v = flat[n]
+            v = _checked(n, kinds[n], flat[n])
             vals[n] = (
                 tuple(v) if isinstance(v, list | tuple) else (dict(v) if isinstance(v, dict) else v)
             )
@@ -189,6 +204,78 @@ class ModelConfig:
     def engram_cols(self) -> int:
         """Hash columns per Engram layer: ``(max_ngram - 1) * engram_n_heads``."""
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+
+# Sizes that must be at least 1 (every other integer field must be at least 0).
+_POSITIVE = frozenset({
+    "num_hidden_layers", "head_dim", "qk_rope_head_dim", "num_attention_heads", "o_groups",
+    "index_n_heads", "index_head_dim", "index_topk", "sliding_window", "candidate_topk_blocks",
+    "candidate_block_size", "engram_max_ngram_size", "vocab_size", "hidden_size",
+    "num_key_value_heads", "q_lora_rank", "o_lora_rank", "n_routed_experts",
+    "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "hc_mult",
+    "hc_sinkhorn_iters", "max_position_embeddings", "engram_n_heads", "engram_head_dim",
+    "engram_vocab_size", "engram_compressed_vocab_size",
+})  # fmt: skip
+# Published or Hugging Face fields that a typo check would take for one of ours; kept as extra.
+_KNOWN_EXTRA = frozenset({
+    "intermediate_size", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "n_group",
+    "topk_group", "num_experts", "rope_type", "pad_token_id", "image_token_id",
+    "dspark_num_experts_per_tok", "dspark_n_routed_experts", "max_window_layers",
+})  # fmt: skip
+# Upper bounds where a larger value is no model but a very long wait (the Engram prime search).
+_AT_MOST = {"engram_vocab_size": 2**31 - 1}
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def _check_unknown_key(key: str, names: set[str]) -> None:
+    """Refuse a key that is not a field but one typo away from one (``hiden_size``)."""
+    import difflib
+
+    if key in names or key in _KNOWN_EXTRA:
+        return
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.85)
+    if close:
+        raise ValueError(f"unknown key {key!r} (did you mean {close[0]!r}?)")
+
+
+def _checked(name: str, kind: str, v: Any) -> Any:
+    """``v`` when it has the field's type and range; ``ValueError`` naming the field otherwise."""
+    import math
+
+    def fail(want: str) -> ValueError:
+        return ValueError(f"{name} must be {want}, got {v!r}")
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if kind == "int":
+        if not is_int(v):
+            raise fail("an integer")
+        if v < (1 if name in _POSITIVE else 0):
+            raise fail("an integer >= 1" if name in _POSITIVE else "an integer >= 0")
+        if v > _AT_MOST.get(name, v):
+            raise fail(f"an integer <= {_AT_MOST[name]}")
+    elif kind == "float":
+        if not (is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+            raise fail("a finite number")
+    elif kind == "bool":
+        if not isinstance(v, bool):
+            raise fail("true or false")
+    elif kind == "str":
+        if not isinstance(v, str):
+            raise fail("a string")
+    elif kind.startswith("tuple[int"):
+        if not isinstance(v, list | tuple) or not all(is_int(x) and x >= 0 for x in v):
+            raise fail("a list of integers >= 0")
+    elif kind == "dict":
+        if not isinstance(v, dict):
+            raise fail("an object")
+        if name == "rope_scaling" and v.get("original_max_position_embeddings", 0):
+            for k in _YARN_KEYS:
+                x = v.get(k)
+                if not (is_int(x) or isinstance(x, float)) or not math.isfinite(x) or x <= 0:
+                    raise ValueError(f"rope_scaling.{k} must be a number > 0, got {x!r}")
+    return v
 
 
 def config_from_cache_spec(cache_spec: CacheSpec) -> ModelConfig:

@@ -359,7 +359,7 @@ def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
     bt = arrs.block_tables
     need = _div(end + (P - 1), P)  # pages the forward's positions live in
     width = bt.shape[1] if bt.ndim == 2 else 0
-    if n and int(need.max()) <= width:
+    if n and width and int(need.max()) <= width:  # width 0: no page to look at (empty chunks)
         short = bt[np.arange(n), np.maximum(need - 1, 0)] < 0
     else:
         short = need > width

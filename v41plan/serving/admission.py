@@ -41,7 +41,11 @@ class EngineOptions:
     dtype: str = "float32"
     """Activation dtype of the executor (``float32``, ``float64``, ``bfloat16``)."""
     seed: int = 0
-    """Seed of the embedded random checkpoint and of unseeded sampled requests."""
+    """Engine seed: a sampled request without its own ``SamplingParams.seed`` draws from
+    ``seed + request id`` (as vLLM's ``LLM(seed=...)``)."""
+    random_weights_seed: int = 0
+    """Seed of the spec's random weights, built in memory when no checkpoint is given (the
+    same seed ``v41plan init-checkpoint --seed`` writes to disk)."""
 
 
 # Options refused whatever their value, unless equal to the value shown (the "off" value).
@@ -203,6 +207,16 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         )
     if o.device not in (None, "cpu", "cuda"):
         raise _fail("device", o.device, "accepted: cpu, cuda")
+    if mode != "NONE" and o.device == "cpu":
+        raise _fail("cudagraph_mode", o.cudagraph_mode, "graph modes need CUDA, not device='cpu'")
+    for name in ("seed", "random_weights_seed"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _fail(name, value, "accepted: an integer >= 0")
+    if o.num_pages is not None and (
+        isinstance(o.num_pages, bool) or not isinstance(o.num_pages, int) or o.num_pages < 1
+    ):
+        raise _fail("num_pages", o.num_pages, "accepted: an integer >= 1, or None (sized)")
     if o.dtype not in ("float32", "float64", "bfloat16"):
         raise _fail("dtype", o.dtype, "accepted: float32, float64, bfloat16")
     num_pages = o.num_pages or o.max_num_seqs * (-(-max_len // page) + 1) + 16

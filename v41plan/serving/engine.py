@@ -9,12 +9,14 @@ finish reason ``error``; the other requests run on. The step-level methods (``ad
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as SeqT
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from v41plan.geometry.runtime import CacheSpec, load_cache_spec
+from v41plan.geometry.resolve import resolve_spec
+from v41plan.geometry.runtime import CacheSpec
 from v41plan.serving.admission import ConfigError, EngineOptions, check_options
 from v41plan.serving.batch import ModelRunner
 from v41plan.serving.block_manager import BlockManager
@@ -53,26 +55,14 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None
     """Why this request failed alone (None when it ran)."""
-    prompt_logprobs: list[float] | None = None
-    """Log-probability of each prompt token after the first (``SamplingParams.prompt_logprobs``)."""
+    prompt_logprobs: list[float | None] | None = None
+    """Per prompt position, as vLLM: ``None`` for the first token (nothing precedes it), then
+    the log-probability of each later prompt token (``SamplingParams.prompt_logprobs``)."""
     stats: dict = field(default_factory=dict)
-
-
-def resolve_spec(spec: str | Path | CacheSpec) -> CacheSpec:
-    """A ``CacheSpec`` from a compiled spec name/path, falling back to reading the YAML."""
-    if isinstance(spec, CacheSpec):
-        return spec
-    try:
-        return load_cache_spec(spec)
-    except ValueError:
-        p = Path(spec)
-        if p.suffix not in (".yaml", ".yml"):
-            p = Path(__file__).resolve().parents[2] / "specs" / f"{spec}.yaml"
-        if not p.exists():
-            raise
-        from v41plan.geometry.derive import load_cache_spec_unchecked  # needs ruamel.yaml
-
-        return load_cache_spec_unchecked(str(p))
+    """What the scheduler did (``hits``, ``starts``, ``replay_rows``, ``restores``,
+    ``preemptions``) and, from ``generate``, the timing: ``ttft_s`` (submission to first token),
+    ``e2e_s`` (submission to finish) and ``decode_tokens_per_s`` (tokens after the first over
+    the time after the first; None with fewer than two tokens)."""
 
 
 RunnerFactory = Callable[[CacheSpec, str | None, EngineOptions], ModelRunner]
@@ -147,7 +137,8 @@ class LLM:
         """Text of token ids ('' without a tokenizer)."""
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming what is wrong with a request (the admission check)."""
         if not ids:
             raise ValueError("empty prompt")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
@@ -175,7 +166,7 @@ class LLM:
             seed=params.seed if params.seed is not None else self.options.seed + seq_id,
         )
         try:
-            self._validate(ids, params)
+            self.check_request(ids, params)
         except ValueError as exc:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "error"
@@ -270,9 +261,20 @@ class LLM:
             total = sum(s.params.max_tokens for s in seqs if s.error is None)
             bar = tqdm(total=total, desc="generate", unit="tok")
         done_before = 0
+        t0 = time.perf_counter()
+        first: dict[int, float] = {}  # seq id -> time of its first generated token
+        last: dict[int, float] = {}  # seq id -> time it finished
 
-        def _tick() -> None:
+        def _on_step() -> None:
             nonlocal done_before
+            now = time.perf_counter()
+            for s in seqs:
+                if s.output_ids and s.seq_id not in first:
+                    first[s.seq_id] = now
+                if s.is_finished and s.seq_id not in last:
+                    last[s.seq_id] = now
+            if bar is None:
+                return
             done = sum(
                 len(s.output_ids) if not s.is_finished else s.params.max_tokens
                 for s in seqs
@@ -282,12 +284,16 @@ class LLM:
                 bar.update(done - done_before)
                 done_before = done
 
-        self.run_until_done(on_step=_tick if bar is not None else None)
+        self.run_until_done(on_step=_on_step)
+        _on_step()
         if bar is not None:
             bar.close()
-        return [self._output(s, t) for s, t in zip(seqs, texts)]
+        return [
+            self._output(s, t, _timing(s, t0, first.get(s.seq_id), last.get(s.seq_id)))
+            for s, t in zip(seqs, texts)
+        ]
 
-    def _output(self, seq: Sequence, text: str | None) -> RequestOutput:
+    def _output(self, seq: Sequence, text: str | None, timing: dict | None = None) -> RequestOutput:
         out = seq.output_ids
         return RequestOutput(
             request_id=seq.seq_id,
@@ -299,15 +305,33 @@ class LLM:
                 )
             ],
             error=seq.error,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
+            prompt_logprobs=(
+                [None, *seq.prompt_logprobs]
+                if seq.params.prompt_logprobs and not seq.error
+                else None
+            ),
             stats={
                 "hits": list(seq.hits),
                 "starts": list(seq.starts),
                 "replay_rows": seq.replay_rows,
                 "restores": seq.restores,
                 "preemptions": seq.preemptions,
+                **(timing or {}),
             },
         )
+
+
+def _timing(seq: Sequence, t0: float, first: float | None, last: float | None) -> dict:
+    """``ttft_s``, ``e2e_s`` and ``decode_tokens_per_s`` of one request of ``generate``."""
+    n = len(seq.output_ids)
+    decode = None
+    if first is not None and last is not None and n > 1 and last > first:
+        decode = (n - 1) / (last - first)
+    return {
+        "ttft_s": None if first is None else first - t0,
+        "e2e_s": None if last is None else last - t0,
+        "decode_tokens_per_s": decode,
+    }
 
 
 class ByteTokenizer:

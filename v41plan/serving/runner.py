@@ -190,7 +190,7 @@ def load_weights(spec: CacheSpec, checkpoint: str | None, options: EngineOptions
     if checkpoint is not None:
         return load_checkpoint(checkpoint, spec, dtype=None)
     cfg = config_from_cache_spec(spec)
-    return LoadedCheckpoint.from_state(cfg, random_state(cfg, options.seed))
+    return LoadedCheckpoint.from_state(cfg, random_state(cfg, options.random_weights_seed))
 
 
 def device_of(options: EngineOptions) -> torch.device:

@@ -595,25 +595,74 @@ def plan_of_final(v: Validator, route: Route) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point (``python -m v41plan.validation.validate_runtime``, also under torchrun)."""
-    ap = argparse.ArgumentParser(prog="validate_runtime", description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", default="specs/tiny.yaml")
-    ap.add_argument(
-        "--checkpoint", default=None, help="default: the spec's seeded random checkpoint"
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line on stderr (exit 2), like the ``v41plan`` commands."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to an option's help unless it states its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False  # 0 is a default to show
+        if "default" in text.lower() or unset or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Refused(Exception):
+    """An option or input refused before any scenario runs (one line on stderr, exit 2)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES
+
+    ap = _Parser(
+        prog="validate_runtime",
+        description=__doc__.splitlines()[0],
+        formatter_class=_Help,
     )
-    ap.add_argument("--output", default=None, help="JSON report path (rank 0 writes it)")
-    ap.add_argument("--graph", action="store_true", help="FULL decode graphs (enforce_eager=False)")
-    ap.add_argument("--transfer", choices=["replay", "copy", "both"], default="both")
-    ap.add_argument("--kv-cache-dtype", default="bf16")
-    ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument("--spec", default="specs/tiny.yaml", help="compiled spec name or spec file")
+    ap.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint directory (default: the spec's seeded random weights, in memory)",
+    )
+    ap.add_argument(
+        "--output", default=None, help="JSON report path, rank 0 writes it (default: none)"
+    )
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="FULL decode graphs (enforce_eager=False); needs CUDA",
+    )
+    ap.add_argument(
+        "--transfer",
+        choices=["replay", "copy", "both"],
+        default="both",
+        help="state transfer(s) to validate",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16", help="main pool format"
+    )
+    ap.add_argument(
+        "--index-cache-dtype", choices=INDEX_CACHE_DTYPES, default="fp8", help="index format"
+    )
     ap.add_argument(
         "--dtype",
         default="float64",
         choices=["float32", "float64", "bfloat16"],
         help="executor dtype (float64 keeps greedy ties away on CPU)",
     )
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cuda when available, else cpu",
+    )
     ap.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -624,16 +673,61 @@ def main(argv: list[str] | None = None) -> int:
         "--enable-expert-parallel",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="routed experts whole per rank (default) or intermediate-sharded",
+        help="routed experts whole per rank, or intermediate-sharded",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _check_inputs(args: argparse.Namespace):
+    """The spec, checked before anything runs; ``Refused`` naming the option otherwise."""
+    from v41plan.geometry.errors import SpecError
+    from v41plan.geometry.resolve import SpecArgumentError
+
+    try:
+        spec = resolve_spec(args.spec)
+    except SpecArgumentError as exc:
+        raise Refused(f"--spec {exc}") from None
+    except SpecError as exc:
+        raise Refused(str(exc)) from None
+    if args.graph:
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise Refused(
+                "--graph: FULL decode graphs need CUDA, and this run is on the CPU "
+                "(omit --graph, or run on a GPU)"
+            )
+    if args.checkpoint is not None:
+        from v41plan.model.checkpoint import CheckpointError, check_checkpoint
+
+        try:
+            check_checkpoint(args.checkpoint, spec)
+        except CheckpointError as exc:
+            raise Refused(f"--checkpoint {exc}") from None
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``python -m v41plan.validation.validate_runtime``, also under torchrun).
+
+    Exit codes: 0 passed, 1 a scenario failed (or the run stopped), 2 an option or input
+    refused before any scenario ran (one line on stderr).
+    """
+    from v41plan.runtime.dist import world_info
+
+    args = _parser().parse_args(argv)
+    try:
+        spec = _check_inputs(args)
+    except Refused as exc:
+        if world_info().is_main:
+            print(f"validate_runtime: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
         torch.set_num_threads(1)  # tiny tensors: more threads only contend on a shared CPU
     info = init_distributed(args.device)
     t0 = time.perf_counter()
-    spec = resolve_spec(args.spec)
     P = spec.replay.hash_block_tokens
     tp = args.tensor_parallel_size
     if tp is None:  # auto: shard when the model splits over the world, else every rank a replica
@@ -660,6 +754,20 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "device": args.device,
     }
+    from v41plan.serving.admission import ConfigError, check_options
+
+    try:
+        for transfer in ["replay", "copy"] if args.transfer == "both" else [args.transfer]:
+            check_options(
+                dict(base_options, encoder_swa_bounded_replay=(transfer == "replay")),
+                spec,
+                info.world_size,
+            )
+    except ConfigError as exc:
+        if info.is_main:
+            print(f"validate_runtime: {_one_line(str(exc))}", file=sys.stderr)
+        shutdown()
+        return 2
     report: dict = {
         "provenance": provenance(),
         "spec": spec.name,
@@ -748,8 +856,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the report records why the run stopped
         passed = False
         report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
         if info.is_main:
-            traceback.print_exc()
+            if os.environ.get("V41PLAN_TRACEBACK"):
+                traceback.print_exc()
+            where = f"; traceback in {args.output}" if args.output else ""
+            print(
+                f"validate_runtime: the run stopped: {_one_line(report['error'])}{where} "
+                f"(V41PLAN_TRACEBACK=1 prints it)",
+                file=sys.stderr,
+            )
     report["passed"] = passed
     report["elapsed_s"] = round(time.perf_counter() - t0, 2)
     if info.is_main:
@@ -759,6 +875,10 @@ def main(argv: list[str] | None = None) -> int:
         print("RUNTIME_ACCEPTANCE_PASSED" if passed else "RUNTIME_ACCEPTANCE_FAILED")
     shutdown()
     return 0 if passed else 1
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 if __name__ == "__main__":
