@@ -207,7 +207,8 @@ def test_cli_broken_spec_exits_with_located_message(tmp_path, command):
         check=False,
     )
     assert proc.returncode == (1 if command == "compile" else 2)
-    assert proc.stderr == (
+    prefix = "" if command == "compile" else "v41plan explain: "
+    assert proc.stderr == prefix + (
         "specs/spec.yaml:53:16: page_tokens 33 is not a multiple of ratio 2 (a compressed group "
         "must not straddle a PAGE; use a multiple of every ratio)\n"
     )
