@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt", type=int, default=48, help="prompt tokens per request")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
     args = ap.parse_args(argv)
     import torch
 
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         samples.clear()
     sched = llm.scheduler
     steps = []
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = sched.schedule()
@@ -100,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         timings["execute"].append(t2 - t1)
         timings["postprocess"].append(t3 - t2)
         steps.append(t3 - t0)
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     med = {k: statistics.median(v) * 1e3 for k, v in timings.items()}
     step_ms = statistics.median(steps) * 1e3
     rows = [{"part": k, "ms": med[k]} for k in ("schedule", "execute", "prepare", "readback",

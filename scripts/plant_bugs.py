@@ -165,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     survived = []
     print(f"{'bug':26} {'caught':>6} {'s':>5}  tests -> last line")
     with tempfile.TemporaryDirectory(prefix="v41plan-bugs-") as tmp:
+        base = Path(tmp) / "base" / "repo"
+        copy_tree(base, files)  # one snapshot: later edits of the checkout do not leak in
         for bug in bugs:
             tree = Path(tmp) / bug.name / "repo"
-            copy_tree(tree, files)
+            shutil.copytree(base, tree, symlinks=True)
+            if not (tree.parent / "shared").exists() and (base.parent / "shared").exists():
+                (tree.parent / "shared").symlink_to((base.parent / "shared").resolve())
             plant(tree, bug)
             failed, last, secs = run_tests(tree, bug.tests)
             if not failed:

@@ -170,3 +170,22 @@ def test_host_half_imports_without_triton_or_cuda():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_hashing_equals_per_request_hashing(seed):
+    """``prepare_batch`` over a ragged batch (empty, one-row and long requests, DEAD history
+    entries) equals ``prepare`` request by request: row ids and advanced histories."""
+    rng = np.random.default_rng(seed)
+    tmap = eg.synthetic_token_map(260, TINY.engram_compressed_vocab_size)
+    host = eg.EngramHost(TINY, tmap)
+    lens = rng.choice([0, 1, 2, 3, 17], size=6)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    ids = rng.integers(0, 260, int(cu[-1]))
+    hist = rng.integers(0, TINY.engram_compressed_vocab_size, (6, 3))
+    hist[rng.random((6, 3)) < 0.3] = eg.DEAD
+    rows, new_hist = host.prepare_batch(ids, cu, hist)
+    for i in range(6):
+        want_rows, want_hist = host.prepare(ids[cu[i] : cu[i + 1]], hist[i])
+        assert np.array_equal(rows[cu[i] : cu[i + 1]], want_rows)
+        assert np.array_equal(new_hist[i], want_hist)

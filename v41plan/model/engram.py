@@ -229,6 +229,50 @@ def hash_ids(
     return out
 
 
+def hash_ids_batch(
+    layout: EngramLayout, cids: np.ndarray, cu_seqlens: np.ndarray, histories: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``hash_ids`` and ``advance_history`` of a whole ragged batch at once.
+
+    ``cids [T]`` are the compressed ids of every request's rows end to end (request ``i`` holds
+    ``cids[cu[i]:cu[i+1]]``), ``histories [n, max_ngram - 1]`` each request's history newest
+    first. Returns the row ids ``[T, n_engram_layers, cols]`` and the advanced histories
+    ``[n, max_ngram - 1]``; equal to calling ``hash_ids`` / ``advance_history`` per request.
+    """
+    c = np.asarray(cids, dtype=np.int64)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    hist = np.asarray(histories, dtype=np.int64)
+    n, h = hist.shape[0], layout.history_len
+    total = int(cu[n]) if n else 0
+    lens = cu[1 : n + 1] - cu[:n]
+    req = np.repeat(np.arange(n), lens)
+    # each request's history (oldest first) then its rows, end to end: row j sits at
+    # j + (req + 1) * h, its k-th predecessor k places before
+    ext = np.empty(total + n * h, dtype=np.int64)
+    at = np.arange(total) + (req + 1) * h
+    ext[at] = c[:total]
+    hist_at = (cu[:n] + np.arange(n) * h)[:, None] + np.arange(h)[None, :]
+    ext[hist_at] = hist[:, ::-1]
+    blocked = np.zeros(total, dtype=bool)
+    terms = []
+    for k in range(layout.max_ngram):
+        src = ext[at - k]
+        blocked = blocked | (src == DEAD)
+        terms.append(np.where(blocked, layout.pad_id, src))
+    n_layers = len(layout.layer_ids)
+    out = np.zeros((total, n_layers, layout.primes.shape[1]), dtype=np.int64)
+    for li in range(n_layers):
+        prods = [t * layout.multipliers[li, k] for k, t in enumerate(terms)]
+        roll = prods[0]
+        for m in range(2, layout.max_ngram + 1):
+            roll = roll ^ prods[m - 1]
+            cols = slice((m - 2) * layout.n_heads, (m - 1) * layout.n_heads)
+            out[:, li, cols] = roll[:, None] % layout.primes[li, cols] + layout.offsets[li, cols]
+    end = cu[1 : n + 1] + (np.arange(n) + 1) * h
+    new_hist = ext[end[:, None] - 1 - np.arange(h)[None, :]] if n else hist.copy()
+    return out, new_hist
+
+
 def advance_history(
     layout: EngramLayout, history: np.ndarray, cids: Sequence[int] | np.ndarray
 ) -> np.ndarray:
@@ -343,6 +387,14 @@ class EngramHost:
         )
         c = self.compress(token_ids, text_mask)
         return hash_ids(self.layout, c, hist), advance_history(self.layout, hist, c)
+
+    def prepare_batch(
+        self, token_ids: np.ndarray, cu_seqlens: np.ndarray, histories: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``prepare`` of a whole ragged batch (request ``i`` holds ``token_ids[cu[i]:cu[i+1]]``
+        with history ``histories[i]``): row ids ``[T, n_layers, cols]``, advanced histories."""
+        c = self.token_map[np.asarray(token_ids, dtype=np.int64)]
+        return hash_ids_batch(self.layout, c, cu_seqlens, histories)
 
     def gather(self, layer_index: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the rows of Engram layer ``layer_index`` (position in ``engram_layer_ids``)."""

@@ -563,23 +563,22 @@ class RuntimeModel:
         ids_full[: ids.shape[0]] = ids
         cursors = hv["cursors"]
         mirror = self.pools.cursor_host
-        cu = plan.cu_seqlens_q
-        rows = None
-        for i in range(plan.scheduled_bs):  # host input preparation, once per request
-            lo, hi = int(cu[i]), int(cu[i + 1])
-            if plan.history_from_plan[i]:
-                hist = plan.history_ids[i][::-1].copy()  # plan: oldest first; cursor: newest first
-            else:
-                hist = mirror[int(plan.slots[i]), 1:].copy()
-            r, new_hist = self.engram.prepare(ids_full[lo:hi], hist)
-            if rows is None:
-                rows = np.zeros((t,) + r.shape[1:], dtype=np.int64)
-            rows[lo:hi] = r
-            cursors[i, 0] = plan.forward_end[i]
-            cursors[i, 1:] = new_hist
-        real = plan.slots[: plan.scheduled_bs].astype(np.int64)
-        mirror[real] = cursors[: plan.scheduled_bs]  # what run() commits to the device
-        if rows is None or not self._engram_shapes:
+        n = plan.scheduled_bs
+        if n == 0:
+            return
+        cu = plan.cu_seqlens_q[: n + 1].astype(np.int64)
+        slots = plan.slots[:n].astype(np.int64)
+        hist = mirror[slots, 1:].copy()
+        own = plan.history_from_plan[:n]
+        if own.any():  # plan: oldest first; cursor: newest first
+            hist[own] = plan.history_ids[:n][own][:, ::-1]
+        rows_real, new_hist = self.engram.prepare_batch(ids_full[: cu[n]], cu, hist)
+        cursors[:n, 0] = plan.forward_end[:n]
+        cursors[:n, 1:] = new_hist
+        mirror[slots] = cursors[:n]  # what run() commits to the device
+        rows = np.zeros((t,) + rows_real.shape[1:], dtype=np.int64)
+        rows[: cu[n]] = rows_real
+        if not self._engram_shapes:
             return
         for li in range(len(self._engram_shapes)):
             codes, scales = self.engram.gather(li, rows[:, li])

@@ -399,6 +399,7 @@ class Scheduler:
                 seq.num_published_blocks = full
             if cfg.transfer == "copy" and req.end % cfg.page_tokens == 0 and req.end > 0:
                 bm.begin_store(seq.hashes(cfg.page_tokens, full)[full - 1], seq.slot, req.end)
+        final = {r.seq_id for r in batch.requests if r.is_final_chunk}
         for seq in list(self.running):
             # Cancellation first: a middle chunk or a deferred step has no sampled row.
             if seq.aborted:
@@ -409,7 +410,7 @@ class Scheduler:
             logits = output.last_logits.get(seq.seq_id)
             if logits is None or seq.is_prefilling:
                 continue
-            if not any(r.seq_id == seq.seq_id and r.is_final_chunk for r in batch.requests):
+            if seq.seq_id not in final:
                 continue
             index = seq.num_tokens - seq.num_prompt_tokens
             token = sample(logits, seq.params, seq.seed, index)
