@@ -295,6 +295,42 @@ def _order_keys(lp: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
 
 
+def _check(logits: torch.Tensor, top_n: int = 0) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [b, V], not {tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"vocabulary {vocab} exceeds the sampler's {MAX_VOCAB}")
+    if not 0 <= top_n <= vocab:
+        raise ValueError(f"top_n={top_n} must be in [0, {vocab}]")
+
+
+def processed_logits(logits: torch.Tensor, params: SamplerInputs) -> torch.Tensor:
+    """Steps 1 and 2 of the definition: float32 ``[b, V]`` logits after penalties, with no
+    NaN and no ``+inf`` (greedy takes their argmax)."""
+    x = logits.to(torch.float32)
+    if params.penalties:
+        x = apply_penalties(x, params)
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FLT_MAX, neginf=float("-inf"))
+
+
+def scaled_logits(x: torch.Tensor, params: SamplerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, hot)`` of step 4 from processed logits: ``z = (x - max x) / T`` (``z <= 0``, no
+    ``-0.0``) and ``hot`` ``[b]`` the rows that sample (``T`` positive and finite)."""
+    temp = params.temperature.to(torch.float32)
+    hot = _valid(temp, 0.0, float("inf"))
+    row_max = x.amax(dim=1, keepdim=True)
+    row_max = torch.where(row_max > float("-inf"), row_max, 0.0)
+    return (x - row_max) / torch.where(hot, temp, 1.0)[:, None] + 0.0, hot
+
+
+def kept_mask(logits: torch.Tensor, params: SamplerInputs) -> torch.Tensor:
+    """``[b, V]`` bool: the tokens top-k, top-p and min-p keep in each row (step 4)."""
+    _check(logits)
+    z, _ = scaled_logits(processed_logits(logits, params), params)
+    return z >= _keep_threshold(z, params)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: SamplerInputs,
@@ -312,28 +348,17 @@ def sample_tokens(
     greedy), ``truncate=False`` skips the top-k/top-p/min-p stage and its sort (every row
     must keep every token). Under those conditions the tokens equal the full computation's.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [b, V], not {tuple(logits.shape)}")
+    _check(logits, top_n)
     b, vocab = logits.shape
-    if vocab > MAX_VOCAB:
-        raise ValueError(f"vocabulary {vocab} exceeds the sampler's {MAX_VOCAB}")
-    if not 0 <= top_n <= vocab:
-        raise ValueError(f"top_n={top_n} must be in [0, {vocab}]")
-    raw = logits.to(torch.float32)
-    x = apply_penalties(raw, params) if params.penalties else raw
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLT_MAX, neginf=float("-inf"))
+    x = processed_logits(logits, params)
     token = torch.argmax(x, dim=1)
     if sampled:
-        temp = params.temperature.to(torch.float32)
-        hot = _valid(temp, 0.0, float("inf"))
-        row_max = x.amax(dim=1, keepdim=True)
-        row_max = torch.where(row_max > float("-inf"), row_max, 0.0)
-        z = (x - row_max) / torch.where(hot, temp, 1.0)[:, None] + 0.0  # + 0.0: no -0.0
+        z, hot = scaled_logits(x, params)
         score = z + counter_gumbel(params.seed, params.output_index, vocab)
         if truncate:
             score = torch.where(z >= _keep_threshold(z, params), score, float("-inf"))
         token = torch.where(hot, torch.argmax(score, dim=1), token)
-    lp = torch.log_softmax(raw, dim=1)
+    lp = torch.log_softmax(logits.to(torch.float32), dim=1)
     lp = torch.where(torch.isnan(lp), float("-inf"), lp)
     chosen = lp.gather(1, token[:, None]).squeeze(1)
     if top_n:
