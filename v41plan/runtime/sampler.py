@@ -386,12 +386,9 @@ def record_tokens(
     """Count each row's sampled token in its slot's row of the ``[num_slots, V]`` int32 table,
     in place (integer adds: deterministic); padding rows (negative slot) add nothing.
     Capturable; call it only for rows that really emit their token."""
-    valid = slots >= 0
-    output_counts.index_put_(
-        (slots.clamp(min=0), token_ids.to(torch.int64)),
-        valid.to(output_counts.dtype),
-        accumulate=True,
-    )
+    vocab = output_counts.shape[1]
+    flat = slots.clamp(min=0).to(torch.int64) * vocab + token_ids.to(torch.int64)
+    output_counts.view(-1).scatter_add_(0, flat, (slots >= 0).to(output_counts.dtype))
 
 
 def reset_penalty_slot(
