@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,13 @@ from v41plan.runtime.sampler import (
     sample_tokens,
     to_int64,
 )
-from v41plan.serving.sampling import SamplingParams, sample, sampler_inputs, token_logprobs
+from v41plan.serving.sampling import (
+    SamplingParams,
+    sample,
+    sampler_columns,
+    sampler_inputs,
+    token_logprobs,
+)
 
 M64 = (1 << 64) - 1
 GAMMA, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -375,6 +382,7 @@ def test_slot_tables_feed_the_penalties():
         ("temperature", float("nan")),
         ("top_k", -1),
         ("top_k", True),
+        ("top_k", 2**63),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("min_p", -0.1),
@@ -396,6 +404,19 @@ def test_slot_tables_feed_the_penalties():
 def test_validate_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate(260)
+
+
+def test_sampler_columns_pad_with_neutral_rows():
+    cols = sampler_columns(
+        [SamplingParams(temperature=0.5, top_k=3, min_p=0.1, repetition_penalty=1.5)],
+        [2**64 - 1],
+        [4],
+        num_rows=3,
+    )
+    assert cols["seed"].tolist() == [-1, 0, 0] and cols["output_index"].tolist() == [4, 0, 0]
+    assert cols["temperature"].tolist() == [0.5, 0.0, 0.0] and cols["top_k"].tolist() == [3, 0, 0]
+    assert cols["top_p"].tolist() == [1.0] * 3 and cols["repetition_penalty"][1:].tolist() == [1, 1]
+    assert cols["min_p"].dtype == np.float32 and abs(float(cols["min_p"][0]) - 0.1) < 1e-8
 
 
 def test_validate_accepts_the_edges():

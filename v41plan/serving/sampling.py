@@ -93,8 +93,8 @@ class SamplingParams:
         """Raise ``ValueError`` naming the first bad field."""
         if not (_is_real(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**63:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer in [0, 2**63)")
         if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
@@ -213,6 +213,45 @@ def prompt_logprobs(row_logits: torch.Tensor, token_ids: list[int]) -> list[floa
     return lp[torch.arange(nxt.numel()), nxt].tolist()
 
 
+SAMPLER_COLUMNS: dict[str, tuple[np.dtype, float | int, str]] = {
+    "temperature": (np.float32, 0.0, "temperature"),
+    "top_k": (np.int64, 0, "top_k"),
+    "top_p": (np.float32, 1.0, "top_p"),
+    "min_p": (np.float32, 0.0, "min_p"),
+    "presence_penalty": (np.float32, 0.0, "presence_penalty"),
+    "frequency_penalty": (np.float32, 0.0, "frequency_penalty"),
+    "repetition_penalty": (np.float32, 1.0, "repetition_penalty"),
+}
+"""``SamplerInputs`` field -> (numpy dtype, padding value, ``SamplingParams`` field)."""
+
+
+def sampler_columns(
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    output_indices: Sequence[int],
+    num_rows: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Every ``[num_rows]`` column of ``SamplerInputs`` (penalties included) as numpy arrays
+    for a host staging buffer: row ``i`` samples output ``output_indices[i]`` of a request
+    with ``params[i]`` and ``seeds[i]``; rows past ``len(params)`` are greedy padding."""
+    n = len(params)
+    if len(seeds) != n or len(output_indices) != n:
+        raise ValueError(f"{n} params, {len(seeds)} seeds, {len(output_indices)} indices")
+    rows = n if num_rows is None else num_rows
+    if rows < n:
+        raise ValueError(f"num_rows={rows} is fewer than the {n} requests")
+    cols = {}
+    for name, (dtype, fill, field) in SAMPLER_COLUMNS.items():
+        col = np.full(rows, fill, dtype=dtype)
+        col[:n] = [getattr(p, field) for p in params]
+        cols[name] = col
+    cols["seed"] = np.zeros(rows, dtype=np.int64)
+    cols["seed"][:n] = [to_int64(s) for s in seeds]
+    cols["output_index"] = np.zeros(rows, dtype=np.int64)
+    cols["output_index"][:n] = list(output_indices)
+    return cols
+
+
 def sampler_inputs(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
@@ -223,32 +262,19 @@ def sampler_inputs(
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     vocab_size: int | None = None,
 ) -> SamplerInputs:
-    """Device inputs for a batch: row ``i`` samples output ``output_indices[i]`` of a request
-    with ``params[i]`` and ``seeds[i]``; rows past ``len(params)`` up to ``num_rows`` are
-    greedy padding. With ``histories`` (``(prompt_ids, output_ids)`` per request) and
-    ``vocab_size`` the penalty stage is on, with ``[b, V]`` count rows built here (eager use
-    and tests; a captured graph gathers them from per-slot tables instead)."""
-    n = len(params)
-    if len(seeds) != n or len(output_indices) != n:
-        raise ValueError(f"{n} params, {len(seeds)} seeds, {len(output_indices)} indices")
-    rows = n if num_rows is None else num_rows
-    if rows < n:
-        raise ValueError(f"num_rows={rows} is fewer than the {n} requests")
-    pad = rows - n
-
-    def col(values: list, dtype: torch.dtype, fill) -> torch.Tensor:
-        return torch.tensor(values + [fill] * pad, dtype=dtype, device=device)
-
-    out = SamplerInputs(
-        temperature=col([p.temperature for p in params], torch.float32, 0.0),
-        top_k=col([p.top_k for p in params], torch.int64, 0),
-        top_p=col([p.top_p for p in params], torch.float32, 1.0),
-        min_p=col([p.min_p for p in params], torch.float32, 0.0),
-        seed=col([to_int64(s) for s in seeds], torch.int64, 0),
-        output_index=col(list(output_indices), torch.int64, 0),
-    )
+    """Device inputs for a batch (``sampler_columns`` on ``device``). With ``histories``
+    (``(prompt_ids, output_ids)`` per request) and ``vocab_size`` the penalty stage is on,
+    with ``[b, V]`` count rows built here (eager use and tests; a captured graph gathers them
+    from per-slot tables instead)."""
+    cols = {
+        k: torch.from_numpy(v).to(device)
+        for k, v in sampler_columns(params, seeds, output_indices, num_rows).items()
+    }
+    penalty = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    out = SamplerInputs(**{k: v for k, v in cols.items() if k not in penalty})
     if histories is None:
         return out
+    n, rows = len(params), len(cols["seed"])
     if vocab_size is None or len(histories) != n:
         raise ValueError("penalties need one (prompt_ids, output_ids) per request and vocab_size")
     counts = torch.zeros(rows, vocab_size, dtype=torch.int32)
@@ -258,9 +284,7 @@ def sampler_inputs(
         p = torch.as_tensor(list(p_ids), dtype=torch.int64)
         counts[i] = torch.bincount(o, minlength=vocab_size).to(torch.int32)
         prompt[i] = torch.bincount(p, minlength=vocab_size) > 0
-    out.presence_penalty = col([p.presence_penalty for p in params], torch.float32, 0.0)
-    out.frequency_penalty = col([p.frequency_penalty for p in params], torch.float32, 0.0)
-    out.repetition_penalty = col([p.repetition_penalty for p in params], torch.float32, 1.0)
+    out.presence_penalty, out.frequency_penalty, out.repetition_penalty = (cols[k] for k in penalty)
     out.output_counts = counts.to(device)
     out.prompt_mask = prompt.to(device)
     return out
