@@ -405,6 +405,17 @@ def test_bad_requests_fail_alone():
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
 
 
+def test_unserved_sampling_fields_fail_alone():
+    """Penalties and per-token logprobs validate but the scheduler does not serve them yet."""
+    llm = fake_llm()
+    outs = llm.generate(
+        [prompt(20), prompt(20), prompt(20)],
+        [GREEDY, SamplingParams(repetition_penalty=1.2), SamplingParams(logprobs=2)],
+    )
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 6
+    assert "penalties" in outs[1].error and "logprobs" in outs[2].error
+
+
 def test_text_prompts_roundtrip():
     llm = fake_llm()
     out = llm.generate("hello world", SamplingParams(max_tokens=4, ignore_eos=True))[0]
