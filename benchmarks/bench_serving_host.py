@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from v41plan.runtime.paged_model import RuntimeModel, StepOutput
+    from v41plan.runtime.sampler import SamplerOutput
     from v41plan.serving.engine import LLM
     from v41plan.serving.sampling import SamplingParams
     from v41plan.validation.provenance import provenance
@@ -59,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, list[float]] = defaultdict(list)
 
     def stub_run(inputs):  # no device work: the host path alone is timed
-        t = inputs.t
-        return StepOutput(
-            torch.zeros(inputs.b, vocab), torch.zeros(t, vocab) if inputs.all_row_logits else None
-        )
+        b, t = inputs.b, inputs.t
+        top = inputs.sampling_shape[2] if inputs.sampling_shape else 0
+        sampled = SamplerOutput(
+            torch.zeros(b, dtype=torch.int64), torch.zeros(b),
+            torch.zeros(b, top, dtype=torch.int64), torch.zeros(b, top),
+        )  # fmt: skip
+        rows = torch.zeros(t, vocab) if inputs.all_row_logits else None
+        return StepOutput(torch.zeros(b, vocab), rows, sampled)
 
     model.run = stub_run
     real_prepare, real_read = model.prepare, llm.runner.read_back

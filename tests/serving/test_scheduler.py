@@ -405,15 +405,24 @@ def test_bad_requests_fail_alone():
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
 
 
-def test_unserved_sampling_fields_fail_alone():
-    """Penalties and per-token logprobs validate but the scheduler does not serve them yet."""
+def test_penalties_fail_alone_and_logprobs_are_served():
+    """Penalties validate but are not served yet (refused alone); per-token logprobs are: the
+    sampled token's raw logprob and the asked-for top ones, per generated token."""
     llm = fake_llm()
     outs = llm.generate(
         [prompt(20), prompt(20), prompt(20)],
-        [GREEDY, SamplingParams(repetition_penalty=1.2), SamplingParams(logprobs=2)],
+        [GREEDY, SamplingParams(repetition_penalty=1.2), SamplingParams(logprobs=2, max_tokens=3)],
     )
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 6
-    assert "penalties" in outs[1].error and "logprobs" in outs[2].error
+    assert "penalties" in outs[1].error
+    assert outs[2].error is None
+    seqs = [s for s in llm.scheduler.finished if s.params.logprobs == 2]
+    assert len(seqs) == 1
+    seq = seqs[0]
+    assert len(seq.output_logprobs) == len(seq.output_ids) == 3
+    for token, (lp, top) in zip(seq.output_ids, seq.output_logprobs, strict=True):
+        assert len(top) == 2 and lp <= 0 and max(top.values()) >= lp
+        assert token in top or lp <= min(top.values())
 
 
 def test_text_prompts_roundtrip():

@@ -229,7 +229,15 @@ class CudaGraphs:
     were prepared for, or returns None when no graph fits them.
     """
 
-    def __init__(self, model, spec, buckets, mode: str = "FULL", api: CudaGraphAPI | None = None):
+    def __init__(
+        self,
+        model,
+        spec,
+        buckets,
+        mode: str = "FULL",
+        api: CudaGraphAPI | None = None,
+        samplings: tuple = (None,),
+    ):
         if mode not in ("FULL", "PIECEWISE"):
             raise ValueError(
                 f"cudagraph_mode={mode!r} has no graphs to capture; accepted: FULL, PIECEWISE"
@@ -239,6 +247,9 @@ class CudaGraphs:
         self.model, self.spec, self.mode = model, spec, mode
         self.api = api or CudaGraphAPI()
         self.buckets = list(buckets)
+        self.samplings = tuple(samplings)
+        """Sampler shapes captured per bucket: None (logits only) or ``(sampled, truncate)``
+        (the step's ``StepSampling`` shape, with no top logprobs)."""
         self.graphs: dict[tuple, object] = {}
         """Inputs key -> the FULL graph of that bucket."""
         self.outputs: dict[tuple, object] = {}
@@ -267,17 +278,19 @@ class CudaGraphs:
         max_q = max(q for _, q in self.buckets)
         max_bs = max(bs for bs, _ in self.buckets)
         for bs, q in self.buckets:  # warm-up: every kernel at every width runs once eagerly
-            m.run(m.prepare(synthetic_plan(m, spec, bs, q), np.zeros(bs * q, dtype=np.int64)))
+            for sampling in self.samplings:
+                m.run(self._synthetic(bs, q, sampling))
         api.synchronize()
         find_triton_kernels()
         self.pool = api.pool()
         self._prime()
         for bs, q in sorted(self.buckets, reverse=True):  # largest first: others reuse its pool
-            inputs = m.prepare(synthetic_plan(m, spec, bs, q), np.zeros(bs * q, dtype=np.int64))
-            if self.mode == "FULL":
-                self._capture_full(bs, q, inputs)
-            else:
-                self._capture_pieces(bs, q, inputs)
+            for sampling in self.samplings:
+                inputs = self._synthetic(bs, q, sampling)
+                if self.mode == "FULL":
+                    self._capture_full(bs, q, inputs)
+                else:
+                    self._capture_pieces(bs, q, inputs)
         api.synchronize()
         first_page = math.ceil((W + max_q) / P)
         after = pools.backing
@@ -291,6 +304,7 @@ class CudaGraphs:
         self.report = {
             "mode": self.mode,
             "graph_shapes": [[bs, q, bs * q] for bs, q in self.buckets],
+            "samplings": [list(x) if x is not None else None for x in self.samplings],
             "graphs": len(self.graphs) + sum(len(p["graphs"]) for p in self.pieces.values()),
             "untouched_from_page": first_page,
             "pages_untouched": untouched_pages,
@@ -342,7 +356,7 @@ class CudaGraphs:
         allocate inside the pool or fail."""
         m, api = self.model, self.api
         bs, q = min(self.buckets)
-        inputs = m.prepare(synthetic_plan(m, self.spec, bs, q), np.zeros(bs * q, dtype=np.int64))
+        inputs = self._synthetic(bs, q, self.samplings[0])
         self._primer = api.new_graph()
         guard = api.guard(
             f"primer[bs={bs}, q={q}]", self.pool, self.primer_allocations, refuse_outside=False
@@ -350,6 +364,17 @@ class CudaGraphs:
         fn = (lambda: m.run(inputs)) if self.mode == "FULL" else (lambda: m.embed_rows(inputs))
         with torch.no_grad(), guard:
             api.capture(self._primer, self.pool, fn)
+
+    def _synthetic(self, bs: int, q: int, sampling):
+        """The capture step's prepared inputs under one sampler shape."""
+        from v41plan.runtime.paged_model import StepSampling
+
+        m = self.model
+        plan = synthetic_plan(m, self.spec, bs, q)
+        st = None
+        if sampling is not None:
+            st = StepSampling.neutral(bs, sampled=sampling[0], truncate=sampling[1])
+        return m.prepare(plan, np.zeros(bs * q, dtype=np.int64), sampling=st)
 
     def _capture_full(self, bs: int, q: int, inputs) -> None:
         api = self.api
@@ -452,6 +477,12 @@ class CudaGraphs:
         return len(c["graphs"])
 
 
+GREEDY = (False, False)
+"""The sampler shape of a step whose every request is greedy."""
+FULL_SAMPLER = (True, True)
+"""The sampler shape that serves any request (noise and truncation on; top logprobs off)."""
+
+
 def build_cuda_graphs(model, spec, options) -> CudaGraphs | None:
     """The graphs an engine's options ask for (None under eager execution), captured."""
     mode = str(options.cudagraph_mode).upper()
@@ -463,7 +494,7 @@ def build_cuda_graphs(model, spec, options) -> CudaGraphs | None:
     buckets = capture_buckets(
         spec, options.max_num_seqs, max(options.max_num_batched_tokens, options.max_num_seqs)
     )
-    graphs = CudaGraphs(model, spec, buckets, mode)
+    graphs = CudaGraphs(model, spec, buckets, mode, samplings=(GREEDY, FULL_SAMPLER))
     graphs.capture()
     return graphs
 

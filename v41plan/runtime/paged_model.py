@@ -54,6 +54,7 @@ from v41plan.model.quant import dequant_fp8_blocks
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
 from v41plan.runtime.kernels.torch_ref import TorchBackend
 from v41plan.runtime.pools import Pools
+from v41plan.runtime.sampler import SamplerInputs, SamplerOutput, sample_tokens
 from v41plan.runtime.staging import Layout, Workspace, build_layout
 
 ALL = None
@@ -85,6 +86,43 @@ def check_formats(kv_cache_dtype: str, index_cache_dtype: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StepSampling:
+    """How a step samples its requests' last rows on the device (host facts, staged by
+    ``prepare``): per real request the ``SamplerInputs`` columns, and the static shape of the
+    sampler (what a captured graph is specific to)."""
+
+    temperature: np.ndarray
+    """float32 ``[n]``; 0 is greedy."""
+    top_k: np.ndarray
+    """int64 ``[n]``; 0 keeps every token."""
+    top_p: np.ndarray
+    """float32 ``[n]``; 1 keeps every token."""
+    min_p: np.ndarray
+    """float32 ``[n]``; 0 is off."""
+    seed: np.ndarray
+    """int64 ``[n]`` (two's complement of the request's seed)."""
+    output_index: np.ndarray
+    """int64 ``[n]``: which output token each request samples."""
+    sampled: bool = True
+    """Some request samples (else every row is greedy: the noise is skipped)."""
+    truncate: bool = True
+    """Some request truncates (top-k, top-p or min-p; else the sort is skipped)."""
+    top_n: int = 0
+    """Top logprobs to return per request (0: only the sampled token's)."""
+
+    @classmethod
+    def neutral(cls, n: int, *, sampled: bool, truncate: bool, top_n: int = 0) -> StepSampling:
+        """``n`` greedy requests under the given static shape (graph capture)."""
+        f, i = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.int64)
+        return cls(f, i, np.ones(n, dtype=np.float32), f, i, i, sampled, truncate, top_n)
+
+    @property
+    def shape_key(self) -> tuple[bool, bool, int]:
+        """The static part (a graph captured for one shape replays only that shape)."""
+        return (self.sampled, self.truncate, self.top_n)
+
+
 @dataclass
 class StepOutput:
     """What a forward returns (device tensors)."""
@@ -95,6 +133,9 @@ class StepOutput:
     row_logits: torch.Tensor | None
     """``[running_tokens, vocab]`` at every row when asked for; under decoder replay the rows of
     requests that did not run every layer are NaN (never returned as numbers)."""
+    sampled: SamplerOutput | None = None
+    """The tokens sampled on the device from ``logits`` (when the step was prepared with a
+    ``StepSampling``): ``[running_bs]`` ids, their logprobs and the top logprobs asked for."""
 
 
 @dataclass
@@ -159,11 +200,18 @@ class StepInputs:
     all_row_logits: bool = False
     undefined_rows: torch.Tensor | None = None
     """``[t]`` bool: rows whose logits are undefined under decoder replay (NaN)."""
+    sampler: SamplerInputs | None = None
+    """Device sampling of the last rows (None: the step returns logits only)."""
+    sampling_shape: tuple | None = None
+    """``StepSampling.shape_key`` of the staged sampler (None without one)."""
 
     @property
     def key(self) -> tuple:
         """What a captured graph is specific to: equal keys read equal device addresses."""
-        return (self.t, self.b, self.decode, self.all_row_logits, self.layout.key)
+        return (
+            self.t, self.b, self.decode, self.all_row_logits, self.sampling_shape,
+            self.layout.key,
+        )  # fmt: skip
 
 
 @dataclass
@@ -387,9 +435,9 @@ class RuntimeModel:
     def _decode_capacity(self) -> int:
         """Bytes of the widest decode step's layout (its workspace never grows)."""
         t, b = self.max_tokens, self.max_bs
-        return self._layout(t, b, {}, [], {r: True for r in (1, 2)}, False).nbytes
+        return self._layout(t, b, {}, [], {r: True for r in (1, 2)}, False, True).nbytes
 
-    def _layout(self, t, b, row_sets, stage_sets, ratios, undefined) -> Layout:
+    def _layout(self, t, b, row_sets, stage_sets, ratios, undefined, sampling=False) -> Layout:
         h = self.cfg.engram_max_ngram_size - 1
         i64, u8, bl = torch.int64, torch.uint8, torch.bool
         items = [
@@ -411,12 +459,22 @@ class RuntimeModel:
             items += [(f"eg{li}_scales", u8, (t, cols, width // 32))]
         if undefined:
             items.append(("undefined", bl, (t,)))
+        if sampling:
+            items += [("s_f32", torch.float32, (3, b)), ("s_i64", i64, (3, b))]
         return build_layout(items)
 
-    def prepare(self, plan, token_ids, *, all_row_logits: bool = False) -> StepInputs:
+    def prepare(
+        self,
+        plan,
+        token_ids,
+        *,
+        all_row_logits: bool = False,
+        sampling: StepSampling | None = None,
+    ) -> StepInputs:
         """Host work of one planned forward over ``token_ids`` (``[scheduled_tokens]`` or the
         width): every input ``run()`` reads, staged and moved to the device in one copy. Also
-        commits the step's cursor values to the host mirror."""
+        commits the step's cursor values to the host mirror. With ``sampling`` the forward
+        also samples each request's last row on the device (``StepOutput.sampled``)."""
         ids_np = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         t, b = plan.running_tokens, plan.running_bs
         if ids_np.shape[0] > t:
@@ -480,6 +538,7 @@ class RuntimeModel:
             [len(s) for s in staged_stages],
             ratios,
             undefined,
+            sampling is not None,
         )
         ws = self.workspace["decode" if decode else "step"]
         hv = ws.host_views(layout)
@@ -517,6 +576,12 @@ class RuntimeModel:
             full = (plan.row_phase == 2)[np.maximum(bids, 0)] & (bids >= 0)
             hv["undefined"][:] = ~full
         self._prepare_engram(plan, hv, ids_np)
+        if sampling is not None:
+            n = len(sampling.temperature)
+            f, i = hv["s_f32"], hv["s_i64"]
+            f[1] = 1.0  # padding rows: greedy, nothing truncated
+            f[0, :n], f[1, :n], f[2, :n] = sampling.temperature, sampling.top_p, sampling.min_p
+            i[0, :n], i[1, :n], i[2, :n] = sampling.top_k, sampling.seed, sampling.output_index
 
         dv = ws.commit(layout)
         rows = {key: (None if i is None else dv[f"rows{i}"]) for key, i in row_index.items()}
@@ -532,6 +597,10 @@ class RuntimeModel:
             idx, flags = dv[f"c{r}_idx"], dv[f"c{r}_flags"]
             compress[r] = CompressInputs(idx[0], idx[1], idx[2], flags[0], flags[1])
         n_e = len(self._engram_shapes)
+        sampler = None
+        if sampling is not None:
+            f, i = dv["s_f32"], dv["s_i64"]
+            sampler = SamplerInputs(f[0], i[0], f[1], f[2], i[1], i[2])
         return StepInputs(
             t=t,
             b=b,
@@ -552,6 +621,8 @@ class RuntimeModel:
             engram_scales=tuple(dv[f"eg{li}_scales"] for li in range(n_e)),
             all_row_logits=all_row_logits,
             undefined_rows=dv["undefined"] if undefined else None,
+            sampler=sampler,
+            sampling_shape=None if sampling is None else sampling.shape_key,
         )
 
     def _prepare_engram(self, plan, hv: dict, ids: np.ndarray) -> None:
@@ -611,9 +682,12 @@ class RuntimeModel:
         self.selections = sel
         return self.head_rows(si, X, pre)
 
-    def forward(self, plan, token_ids, *, all_row_logits: bool = False) -> StepOutput:
+    def forward(
+        self, plan, token_ids, *, all_row_logits: bool = False, sampling=None
+    ) -> StepOutput:
         """``run(prepare(plan, token_ids))``: one planned forward, eagerly."""
-        return self.run(self.prepare(plan, token_ids, all_row_logits=all_row_logits))
+        inputs = self.prepare(plan, token_ids, all_row_logits=all_row_logits, sampling=sampling)
+        return self.run(inputs)
 
     def embed_rows(self, si: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial residual streams ``[t, hc, D]`` and mHC ``pre`` ``[t, hc]``."""
@@ -795,7 +869,13 @@ class RuntimeModel:
                 row_logits = row_logits.masked_fill(si.undefined_rows.unsqueeze(1), float("nan"))
         # positions and Engram history advance after the forward
         self.backend.cursor_write(self.pools.cursor, si.slots, si.cursors, self.pools.sink_slot)
-        return StepOutput(logits, row_logits)
+        sampled = None
+        if si.sampler is not None:
+            shape_sampled, truncate, top_n = si.sampling_shape
+            sampled = sample_tokens(
+                logits, si.sampler, top_n=top_n, sampled=shape_sampled, truncate=truncate
+            )
+        return StepOutput(logits, row_logits, sampled)
 
     # ------------------------------------------------------------------------------------
     def index_planes(self, owner: int) -> tuple[torch.Tensor, ...]:

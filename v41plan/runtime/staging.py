@@ -21,7 +21,12 @@ import torch
 ALIGN_BYTES = 64
 """Every region starts on a 64-byte boundary (any dtype view is aligned)."""
 
-_NP = {torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_}
+_NP = {
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.float32: np.float32,
+}
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ import torch
 from v41plan.serving.block_manager import RestoreOp, StoreOp
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's span in a batch."""
+    """One request's span in a batch (read-only by contract; not frozen, because a frozen
+    dataclass costs six times as much to build and a decode step builds one per request)."""
 
     seq_id: int
     slot: int
@@ -81,6 +82,12 @@ class SlotDelta:
     """Index of ``new_blocks[0]`` in the block table."""
     new_blocks: np.ndarray
     """int32 PAGE ids appended at ``blocks_from``."""
+    params: object | None = None
+    """On a reset: the request's ``SamplingParams`` (fixed for its life)."""
+    seed: int = 0
+    """On a reset: the request's sampling seed."""
+    num_prompt_tokens: int = 0
+    """On a reset: the request's prompt length (output ``k`` is token ``num_prompt_tokens + k``)."""
 
 
 class SlotTables:
@@ -96,7 +103,17 @@ class SlotTables:
         self.num_blocks = np.zeros(num_slots, dtype=np.int64)
         self.num_tokens = np.zeros(num_slots, dtype=np.int64)
         self.last_token = np.zeros(num_slots, dtype=np.int64)
-        self._tokens: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(num_slots)]
+        self._tokens = np.zeros((num_slots, 256), dtype=np.int32)
+        """Token ids ``[slots, capacity]``; the capacity doubles as sequences grow."""
+        # each slot's sampling parameters (set when a request takes the slot)
+        self.num_prompt = np.zeros(num_slots, dtype=np.int64)
+        self.temperature = np.zeros(num_slots, dtype=np.float32)
+        self.top_k = np.zeros(num_slots, dtype=np.int64)
+        self.top_p = np.ones(num_slots, dtype=np.float32)
+        self.min_p = np.zeros(num_slots, dtype=np.float32)
+        self.seed = np.zeros(num_slots, dtype=np.int64)
+        self.top_n = np.zeros(num_slots, dtype=np.int64)
+        """Top logprobs each slot's request asks for (-1: none at all)."""
 
     def apply(self, batch: ScheduledBatch) -> None:
         """Free the batch's freed slots, then apply its deltas in order."""
@@ -110,6 +127,7 @@ class SlotTables:
                 self.blocks[s] = -1
                 self.num_blocks[s] = 0
                 self.num_tokens[s] = 0
+                self._set_params(s, d)
             if d.tokens_from != self.num_tokens[s] or d.blocks_from != self.num_blocks[s]:
                 raise RuntimeError(
                     f"slot {s}: delta at token {d.tokens_from} / block {d.blocks_from}, but the "
@@ -118,12 +136,8 @@ class SlotTables:
             n = len(d.new_tokens)
             if n:
                 end = d.tokens_from + n
-                buf = self._tokens[s]
-                if end > len(buf):  # grow by doubling: appends stay amortised O(1)
-                    grown = np.zeros(max(end, 2 * len(buf), 64), dtype=np.int64)
-                    grown[: d.tokens_from] = buf[: d.tokens_from]
-                    self._tokens[s] = buf = grown
-                buf[d.tokens_from : end] = d.new_tokens
+                self._reserve(end)
+                self._tokens[s, d.tokens_from : end] = d.new_tokens
                 self.num_tokens[s] = end
                 self.last_token[s] = d.new_tokens[-1]
             k = len(d.new_blocks)
@@ -132,12 +146,62 @@ class SlotTables:
                     raise RuntimeError(f"slot {s}: block table longer than {self.blocks.shape[1]}")
                 self.blocks[s, d.blocks_from : d.blocks_from + k] = d.new_blocks
                 self.num_blocks[s] = d.blocks_from + k
+        if batch.append_slots is not None and len(batch.append_slots):
+            slots, toks = batch.append_slots, batch.append_tokens
+            at = self.num_tokens[slots]
+            self._reserve(int(at.max()) + 1)
+            self._tokens[slots, at] = toks
+            self.num_tokens[slots] = at + 1
+            self.last_token[slots] = toks
+
+    def _reserve(self, n: int) -> None:
+        """Room for ``n`` tokens in every slot (doubling: appends stay amortised O(1))."""
+        cap = self._tokens.shape[1]
+        if n > cap:
+            grown = np.zeros((self._tokens.shape[0], max(n, 2 * cap)), dtype=np.int32)
+            grown[:, :cap] = self._tokens
+            self._tokens = grown
+
+    def _set_params(self, s: int, d: SlotDelta) -> None:
+        from v41plan.runtime.sampler import to_int64
+
+        p = d.params
+        self.num_prompt[s] = d.num_prompt_tokens
+        self.seed[s] = to_int64(d.seed)
+        if p is None:  # a slot driven without parameters samples greedily
+            self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = 0, 0, 1, 0
+            self.top_n[s] = -1
+            return
+        self.temperature[s], self.top_k[s] = p.temperature, p.top_k
+        self.top_p[s], self.min_p[s] = p.top_p, p.min_p
+        self.top_n[s] = -1 if p.logprobs is None else p.logprobs
+
+    def sampling(self, slots: np.ndarray):
+        """The device sampler's columns for requests in ``slots`` (each samples its next
+        output token), with the static shape a graph is captured for: greedy when every request
+        is, else noise and truncation on; top logprobs only when one asks (no graph has them)."""
+        from v41plan.runtime.paged_model import StepSampling
+
+        temp = self.temperature[slots]
+        top_n = int(self.top_n[slots].max(initial=0))
+        sampled = bool((temp > 0).any())
+        return StepSampling(
+            temperature=temp,
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            min_p=self.min_p[slots],
+            seed=self.seed[slots],
+            output_index=self.num_tokens[slots] - self.num_prompt[slots],
+            sampled=sampled,
+            truncate=sampled,
+            top_n=top_n,
+        )
 
     def tokens(self, slot: int, lo: int, hi: int) -> np.ndarray:
         """Token ids ``[lo, hi)`` of a slot (a view)."""
         if hi > self.num_tokens[slot]:
             raise RuntimeError(f"slot {slot} holds {self.num_tokens[slot]} tokens, not {hi}")
-        return self._tokens[slot][lo:hi]
+        return self._tokens[slot, lo:hi].astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -155,6 +219,10 @@ class ScheduledBatch:
     """Token ids and block ids the runner has not seen yet, per slot."""
     freed_slots: tuple[int, ...] = ()
     """Slots freed since the previous batch (finished, cancelled or preempted requests)."""
+    append_slots: np.ndarray | None = None
+    """Slots that gained exactly one token and nothing else (the common decode delta), in
+    columnar form: ``append_tokens[i]`` is appended to slot ``append_slots[i]``."""
+    append_tokens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -164,10 +232,18 @@ class ScheduledBatch:
 
 @dataclass
 class RunnerOutput:
-    """Logits of each sampled request's last row, and every row where asked."""
+    """What a step gives back: each sampled request's token (sampled on the device), or the
+    logits of its last row for the scheduler to sample (runners without a device sampler), and
+    every row's logits where asked."""
 
+    tokens: dict[int, int] = field(default_factory=dict)
+    """seq_id -> the token sampled from its last row (final chunks and decodes)."""
+    logprobs: dict[int, float] = field(default_factory=dict)
+    """seq_id -> the sampled token's raw logprob."""
+    top_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """seq_id -> the ``logprobs`` most likely ``(token id, logprob)``, for requests asking."""
     last_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """seq_id -> ``[vocab]`` float logits of the last row (final chunks and decodes)."""
+    """seq_id -> ``[vocab]`` float logits of the last row, where no token was sampled."""
     row_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
 

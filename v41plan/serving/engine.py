@@ -145,12 +145,10 @@ class LLM:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside [0, {self.vocab_size})")
         params.validate(self.vocab_size)
-        # The scheduler does not yet pass token histories to sample() nor return per-token
-        # logprobs: refuse these requests rather than crash a step or drop the field.
+        # The paged runner keeps no per-slot token counts for the penalty stage yet: refuse
+        # these requests rather than crash a step or drop the field.
         if params.has_penalties:
             raise ValueError("presence/frequency/repetition penalties are not served yet")
-        if params.logprobs is not None:
-            raise ValueError(f"logprobs={params.logprobs!r} is not served yet")
         if len(ids) >= self.options.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens does not fit "

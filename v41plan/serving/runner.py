@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from v41plan.geometry.runtime import CacheSpec
@@ -134,7 +135,10 @@ class PagedRunner:
         check_plan(batch, plan)
         ids = step_token_ids(batch, self.tables)
         want_rows = any(r.all_logits for r in batch.requests)
-        inputs = model.prepare(plan, ids, all_row_logits=want_rows)
+        final = [i for i, r in enumerate(batch.requests) if r.is_final_chunk]
+        slots = np.fromiter((r.slot for r in batch.requests), np.int64, len(batch.requests))
+        sampling = self.tables.sampling(slots)
+        inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling)
         res = self.graphs.run(inputs) if self.graphs is not None else None
         if res is None:
             res = model.run(inputs)
@@ -144,39 +148,47 @@ class PagedRunner:
         if plan.decoder_replay:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
-        logits, row_logits = self.read_back(res, want_rows)
-        cu = plan.cu_seqlens_q
-        for i, r in enumerate(batch.requests):
-            if r.is_final_chunk:
-                out.last_logits[r.seq_id] = logits[i]
-            if r.all_logits and row_logits is not None:
-                out.row_logits[r.seq_id] = row_logits[int(cu[i]) : int(cu[i + 1])]
+        host = self.read_back(res, want_rows)
+        tokens, logprobs = host["token_ids"].tolist(), host["logprobs"].tolist()
+        top = sampling.top_n > 0
+        for i in final:
+            sid = batch.requests[i].seq_id
+            out.tokens[sid], out.logprobs[sid] = tokens[i], logprobs[i]
+            n = int(self.tables.top_n[slots[i]])
+            if top and n > 0:
+                ids_i, lps_i = host["top_ids"][i, :n].tolist(), host["top_logprobs"][i, :n].tolist()
+                out.top_logprobs[sid] = list(zip(ids_i, lps_i, strict=True))
+        if want_rows:
+            cu = plan.cu_seqlens_q
+            for i, r in enumerate(batch.requests):
+                if r.all_logits:
+                    out.row_logits[r.seq_id] = host["row_logits"][int(cu[i]) : int(cu[i + 1])]
         return out
 
-    def read_back(self, res, want_rows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's one device-to-host transfer: its logits (and row logits when asked), as
-        float32 host tensors, through pinned buffers on CUDA."""
-        parts = [res.logits] + (
-            [res.row_logits] if want_rows and res.row_logits is not None else []
-        )
-        if res.logits.device.type != "cuda":
-            host = [x.float() for x in parts]
-        else:
-            host = []
-            for x in parts:
-                key = (tuple(x.shape), len(host))
-                buf = self._readback.get(key)
-                if buf is None:
-                    buf = self._readback[key] = torch.empty(
-                        x.shape, dtype=torch.float32, pin_memory=True
-                    )
-                buf.copy_(x.float(), non_blocking=True)
-                host.append(buf)
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()  # the results are the step's only readback
-            host = [h.clone() for h in host]  # the pinned buffers are reused next step
-        return host[0], (host[1] if len(host) > 1 else None)
+    def read_back(self, res, want_rows: bool) -> dict[str, torch.Tensor]:
+        """The step's one device-to-host transfer: the sampled token ids and their logprobs
+        (the top logprobs when asked), and the row logits of scoring requests, through pinned
+        buffers on CUDA. Returns host tensors (copies: the pinned buffers are reused)."""
+        s = res.sampled
+        parts = {"token_ids": s.token_ids, "logprobs": s.logprobs}
+        if s.top_ids.shape[1]:
+            parts["top_ids"], parts["top_logprobs"] = s.top_ids, s.top_logprobs
+        if want_rows and res.row_logits is not None:
+            parts["row_logits"] = res.row_logits.float()
+        if s.token_ids.device.type != "cuda":
+            return {k: v.clone() for k, v in parts.items()}
+        host = {}
+        for name, x in parts.items():
+            key = (name, tuple(x.shape), x.dtype)
+            buf = self._readback.get(key)
+            if buf is None:
+                buf = self._readback[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            buf.copy_(x, non_blocking=True)
+            host[name] = buf
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the results are the step's only readback
+        return {k: v.clone() for k, v in host.items()}
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

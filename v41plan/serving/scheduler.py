@@ -34,7 +34,7 @@ import torch
 from v41plan.planner.replay import choose_prefill_chunk, grid_back_off
 from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest, SlotDelta
 from v41plan.serving.block_manager import BlockManager
-from v41plan.serving.sampling import sample
+from v41plan.serving.sampling import sample, token_logprobs
 from v41plan.serving.sequence import SeqStatus, Sequence
 
 
@@ -233,16 +233,24 @@ class Scheduler:
         phase = "decode" if len(reqs) == decodes else "prefill"
         return self._batch(phase, reqs, restores, seqs)
 
-    def _deltas(self, seqs: list[Sequence]) -> tuple[SlotDelta, ...]:
-        """What each scheduled request's slot gained since the runner last saw it."""
-        out = []
+    def _deltas(self, seqs: list[Sequence]):
+        """What each scheduled request's slot gained since the runner last saw it: a
+        ``SlotDelta`` for a slot a request took or grew pages in, the columnar appends for the
+        common case of one new token and nothing else."""
+        out, a_slots, a_tokens = [], [], []
         for seq in seqs:
             reset = seq.needs_reset
             t0 = 0 if reset else seq.synced_tokens
             b0 = 0 if reset else seq.synced_blocks
             n_tok, n_blk = len(seq.token_ids), len(seq.block_table)
-            if not reset and t0 == n_tok and b0 == n_blk:
-                continue
+            if not reset and b0 == n_blk:
+                if t0 == n_tok:
+                    continue
+                if t0 + 1 == n_tok:
+                    a_slots.append(seq.slot)
+                    a_tokens.append(seq.token_ids[t0])
+                    seq.synced_tokens = n_tok
+                    continue
             out.append(
                 SlotDelta(
                     slot=seq.slot,
@@ -251,21 +259,31 @@ class Scheduler:
                     new_tokens=np.asarray(seq.token_ids[t0:], dtype=np.int64),
                     blocks_from=b0,
                     new_blocks=np.asarray(seq.block_table[b0:], dtype=np.int32),
+                    params=seq.params if reset else None,
+                    seed=seq.seed,
+                    num_prompt_tokens=seq.num_prompt_tokens,
                 )
             )
             seq.synced_tokens, seq.synced_blocks, seq.needs_reset = n_tok, n_blk, False
-        return tuple(out)
+        return (
+            tuple(out),
+            np.asarray(a_slots, dtype=np.int64),
+            np.asarray(a_tokens, dtype=np.int64),
+        )
 
     def _batch(self, phase: str, reqs: list[ScheduledRequest], restores, seqs) -> ScheduledBatch:
         self.step_count += 1
+        deltas, a_slots, a_tokens = self._deltas(seqs)
         batch = ScheduledBatch(
             step=self.step_count,
             phase=phase,
             requests=tuple(reqs),
             stores=tuple(self.bm.take_stores()),
             restores=tuple(restores),
-            deltas=self._deltas(seqs),
+            deltas=deltas,
             freed_slots=tuple(self._freed),
+            append_slots=a_slots,
+            append_tokens=a_tokens,
         )
         self._freed = []
         self.events.append(
@@ -407,13 +425,22 @@ class Scheduler:
                 self._finish(seq, "aborted")
                 done.append(seq)
                 continue
-            logits = output.last_logits.get(seq.seq_id)
-            if logits is None or seq.is_prefilling:
+            if seq.is_prefilling or seq.seq_id not in final:
                 continue
-            if seq.seq_id not in final:
-                continue
-            index = seq.num_tokens - seq.num_prompt_tokens
-            token = sample(logits, seq.params, seq.seed, index)
+            token = output.tokens.get(seq.seq_id)
+            if token is None:  # a runner without a device sampler: sample its logits here
+                logits = output.last_logits.get(seq.seq_id)
+                if logits is None:
+                    continue
+                index = seq.num_tokens - seq.num_prompt_tokens
+                token = sample(logits, seq.params, seq.seed, index)
+                if seq.params.logprobs is not None:
+                    lp, top = token_logprobs(logits, token, seq.params.logprobs)
+                    seq.output_logprobs.append((lp, dict(top)))
+            elif seq.params.logprobs is not None:
+                seq.output_logprobs.append(
+                    (output.logprobs[seq.seq_id], dict(output.top_logprobs.get(seq.seq_id, ())))
+                )
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:

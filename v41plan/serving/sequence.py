@@ -41,6 +41,9 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    """Per generated token (when ``params.logprobs`` is set): its raw logprob and the
+    ``params.logprobs`` most likely ``{token id: logprob}``."""
     # Counters for tests and the validator.
     hits: list[int] = field(default_factory=list)
     """Prefix hit (tokens) at each admission."""

@@ -152,9 +152,8 @@ class Validator:
         cache: a cold prefill of ``prompt[:hit]`` in one forward (slot 0, its own pages), then
         request ``index``'s forwards from the route's events (the rebuild at the same
         ``forward_start`` in a fresh slot 1 over the same prefix pages, its later chunks and
-        decode steps), each final row sampled greedily here."""
+        decode steps), each final row sampled greedily."""
         from v41plan.serving.batch import ScheduledBatch, ScheduledRequest, SlotDelta
-        from v41plan.serving.sampling import sample
 
         seq = route.seqs[index]
         hit = seq.hits[-1]
@@ -212,7 +211,7 @@ class Validator:
                 check(
                     end == len(tokens), f"reference span {start}..{end} past {len(tokens)} tokens"
                 )
-                tokens.append(sample(out.last_logits[-2], PARAMS, 0, len(tokens) - len(prompt)))
+                tokens.append(out.tokens[-2])  # greedy: the slot was given no parameters
         return tokens[len(prompt) :]
 
 
