@@ -78,7 +78,9 @@ at import): CPU tensors then run the kernels themselves instead of the torch ref
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _HC = 4  # the kernel keeps one 4x4 Sinkhorn matrix per token in registers
-_SITE_BLOCK_N = 16  # tokens per program: tl.dot's smallest M
+_SITE_DOT_BLOCK_N = 16  # tokens per program on the tl.dot path (its smallest M)
+_SITE_DOT_MIN_N = 256  # from this many tokens the site's mix GEMM uses tl.dot
+_SITE_SMALL_BLOCK_N = 2  # tokens per program below it: more programs for decode batches
 _SITE_BLOCK_D = 64  # lanes per chunk (a multiple of the quantizer block)
 _QUANT_TILE = 4096  # elements per quantizer program
 
@@ -208,17 +210,28 @@ def _hc_expand_kernel(
 
 
 @triton.jit
-def _mix(xk, fn_ptr, k: tl.constexpr, D, d, dmask, jj, acc_pp, acc_c):
+def _mix(xk, fn_ptr, k: tl.constexpr, D, d, dmask, jj, acc_pp, acc_c, DOT: tl.constexpr):
     """Add stream ``k``'s chunk ``xk [BN, BD]`` times ``fn``'s matching columns to the mix
-    accumulators: ``acc_pp`` (pre and post, mixes 0..7 of 16 columns), ``acc_c`` (mixes 8..23)."""
+    accumulators: ``acc_pp`` (pre and post, mixes 0..7 of 16 columns), ``acc_c`` (mixes 8..23).
+
+    ``DOT``: one fp32 (IEEE) ``tl.dot`` per accumulator, for 16 tokens or more; else products
+    summed per token, so a decode program of one or two tokens does only their work.
+    """
     rowlen = 4 * D
-    col = k * D + d[:, None]
-    fpp = tl.load(
-        fn_ptr + jj[None, :] * rowlen + col, mask=dmask[:, None] & (jj[None, :] < 8), other=0.0
-    )
-    fc = tl.load(fn_ptr + (jj[None, :] + 8) * rowlen + col, mask=dmask[:, None], other=0.0)
-    acc_pp = tl.dot(xk, fpp, acc_pp, input_precision="ieee")
-    acc_c = tl.dot(xk, fc, acc_c, input_precision="ieee")
+    if DOT:
+        col = k * D + d[:, None]
+        pp_mask = dmask[:, None] & (jj[None, :] < 8)
+        fpp = tl.load(fn_ptr + jj[None, :] * rowlen + col, mask=pp_mask, other=0.0)
+        fc = tl.load(fn_ptr + (jj[None, :] + 8) * rowlen + col, mask=dmask[:, None], other=0.0)
+        acc_pp = tl.dot(xk, fpp, acc_pp, input_precision="ieee")
+        acc_c = tl.dot(xk, fc, acc_c, input_precision="ieee")
+    else:
+        col = k * D + d[None, :]
+        pp_mask = dmask[None, :] & (jj[:, None] < 8)
+        fpp = tl.load(fn_ptr + jj[:, None] * rowlen + col, mask=pp_mask, other=0.0)
+        fc = tl.load(fn_ptr + (jj[:, None] + 8) * rowlen + col, mask=dmask[None, :], other=0.0)
+        acc_pp += tl.sum(xk[:, None, :] * fpp[None, :, :], axis=2)
+        acc_c += tl.sum(xk[:, None, :] * fc[None, :, :], axis=2)
     return acc_pp, acc_c
 
 
@@ -251,6 +264,7 @@ def _mhc_site_kernel(
     EXPAND: tl.constexpr,
     QUANT: tl.constexpr,
     X_BF16: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """One mHC site for ``BLOCK_N`` tokens (hc = 4), optionally behind the previous expand.
 
@@ -311,10 +325,10 @@ def _mhc_site_kernel(
             x3 = n3
         ss += tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1)
         ss += tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
-        acc_pp, acc_c = _mix(x0, fn_ptr, 0, D, d, dmask, jj, acc_pp, acc_c)
-        acc_pp, acc_c = _mix(x1, fn_ptr, 1, D, d, dmask, jj, acc_pp, acc_c)
-        acc_pp, acc_c = _mix(x2, fn_ptr, 2, D, d, dmask, jj, acc_pp, acc_c)
-        acc_pp, acc_c = _mix(x3, fn_ptr, 3, D, d, dmask, jj, acc_pp, acc_c)
+        acc_pp, acc_c = _mix(x0, fn_ptr, 0, D, d, dmask, jj, acc_pp, acc_c, DOT)
+        acc_pp, acc_c = _mix(x1, fn_ptr, 1, D, d, dmask, jj, acc_pp, acc_c, DOT)
+        acc_pp, acc_c = _mix(x2, fn_ptr, 2, D, d, dmask, jj, acc_pp, acc_c, DOT)
+        acc_pp, acc_c = _mix(x3, fn_ptr, 3, D, d, dmask, jj, acc_pp, acc_c, DOT)
         xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
         xs += tl.sum(xc * xc, axis=1)
         tl.store(x_ptr + r64[:, None] * D + d[None, :], xc.to(xty), mask=m2)
@@ -474,14 +488,16 @@ def _launch_site(
         X_out = torch.empty_like(X)
     else:
         y, post_prev, C_prev, X_out = X, pre_in, pre_in, X  # unused by the kernel
+    dot = N >= _SITE_DOT_MIN_N
+    block_n = _SITE_DOT_BLOCK_N if dot else _SITE_SMALL_BLOCK_N
     if N:
-        _mhc_site_kernel[(triton.cdiv(N, _SITE_BLOCK_N),)](
+        _mhc_site_kernel[(triton.cdiv(N, block_n),)](
             X, pre_in, fn, base, scale, norm_weight, y, post_prev, C_prev, X_out,
             pre, post, C, x, codes, scales,
             N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters),
-            BLOCK_N=_SITE_BLOCK_N, BLOCK_D=_SITE_BLOCK_D, QBLOCK=qb,
+            BLOCK_N=block_n, BLOCK_D=_SITE_BLOCK_D, QBLOCK=qb,
             EXPAND=expand is not None, QUANT=quant_block is not None,
-            X_BF16=X.dtype == torch.bfloat16, num_warps=4,
+            X_BF16=X.dtype == torch.bfloat16, DOT=dot, num_warps=4,
         )  # fmt: skip
     return (
         X_out if expand is not None else None,
