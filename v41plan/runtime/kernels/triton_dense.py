@@ -4,10 +4,12 @@ Each function here has the call shape of the torch composition it replaces
 (``v41plan.runtime.kernels.dense_ref``) and runs as one kernel launch:
 
 - ``mhc_site`` / ``mhc_site_fp8``: at one mHC site, the mix statistics (``flatten(X) @ fn.T``
-  times the rsqrt-mean-square factor, fp32 GEMM), the sigmoids, the softmax and every
-  Sinkhorn iteration (a 4x4 matrix per token, in registers), the collapse with the previous
-  site's pre-mix and the RMSNorm; ``mhc_site_fp8`` also quantizes the normed ``x`` in its
-  epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes).
+  times the rsqrt-mean-square factor, float32 accumulation), the sigmoids, the softmax and
+  every Sinkhorn iteration (a 4x4 matrix per token, in registers), the collapse with the
+  previous site's pre-mix and the RMSNorm; ``mhc_site_fp8`` also quantizes the normed ``x`` in
+  its epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes). Two forms
+  (``SITE_CONFIGS``): one token per program with the mix as per-lane products (decode), or 16
+  tokens per program with the mix as a ``tl.dot`` (prefill).
 - ``mhc_expand_site``: the previous sublayer's ``hc_expand`` fused in front of the site (for
   rows where both run, e.g. every decode row).
 - ``hc_expand``: ``X'[j] = post[j] * y + sum_i C[i][j] * X[i]`` alone.
@@ -32,8 +34,11 @@ and all accumulation in float32):
   interpreter's own cast truncates).
 - mHC site, against the float64 evaluation of the same formulas on the same inputs, with
   ``u = 2**-24``, ``K = hc * D``, ``r`` the site's rsqrt-mean-square factor and
-  ``E = K * u * r * max_j sum_l |f_l fn[j, l]|`` (the worst-case error of an fp32 dot of
-  length ``K`` in any order, scaled like ``m``; ``E`` is tiny against 1 for normal inputs):
+  ``E = c * u * r * max_j sum_l |f_l fn[j, l]|``, the worst-case error of the mix dot scaled
+  like ``m`` (tiny against 1 for normal inputs). ``c = mix_error_terms(N, K)``: ``K`` for
+  float32 products or FMAs summed in any order; ``3K + 16`` for the ``tf32x3`` tensor-core GEMM
+  of the prefill form (each term is three exact TF32 products, the dropped low*low product and
+  the splits' rounding stay within ``12u`` of it, and three accumulations of ``K`` terms):
 
   * ``|pre - pre64| <= |scale[0]| * E / 4 + 16u`` (sigmoid is 1/4-Lipschitz),
   * ``|post - post64| <= |scale[1]| * E / 2 + 32u``,
@@ -63,6 +68,7 @@ from v41plan.runtime.kernels import dense_ref
 
 __all__ = [
     "INTERPRETED",
+    "SITE_CONFIGS",
     "TritonDense",
     "fake_fp8",
     "fp8_act_quant",
@@ -70,6 +76,8 @@ __all__ = [
     "mhc_expand_site",
     "mhc_site",
     "mhc_site_fp8",
+    "mix_error_terms",
+    "site_config",
 ]
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -78,11 +86,17 @@ at import): CPU tensors then run the kernels themselves instead of the torch ref
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _HC = 4  # the kernel keeps one 4x4 Sinkhorn matrix per token in registers
-_SITE_DOT_BLOCK_N = 16  # tokens per program on the tl.dot path (its smallest M)
-_SITE_DOT_MIN_N = 256  # from this many tokens the site's mix GEMM uses tl.dot
-_SITE_SMALL_BLOCK_N = 2  # tokens per program below it: more programs for decode batches
-_SITE_BLOCK_D = 64  # lanes per chunk (a multiple of the quantizer block)
-_QUANT_TILE = 4096  # elements per quantizer program
+SITE_CONFIGS: list[tuple[int, tuple[str, int, int, int]]] = [
+    (16, ("products", 1, 128, 4)),
+    (1 << 62, ("tf32x3", 16, 32, 4)),
+]
+"""The site kernel by token count, the first bound that holds: ``(mix, tokens per program,
+lanes per chunk, warps)``. ``products``: one token per program, the mix as per-lane float32
+products summed once (decode batches: as many programs as tokens, no wasted rows; lanes per
+chunk = 32 * warps keeps every tile in one layout). ``tf32x3`` / ``ieee``: ``tl.dot`` over
+``tokens per program`` rows (prefill: every program reads all of ``fn``, so fewer programs
+mean less L2 traffic). Lanes per chunk stay a multiple of the quantizer block (32)."""
+_QUANT_TILE = 2048  # elements per quantizer program (about 16 per thread)
 
 
 # --- device helpers -----------------------------------------------------------------------
@@ -169,12 +183,13 @@ def _fp8_quant_kernel(
 
 @triton.jit
 def _expand_stream(x0, x1, x2, x3, y, C_ptr, post_ptr, r64, rmask, j: tl.constexpr):
-    """Destination stream ``j``: ``sum_i C[i][j] X[i] + post[j] y`` in fp32 (rows ``r64``)."""
-    c0 = tl.load(C_ptr + r64 * 16 + 0 + j, mask=rmask, other=0.0)[:, None]
-    c1 = tl.load(C_ptr + r64 * 16 + 4 + j, mask=rmask, other=0.0)[:, None]
-    c2 = tl.load(C_ptr + r64 * 16 + 8 + j, mask=rmask, other=0.0)[:, None]
-    c3 = tl.load(C_ptr + r64 * 16 + 12 + j, mask=rmask, other=0.0)[:, None]
-    q = tl.load(post_ptr + r64 * 4 + j, mask=rmask, other=0.0)[:, None]
+    """Destination stream ``j``: ``sum_i C[i][j] X[i] + post[j] y`` in fp32; ``r64`` and
+    ``rmask`` are the tokens, shaped to broadcast against the tiles."""
+    c0 = tl.load(C_ptr + r64 * 16 + 0 + j, mask=rmask, other=0.0)
+    c1 = tl.load(C_ptr + r64 * 16 + 4 + j, mask=rmask, other=0.0)
+    c2 = tl.load(C_ptr + r64 * 16 + 8 + j, mask=rmask, other=0.0)
+    c3 = tl.load(C_ptr + r64 * 16 + 12 + j, mask=rmask, other=0.0)
+    q = tl.load(post_ptr + r64 * 4 + j, mask=rmask, other=0.0)
     return (((c0 * x0 + c1 * x1) + c2 * x2) + c3 * x3) + q * y
 
 
@@ -205,135 +220,115 @@ def _hc_expand_kernel(
     yv = tl.load(y_ptr + r64[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
     ty = out_ptr.dtype.element_ty
     for j in tl.static_range(4):
-        v = _expand_stream(x0, x1, x2, x3, yv, C_ptr, post_ptr, r64, rmask, j)
+        v = _expand_stream(x0, x1, x2, x3, yv, C_ptr, post_ptr, r64[:, None], rmask[:, None], j)
         tl.store(out_ptr + xo + j * D, _to_stream(v, X_BF16).to(ty), mask=m2)
 
 
 @triton.jit
-def _mix(xk, fn_ptr, k: tl.constexpr, D, d, dmask, jj, acc_pp, acc_c, DOT: tl.constexpr):
-    """Add stream ``k``'s chunk ``xk [BN, BD]`` times ``fn``'s matching columns to the mix
-    accumulators: ``acc_pp`` (pre and post, mixes 0..7 of 16 columns), ``acc_c`` (mixes 8..23).
+def _load_streams(
+    X_ptr, xo, m, D, y_ptr, yo, C_prev_ptr, post_prev_ptr, rn, rm, X_out_ptr,
+    EXPAND: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """The four streams' chunk at offsets ``xo`` (fp32); with ``EXPAND`` first the previous
+    sublayer's expand of ``y`` (offsets ``yo``) into them, stored to ``X_out`` and returned."""
+    x0 = tl.load(X_ptr + xo, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(X_ptr + xo + D, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(X_ptr + xo + 2 * D, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(X_ptr + xo + 3 * D, mask=m, other=0.0).to(tl.float32)
+    if EXPAND:
+        yv = tl.load(y_ptr + yo, mask=m, other=0.0).to(tl.float32)
+        n0 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 0), X_BF16
+        )
+        n1 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 1), X_BF16
+        )
+        n2 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 2), X_BF16
+        )
+        n3 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 3), X_BF16
+        )
+        oty = X_out_ptr.dtype.element_ty
+        tl.store(X_out_ptr + xo, n0.to(oty), mask=m)
+        tl.store(X_out_ptr + xo + D, n1.to(oty), mask=m)
+        tl.store(X_out_ptr + xo + 2 * D, n2.to(oty), mask=m)
+        tl.store(X_out_ptr + xo + 3 * D, n3.to(oty), mask=m)
+        x0 = n0
+        x1 = n1
+        x2 = n2
+        x3 = n3
+    return x0, x1, x2, x3
 
-    ``DOT``: one fp32 (IEEE) ``tl.dot`` per accumulator, for 16 tokens or more; else products
-    summed per token, so a decode program of one or two tokens does only their work.
-    """
+
+@triton.jit
+def _mix3(xk, fn_ptr, k: tl.constexpr, D, dd, dm3, jj3, acc_pp, acc_c):
+    """Add stream ``k``'s chunk ``xk [BN, 1, BD]`` times ``fn``'s matching columns to the mix
+    products ``acc_pp`` (pre and post, mixes 0..7 of 16) and ``acc_c`` (mixes 8..23), both
+    ``[BN, 16, BD]``: summed over the lanes once after the last chunk, so the loop needs no
+    cross-thread reduction and every tile keeps one layout."""
+    col = k * D + dd
     rowlen = 4 * D
-    if DOT:
-        col = k * D + d[:, None]
-        pp_mask = dmask[:, None] & (jj[None, :] < 8)
-        fpp = tl.load(fn_ptr + jj[None, :] * rowlen + col, mask=pp_mask, other=0.0)
-        fc = tl.load(fn_ptr + (jj[None, :] + 8) * rowlen + col, mask=dmask[:, None], other=0.0)
-        acc_pp = tl.dot(xk, fpp, acc_pp, input_precision="ieee")
-        acc_c = tl.dot(xk, fc, acc_c, input_precision="ieee")
-    else:
-        col = k * D + d[None, :]
-        pp_mask = dmask[None, :] & (jj[:, None] < 8)
-        fpp = tl.load(fn_ptr + jj[:, None] * rowlen + col, mask=pp_mask, other=0.0)
-        fc = tl.load(fn_ptr + (jj[:, None] + 8) * rowlen + col, mask=dmask[None, :], other=0.0)
-        acc_pp += tl.sum(xk[:, None, :] * fpp[None, :, :], axis=2)
-        acc_c += tl.sum(xk[:, None, :] * fc[None, :, :], axis=2)
+    fpp = tl.load(fn_ptr + jj3 * rowlen + col, mask=dm3 & (jj3 < 8), other=0.0)
+    fc = tl.load(fn_ptr + (jj3 + 8) * rowlen + col, mask=dm3, other=0.0)
+    return acc_pp + xk * fpp, acc_c + xk * fc
+
+
+@triton.jit
+def _mix_dot(xk, fn_ptr, k: tl.constexpr, D, d, dmask, jj, acc_pp, acc_c, PRECISION: tl.constexpr):
+    """Add stream ``k``'s chunk ``xk [BN, BD]`` times ``fn``'s matching columns to the mix
+    accumulators ``acc_pp`` (mixes 0..7 of 16 columns) and ``acc_c`` (mixes 8..23), ``[BN, 16]``,
+    with ``tl.dot`` at ``PRECISION`` (``tf32x3``: three TF32 products on the tensor cores,
+    float32 accumulation; ``ieee``: float32 FMAs)."""
+    rowlen = 4 * D
+    col = k * D + d[:, None]
+    pp_mask = dmask[:, None] & (jj[None, :] < 8)
+    fpp = tl.load(fn_ptr + jj[None, :] * rowlen + col, mask=pp_mask, other=0.0)
+    fc = tl.load(fn_ptr + (jj[None, :] + 8) * rowlen + col, mask=dmask[:, None], other=0.0)
+    acc_pp = tl.dot(xk, fpp, acc_pp, input_precision=PRECISION)
+    acc_c = tl.dot(xk, fc, acc_c, input_precision=PRECISION)
     return acc_pp, acc_c
 
 
 @triton.jit
-def _mhc_site_kernel(
-    X_ptr,
-    pre_in_ptr,
-    fn_ptr,
-    base_ptr,
-    scale_ptr,
-    w_ptr,
-    y_ptr,
-    post_prev_ptr,
-    C_prev_ptr,
-    X_out_ptr,
-    pre_ptr,
-    post_ptr,
-    C_ptr,
-    x_ptr,
-    codes_ptr,
-    scales_ptr,
-    N,
-    hc_eps,
-    norm_eps,
-    D: tl.constexpr,
-    ITERS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    EXPAND: tl.constexpr,
-    QUANT: tl.constexpr,
-    X_BF16: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """One mHC site for ``BLOCK_N`` tokens (hc = 4), optionally behind the previous expand.
+def _col(t, jj, c: tl.constexpr):
+    """Column ``c`` of ``t [BN, 16]`` as a ``[BN]`` vector (exact: the other terms are 0)."""
+    return tl.sum(tl.where(jj[None, :] == c, t, 0.0), axis=1)
 
-    Pass 1 streams ``X`` once in ``BLOCK_D`` chunks: the mix GEMM, both sums of squares and the
-    collapse (stored unnormalized in ``x``); the prediction and Sinkhorn run in registers; pass
-    2 norms ``x`` in place (and quantizes it).
-    """
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    r64 = rows.to(tl.int64)
-    xrow = r64 * (4 * D)
-    p0 = tl.load(pre_in_ptr + r64 * 4 + 0, mask=rmask, other=0.0)[:, None]
-    p1 = tl.load(pre_in_ptr + r64 * 4 + 1, mask=rmask, other=0.0)[:, None]
-    p2 = tl.load(pre_in_ptr + r64 * 4 + 2, mask=rmask, other=0.0)[:, None]
-    p3 = tl.load(pre_in_ptr + r64 * 4 + 3, mask=rmask, other=0.0)[:, None]
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """``(a, b, c, d) / (a + b + c + d + eps)``, elementwise over the token vectors."""
+    s = (((a + b) + c) + d) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """Softmax of one row of four logits, plus ``eps``."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    s = ((a + b) + c) + d
+    return (
+        tl.div_rn(a, s) + eps,
+        tl.div_rn(b, s) + eps,
+        tl.div_rn(c, s) + eps,
+        tl.div_rn(d, s) + eps,
+    )
+
+
+@triton.jit
+def _site_predict(
+    acc_pp, acc_c, ss, r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr,
+    hc_eps, norm_eps, D: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
+    """pre/post/C of the tokens ``r64`` from their raw mixes ``acc_pp``/``acc_c [BN, 16]`` and
+    sums of squares ``ss [BN]``. The 4x4 Sinkhorn matrix of each token is 16 token vectors, so
+    every normalization is elementwise (no cross-thread reduction inside the loop)."""
     jj = tl.arange(0, 16)
-    acc_pp = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    xs = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    xty = x_ptr.dtype.element_ty
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dmask = d < D
-        m2 = rmask[:, None] & dmask[None, :]
-        xo = xrow[:, None] + d[None, :]
-        x0 = tl.load(X_ptr + xo, mask=m2, other=0.0).to(tl.float32)
-        x1 = tl.load(X_ptr + xo + D, mask=m2, other=0.0).to(tl.float32)
-        x2 = tl.load(X_ptr + xo + 2 * D, mask=m2, other=0.0).to(tl.float32)
-        x3 = tl.load(X_ptr + xo + 3 * D, mask=m2, other=0.0).to(tl.float32)
-        if EXPAND:
-            yo = r64[:, None] * D + d[None, :]
-            yv = tl.load(y_ptr + yo, mask=m2, other=0.0).to(tl.float32)
-            n0 = _to_stream(
-                _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, r64, rmask, 0),
-                X_BF16,
-            )
-            n1 = _to_stream(
-                _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, r64, rmask, 1),
-                X_BF16,
-            )
-            n2 = _to_stream(
-                _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, r64, rmask, 2),
-                X_BF16,
-            )
-            n3 = _to_stream(
-                _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, r64, rmask, 3),
-                X_BF16,
-            )
-            oty = X_out_ptr.dtype.element_ty
-            tl.store(X_out_ptr + xo, n0.to(oty), mask=m2)
-            tl.store(X_out_ptr + xo + D, n1.to(oty), mask=m2)
-            tl.store(X_out_ptr + xo + 2 * D, n2.to(oty), mask=m2)
-            tl.store(X_out_ptr + xo + 3 * D, n3.to(oty), mask=m2)
-            x0 = n0
-            x1 = n1
-            x2 = n2
-            x3 = n3
-        ss += tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1)
-        ss += tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
-        acc_pp, acc_c = _mix(x0, fn_ptr, 0, D, d, dmask, jj, acc_pp, acc_c, DOT)
-        acc_pp, acc_c = _mix(x1, fn_ptr, 1, D, d, dmask, jj, acc_pp, acc_c, DOT)
-        acc_pp, acc_c = _mix(x2, fn_ptr, 2, D, d, dmask, jj, acc_pp, acc_c, DOT)
-        acc_pp, acc_c = _mix(x3, fn_ptr, 3, D, d, dmask, jj, acc_pp, acc_c, DOT)
-        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
-        xs += tl.sum(xc * xc, axis=1)
-        tl.store(x_ptr + r64[:, None] * D + d[None, :], xc.to(xty), mask=m2)
-
-    # prediction: pre/post from mixes 0..7, C from mixes 8..23
     r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, 4.0 * D) + norm_eps))
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -344,27 +339,69 @@ def _mhc_site_kernel(
     g = tl.sigmoid(zpp)
     o2 = r64[:, None] * 4 + jj[None, :]
     tl.store(pre_ptr + o2, g + hc_eps, mask=rmask[:, None] & (jj[None, :] < 4))
-    tl.store(
-        post_ptr + o2 - 4, 2.0 * g, mask=rmask[:, None] & (jj[None, :] >= 4) & (jj[None, :] < 8)
+    post_mask = rmask[:, None] & (jj[None, :] >= 4) & (jj[None, :] < 8)
+    tl.store(post_ptr + o2 - 4, 2.0 * g, mask=post_mask)
+    z = (acc_c * r[:, None]) * s2 + bc[None, :]
+    # C[i][j] = cij: the softmax over j, the column normalization, then (row, column) pairs
+    c00, c01, c02, c03 = _softmax4(
+        _col(z, jj, 0), _col(z, jj, 1), _col(z, jj, 2), _col(z, jj, 3), hc_eps
     )
-    z = tl.reshape((acc_c * r[:, None]) * s2 + bc[None, :], (BLOCK_N, 4, 4))
-    e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-    Cm = tl.div_rn(e, tl.sum(e, axis=2)[:, :, None]) + hc_eps
-    Cm = tl.div_rn(Cm, tl.sum(Cm, axis=1)[:, None, :] + hc_eps)
-    for _ in range(ITERS - 1):
-        Cm = tl.div_rn(Cm, tl.sum(Cm, axis=2)[:, :, None] + hc_eps)
-        Cm = tl.div_rn(Cm, tl.sum(Cm, axis=1)[:, None, :] + hc_eps)
-    i4 = tl.arange(0, 4)
-    o3 = r64[:, None, None] * 16 + i4[None, :, None] * 4 + i4[None, None, :]
-    tl.store(C_ptr + o3, Cm, mask=rmask[:, None, None])
+    c10, c11, c12, c13 = _softmax4(
+        _col(z, jj, 4), _col(z, jj, 5), _col(z, jj, 6), _col(z, jj, 7), hc_eps
+    )
+    c20, c21, c22, c23 = _softmax4(
+        _col(z, jj, 8), _col(z, jj, 9), _col(z, jj, 10), _col(z, jj, 11), hc_eps
+    )
+    c30, c31, c32, c33 = _softmax4(
+        _col(z, jj, 12), _col(z, jj, 13), _col(z, jj, 14), _col(z, jj, 15), hc_eps
+    )
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    for _it in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    cp = C_ptr + r64 * 16
+    tl.store(cp + 0, c00, mask=rmask)
+    tl.store(cp + 1, c01, mask=rmask)
+    tl.store(cp + 2, c02, mask=rmask)
+    tl.store(cp + 3, c03, mask=rmask)
+    tl.store(cp + 4, c10, mask=rmask)
+    tl.store(cp + 5, c11, mask=rmask)
+    tl.store(cp + 6, c12, mask=rmask)
+    tl.store(cp + 7, c13, mask=rmask)
+    tl.store(cp + 8, c20, mask=rmask)
+    tl.store(cp + 9, c21, mask=rmask)
+    tl.store(cp + 10, c22, mask=rmask)
+    tl.store(cp + 11, c23, mask=rmask)
+    tl.store(cp + 12, c30, mask=rmask)
+    tl.store(cp + 13, c31, mask=rmask)
+    tl.store(cp + 14, c32, mask=rmask)
+    tl.store(cp + 15, c33, mask=rmask)
 
-    # pass 2: RMSNorm of the collapse (read back as other threads wrote it: barrier, L2 path)
+
+@triton.jit
+def _site_norm(
+    xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr,
+    QUANT: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """Pass 2: RMSNorm of the collapse ``x`` pass 1 stored (sums of squares ``xs [BN]``), in
+    place, and its FP8 quant. Other threads wrote ``x``: a barrier first, loads through L2."""
     tl.debug_barrier()
     rx = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(xs, 1.0 * D) + norm_eps))
     G: tl.constexpr = BLOCK_D // QBLOCK
     gi = tl.arange(0, G)
     lane = tl.arange(0, QBLOCK)
     ngroups = D // QBLOCK
+    xty = x_ptr.dtype.element_ty
     for d0 in range(0, D, BLOCK_D):
         col = d0 + gi[None, :, None] * QBLOCK + lane[None, None, :]
         cmask = col < D
@@ -375,11 +412,122 @@ def _mhc_site_kernel(
         yv = _to_stream((xv * rx[:, None, None]) * wv, X_BF16)
         tl.store(x_ptr + off, yv.to(xty), mask=m3)
         if QUANT:
-            code, _, sc = _fp8_e4m3_pow2(yv)
+            code, _deq, sc = _fp8_e4m3_pow2(yv)
             tl.store(codes_ptr + off, code.to(tl.uint8), mask=m3)
             grp = d0 // QBLOCK + gi
             smask = rmask[:, None] & (grp[None, :] < ngroups)
             tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], sc, mask=smask)
+
+
+@triton.jit
+def _mhc_site_kernel(
+    X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
+    X_out_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
+    N, hc_eps, norm_eps,
+    D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """One mHC site for ``BLOCK_N`` (1 or 2) tokens (hc = 4), optionally behind the previous
+    expand: the decode form.
+
+    Pass 1 streams ``X`` once in ``BLOCK_D`` chunks on ``[BN, 1, BD]`` tiles (one layout family,
+    ``BLOCK_D = 32 * warps``): the mix products, both sums of squares and the collapse (stored
+    unnormalized in ``x``). Then the prediction (``_site_predict``) and pass 2 (``_site_norm``).
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    rn = r64[:, None, None]
+    rm3 = rmask[:, None, None]
+    jj3 = tl.arange(0, 16)[None, :, None]
+    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm3, other=0.0)
+    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm3, other=0.0)
+    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm3, other=0.0)
+    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm3, other=0.0)
+    acc_pp = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xty = x_ptr.dtype.element_ty
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+        dm3 = dd < D
+        m3 = rm3 & dm3
+        xo = rn * (4 * D) + dd
+        x0, x1, x2, x3 = _load_streams(
+            X_ptr, xo, m3, D, y_ptr, rn * D + dd, C_prev_ptr, post_prev_ptr, rn, rm3, X_out_ptr,
+            EXPAND, X_BF16,
+        )  # fmt: skip
+        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        acc_pp, acc_c = _mix3(x0, fn_ptr, 0, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x1, fn_ptr, 1, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x2, fn_ptr, 2, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x3, fn_ptr, 3, D, dd, dm3, jj3, acc_pp, acc_c)
+        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
+        xs += xc * xc
+        tl.store(x_ptr + rn * D + dd, xc.to(xty), mask=m3)
+    _site_predict(
+        tl.sum(acc_pp, axis=2), tl.sum(acc_c, axis=2), tl.sum(tl.sum(ss, axis=2), axis=1),
+        r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr, hc_eps, norm_eps, D, ITERS,
+    )  # fmt: skip
+    _site_norm(
+        tl.sum(tl.sum(xs, axis=2), axis=1), r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr,
+        norm_eps, D, BLOCK_D, QBLOCK, QUANT, X_BF16,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mhc_site_dot_kernel(
+    X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
+    X_out_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
+    N, hc_eps, norm_eps,
+    D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_mhc_site_kernel`` for 16 tokens or more per program (prefill): the mix GEMM is a
+    ``tl.dot`` per stream and chunk on ``[BN, BD]`` tiles, so ``fn`` is read once per
+    ``BLOCK_N`` tokens."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    rn = r64[:, None]
+    rm2 = rmask[:, None]
+    jj = tl.arange(0, 16)
+    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm2, other=0.0)
+    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm2, other=0.0)
+    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm2, other=0.0)
+    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm2, other=0.0)
+    acc_pp = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    xty = x_ptr.dtype.element_ty
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        m2 = rm2 & dmask[None, :]
+        xo = rn * (4 * D) + d[None, :]
+        x0, x1, x2, x3 = _load_streams(
+            X_ptr, xo, m2, D, y_ptr, rn * D + d[None, :], C_prev_ptr, post_prev_ptr, rn, rm2,
+            X_out_ptr, EXPAND, X_BF16,
+        )  # fmt: skip
+        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        acc_pp, acc_c = _mix_dot(x0, fn_ptr, 0, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        acc_pp, acc_c = _mix_dot(x1, fn_ptr, 1, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        acc_pp, acc_c = _mix_dot(x2, fn_ptr, 2, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        acc_pp, acc_c = _mix_dot(x3, fn_ptr, 3, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
+        xs += xc * xc
+        tl.store(x_ptr + rn * D + d[None, :], xc.to(xty), mask=m2)
+    _site_predict(
+        acc_pp, acc_c, tl.sum(ss, axis=1), r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr,
+        C_ptr, hc_eps, norm_eps, D, ITERS,
+    )  # fmt: skip
+    _site_norm(
+        tl.sum(xs, axis=1), r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D,
+        BLOCK_D, QBLOCK, QUANT, X_BF16,
+    )  # fmt: skip
 
 
 # --- launchers ----------------------------------------------------------------------------
@@ -435,6 +583,18 @@ def _launch_quant(x: torch.Tensor, block: int, dequant: bool):
     return codes.view(torch.float8_e4m3fn).reshape(x.shape), scales.reshape(*lead, K // block)
 
 
+def mix_error_terms(N: int, K: int) -> int:
+    """``c`` of the site's mix error bound (module docstring) for ``N`` tokens, ``K = hc * D``:
+    ``K`` for float32 products or FMAs, ``3K + 16`` for the ``tf32x3`` GEMM."""
+    return 3 * K + 16 if site_config(N)[0] == "tf32x3" else K
+
+
+def site_config(N: int) -> tuple[str, int, int, int]:
+    """``(mix, tokens per program, lanes per chunk, warps)`` of the site kernel for ``N``
+    tokens (``SITE_CONFIGS``)."""
+    return next(cfg for bound, cfg in SITE_CONFIGS if N <= bound)
+
+
 def _site_kernel_ok(X: torch.Tensor, D: int, hc: int, quant_block: int | None) -> bool:
     """Whether the site kernel covers these streams (else the torch reference runs)."""
     ok = (
@@ -445,7 +605,7 @@ def _site_kernel_ok(X: torch.Tensor, D: int, hc: int, quant_block: int | None) -
         and (X.is_cuda or (INTERPRETED and X.device.type == "cpu"))
     )
     if quant_block is not None:
-        ok = ok and D % quant_block == 0 and _SITE_BLOCK_D % quant_block == 0
+        ok = ok and D % quant_block == 0 and 32 % quant_block == 0
     return ok
 
 
@@ -488,16 +648,18 @@ def _launch_site(
         X_out = torch.empty_like(X)
     else:
         y, post_prev, C_prev, X_out = X, pre_in, pre_in, X  # unused by the kernel
-    dot = N >= _SITE_DOT_MIN_N
-    block_n = _SITE_DOT_BLOCK_N if dot else _SITE_SMALL_BLOCK_N
+    mix, block_n, block_d, warps = site_config(N)
+    kernel, extra = _mhc_site_kernel, {}
+    if mix != "products":
+        kernel, extra = _mhc_site_dot_kernel, {"PRECISION": mix}
     if N:
-        _mhc_site_kernel[(triton.cdiv(N, block_n),)](
+        kernel[(triton.cdiv(N, block_n),)](
             X, pre_in, fn, base, scale, norm_weight, y, post_prev, C_prev, X_out,
             pre, post, C, x, codes, scales,
             N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters),
-            BLOCK_N=block_n, BLOCK_D=_SITE_BLOCK_D, QBLOCK=qb,
+            BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb,
             EXPAND=expand is not None, QUANT=quant_block is not None,
-            X_BF16=X.dtype == torch.bfloat16, DOT=dot, num_warps=4,
+            X_BF16=X.dtype == torch.bfloat16, num_warps=warps, **extra,
         )  # fmt: skip
     return (
         X_out if expand is not None else None,
@@ -529,7 +691,7 @@ def _launch_expand(y, X, post, C) -> torch.Tensor:
     out = torch.empty_like(X)
     if N and D:
         block_d = _pow2_at_most(D, 256)
-        block_n = max(1, min(_next_pow2(N), 2048 // block_d))
+        block_n = max(1, min(_next_pow2(N), 1024 // block_d))
         grid = (triton.cdiv(N, block_n), triton.cdiv(D, block_d))
         _hc_expand_kernel[grid](
             y.contiguous(), X, post.contiguous(), C.contiguous(), out, N, D,
