@@ -1,6 +1,6 @@
 """The fused dense kernels against the torch compositions they replace, per mHC site (CUDA).
 
-    python benchmarks/bench_dense_kernels.py [--tokens 1,64,2048] [--budget-s 100] [--out F]
+    python benchmarks/bench_dense_kernels.py [--tokens 1,64,2048] [--budget-s 90] [--out F]
 
 At the MEDIUM widths (hidden, hc, Sinkhorn iterations and eps from ``specs/medium.yaml``;
 streams in bf16, mHC parameters in float32, random values) each op runs three ways: the eager
@@ -12,6 +12,9 @@ composition (Inductor, ``fullgraph=True``) and the Triton kernel
   activation quant of ``x``; ``expand``: ``hc_expand``; ``expand_site``: the expand followed by
   the next site on the same rows; ``fake_fp8`` / ``fp8_act_quant``: the quantizer over
   ``[tokens, hidden]``.
+
+The ``site`` op is also timed with the site kernel forced to each ``--site-configs`` form
+(``triton[mix,tokens,lanes,warps]`` rows), to choose ``triton_dense.SITE_CONFIGS``.
 
 Per row: ``kernels``, the GPU kernels one call launches (``torch.profiler``); ``ms``, device time
 per call inside a CUDA graph of 20 calls (events around its replay); ``eager_ms``, device time
@@ -136,6 +139,20 @@ def _eager_ms(fn, inputs) -> float:
     return _events_ms(run, 5) / CALLS_PER_GRAPH
 
 
+def _with_site_config(td, form, fn):
+    """``fn`` with the site kernel forced to one form ``(mix, tokens, lanes, warps)``."""
+
+    def run(*args):
+        saved = list(td.SITE_CONFIGS)
+        td.SITE_CONFIGS[:] = [(1 << 62, form)]
+        try:
+            return fn(*args)
+        finally:
+            td.SITE_CONFIGS[:] = saved
+
+    return run
+
+
 def _ops(cfg, ref, td, Q, HcParams, dev: str = "cuda"):
     """name -> (inputs(N), torch composition, fused kernel, bytes(N)), operands on ``dev``."""
     D, hc, iters = cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters
@@ -221,8 +238,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,64,2048", help="token counts (decode batches, prefill)")
     ap.add_argument("--ops", default=None, help="comma list of ops (default: all)")
-    ap.add_argument("--budget-s", type=float, default=100.0, help="wall-clock bound of the run")
+    ap.add_argument("--budget-s", type=float, default=90.0, help="wall-clock bound of the run")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    ap.add_argument(
+        "--site-configs",
+        default="products,1,128,4;tf32x3,16,32,4;tf32x3,32,32,4;ieee,16,32,4",
+        help="site kernel forms also timed on every site row (mix,tokens,lanes,warps;...); '' none",
+    )
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -246,6 +268,8 @@ def main(argv=None) -> int:
     names = args.ops.split(",") if args.ops else list(ops)
     sizes = [int(t) for t in args.tokens.split(",")]
     variants = ["eager", "triton"] + ([] if args.no_compile else ["compiled"])
+    sweep = [c.split(",") for c in args.site_configs.split(";") if c.strip()]
+    sweep = [(m, int(bn), int(bd), int(w)) for m, bn, bd, w in sweep]
     rows = []
     for name in names:
         make, eager_fn, fused_fn, nbytes = ops[name]
@@ -254,12 +278,15 @@ def main(argv=None) -> int:
             inputs = make(N)
             want = eager_fn(*inputs)
             torch.cuda.synchronize()
-            for variant in variants:
+            forms = [(v, None) for v in variants]
+            if name == "site":
+                forms += [(f"triton[{','.join(map(str, c))}]", c) for c in sweep]
+            for variant, form in forms:
                 row = {"op": name, "variant": variant, "tokens": N, "hidden": cfg.hidden_size}
                 rows.append(row)
                 elapsed = time.monotonic() - t0
                 if elapsed > args.budget_s or (
-                    variant == "compiled" and elapsed > 0.8 * args.budget_s
+                    variant == "compiled" and elapsed > 0.7 * args.budget_s
                 ):
                     row["error"] = f"skipped: time budget ({elapsed:.0f} s)"
                     continue
@@ -268,6 +295,8 @@ def main(argv=None) -> int:
                         if compiled_fn is None:
                             compiled_fn = torch.compile(eager_fn, fullgraph=True)
                         fn = compiled_fn
+                    elif form is not None:
+                        fn = _with_site_config(td, form, fused_fn)
                     else:
                         fn = eager_fn if variant == "eager" else fused_fn
                     got = fn(*inputs)
@@ -302,16 +331,16 @@ def main(argv=None) -> int:
     }
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; hidden {cfg.hidden_size}, hc {cfg.hc_mult}")
     print(
-        f"{'op':>13} {'tokens':>6} {'variant':>8} {'kernels':>7} {'ms':>8} {'eager ms':>8} "
+        f"{'op':>13} {'tokens':>6} {'variant':>24} {'kernels':>7} {'ms':>8} {'eager ms':>8} "
         f"{'floor ms':>8} {'x floor':>8} parity"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['op']:>13} {r['tokens']:>6} {r['variant']:>8}  {r['error'][:90]}")
+            print(f"{r['op']:>13} {r['tokens']:>6} {r['variant']:>24}  {r['error'][:90]}")
             continue
         parity = "identical" if r["bit_identical"] else f"max diff {r['max_abs_diff']:.2e}"
         print(
-            f"{r['op']:>13} {r['tokens']:>6} {r['variant']:>8} {r['kernels']!s:>7} "
+            f"{r['op']:>13} {r['tokens']:>6} {r['variant']:>24} {r['kernels']!s:>7} "
             f"{r['ms']:>8.4f} {r['eager_ms']:>8.4f} {r['floor_ms']:>8.4f} {r['of_floor']:>8.1f} "
             f"{parity}"
         )
