@@ -163,6 +163,12 @@ def test_fused_epilogue_and_expand(N, dtype):
     step = (got, *td.mhc_site(got, pre, p, w, hc, iters, HC_EPS, NORM_EPS))
     for a, b in zip(fused, step, strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    ffn = td.mhc_expand_site_fp8(y, X, post, C, pre, p, w, hc, iters, HC_EPS, NORM_EPS)
+    for a, b in zip(ffn[:5], fused, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    want_codes, want_scales = ref.fp8_act_quant(ffn[4].cpu())
+    assert torch.equal(_bits(ffn[5].cpu()), _bits(want_codes))
+    assert torch.equal(_bits(ffn[6].cpu()), _bits(want_scales))
 
 
 def test_custom_ops_compile_with_inductor_and_capture_in_a_graph():

@@ -241,6 +241,15 @@ def test_fused_fp8_epilogue_quantizes_the_site_output(dtype, N):
         assert torch.equal(_bits(a), _bits(b))
     want = ref.fp8_act_quant(x)
     assert torch.equal(_bits(codes), _bits(want[0])) and torch.equal(_bits(scales), _bits(want[1]))
+    # the FFN form: the expand in front, the quantizer behind
+    y = torch.randn(N, 96).to(dtype)
+    got = td.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    plain = td.mhc_expand_site(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    assert len(got) == 7
+    for a, b in zip(got[:5], plain, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    want = ref.fp8_act_quant(got[4])
+    assert torch.equal(_bits(got[5]), _bits(want[0])) and torch.equal(_bits(got[6]), _bits(want[1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -321,3 +330,16 @@ def test_a_layer_of_custom_ops_compiles_without_graph_breaks():
     compiled = torch.compile(dense_piece, backend="aot_eager", fullgraph=True)
     for a, b in zip(compiled(X, pre_in, w, y), dense_piece(X, pre_in, w, y), strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def test_torch_and_triton_sets_have_the_same_call_shapes():
+    import inspect
+
+    names = [n for n in vars(ref.TorchDense) if not n.startswith("_") and n != "name"]
+    assert sorted(names) == sorted(
+        n for n in vars(td.TritonDense) if not n.startswith("_") and n != "name"
+    )
+    for n in names:
+        a = inspect.signature(getattr(ref.TorchDense, n))
+        b = inspect.signature(getattr(td.TritonDense, n))
+        assert list(a.parameters) == list(b.parameters), n

@@ -22,6 +22,7 @@ __all__ = [
     "fp8_act_quant",
     "hc_expand",
     "mhc_expand_site",
+    "mhc_expand_site_fp8",
     "mhc_site",
     "mhc_site_fp8",
 ]
@@ -92,6 +93,28 @@ def mhc_expand_site(
     return (X2, *mhc_site(X2, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps))
 
 
+def mhc_expand_site_fp8(
+    y: torch.Tensor,
+    X: torch.Tensor,
+    post_prev: torch.Tensor,
+    C_prev: torch.Tensor,
+    pre_in: torch.Tensor,
+    p: HcParams,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    block: int = 32,
+) -> tuple[torch.Tensor, ...]:
+    """``mhc_expand_site`` plus ``fp8_act_quant(x)``: ``(X2, pre, post, C, x, codes, scales)``
+    (the FFN site: its ``x`` feeds the W8A8 experts)."""
+    out = mhc_expand_site(
+        y, X, post_prev, C_prev, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps
+    )
+    return (*out, *fp8_act_quant(out[4], block))
+
+
 class TorchDense:
     """The dense pieces as one object (``triton_dense.TritonDense`` has the same functions)."""
 
@@ -102,3 +125,4 @@ class TorchDense:
     mhc_site = staticmethod(mhc_site)
     mhc_site_fp8 = staticmethod(mhc_site_fp8)
     mhc_expand_site = staticmethod(mhc_expand_site)
+    mhc_expand_site_fp8 = staticmethod(mhc_expand_site_fp8)

@@ -74,6 +74,7 @@ __all__ = [
     "fp8_act_quant",
     "hc_expand",
     "mhc_expand_site",
+    "mhc_expand_site_fp8",
     "mhc_site",
     "mhc_site_fp8",
     "mix_error_terms",
@@ -148,7 +149,7 @@ def _fp8_e4m3_pow2(v):
     return code, deq, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build for every batch width
 def _fp8_quant_kernel(
     x_ptr,
     out_ptr,
@@ -193,7 +194,7 @@ def _expand_stream(x0, x1, x2, x3, y, C_ptr, post_ptr, r64, rmask, j: tl.constex
     return (((c0 * x0 + c1 * x1) + c2 * x2) + c3 * x3) + q * y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
 def _hc_expand_kernel(
     y_ptr,
     X_ptr,
@@ -419,7 +420,7 @@ def _site_norm(
             tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], sc, mask=smask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
 def _mhc_site_kernel(
     X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
     X_out_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
@@ -476,7 +477,7 @@ def _mhc_site_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
 def _mhc_site_dot_kernel(
     X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
     X_out_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
@@ -956,6 +957,32 @@ def mhc_expand_site(
     return out[0], out[1], out[2], out[3], out[4]
 
 
+def mhc_expand_site_fp8(
+    y: torch.Tensor,
+    X: torch.Tensor,
+    post_prev: torch.Tensor,
+    C_prev: torch.Tensor,
+    pre_in: torch.Tensor,
+    p: HcParams,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    block: int = 32,
+) -> tuple[torch.Tensor, ...]:
+    """``dense_ref.mhc_expand_site_fp8`` in one kernel: ``(X2, pre, post, C, x, codes,
+    scales)``."""
+    if hc != X.shape[1]:
+        raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
+    return tuple(
+        torch.ops.v41plan.mhc_expand_site(
+            y, X, post_prev, C_prev, pre_in, p.fn, p.base, p.scale, norm_weight,
+            hc_eps, norm_eps, iters, block,
+        )
+    )  # fmt: skip
+
+
 class TritonDense:
     """The fused dense pieces as one object (``dense_ref`` has the same functions)."""
 
@@ -966,3 +993,4 @@ class TritonDense:
     mhc_site = staticmethod(mhc_site)
     mhc_site_fp8 = staticmethod(mhc_site_fp8)
     mhc_expand_site = staticmethod(mhc_expand_site)
+    mhc_expand_site_fp8 = staticmethod(mhc_expand_site_fp8)
