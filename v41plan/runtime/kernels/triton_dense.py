@@ -36,9 +36,10 @@ and all accumulation in float32):
   ``u = 2**-24``, ``K = hc * D``, ``r`` the site's rsqrt-mean-square factor and
   ``E = c * u * r * max_j sum_l |f_l fn[j, l]|``, the worst-case error of the mix dot scaled
   like ``m`` (tiny against 1 for normal inputs). ``c = mix_error_terms(N, K)``: ``K`` for
-  float32 products or FMAs summed in any order; ``3K + 16`` for the ``tf32x3`` tensor-core GEMM
+  float32 products or FMAs summed in any order; ``6K + 16`` for the ``tf32x3`` tensor-core GEMM
   of the prefill form (each term is three exact TF32 products, the dropped low*low product and
-  the splits' rounding stay within ``12u`` of it, and three accumulations of ``K`` terms):
+  the splits' rounding stay within ``12u`` of it; three accumulations of ``K`` terms, each
+  addition within ``2u`` as tensor cores may truncate instead of rounding):
 
   * ``|pre - pre64| <= |scale[0]| * E / 4 + 16u`` (sigmoid is 1/4-Lipschitz),
   * ``|post - post64| <= |scale[1]| * E / 2 + 32u``,
@@ -586,8 +587,8 @@ def _launch_quant(x: torch.Tensor, block: int, dequant: bool):
 
 def mix_error_terms(N: int, K: int) -> int:
     """``c`` of the site's mix error bound (module docstring) for ``N`` tokens, ``K = hc * D``:
-    ``K`` for float32 products or FMAs, ``3K + 16`` for the ``tf32x3`` GEMM."""
-    return 3 * K + 16 if site_config(N)[0] == "tf32x3" else K
+    ``K`` for float32 products or FMAs, ``6K + 16`` for the ``tf32x3`` GEMM."""
+    return 6 * K + 16 if site_config(N)[0] == "tf32x3" else K
 
 
 def site_config(N: int) -> tuple[str, int, int, int]:
