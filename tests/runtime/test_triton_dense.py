@@ -290,6 +290,13 @@ def test_site_falls_back_to_the_reference_outside_the_kernel():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="hc 2"):
         td.mhc_site(X, pre_in, p, w, 2, ITERS, HC_EPS, NORM_EPS)
+    y64, post, C = torch.randn(9, 64, dtype=torch.float64), got[1], got[2]
+    assert torch.equal(td.hc_expand(y64, X64, post, C), ref.hc_expand(y64, X64, post, C))
+    args = (pre_in.double(), p64, w.double(), HC, ITERS, HC_EPS, NORM_EPS)
+    got = td.mhc_expand_site_fp8(y64, X64, post, C, *args)
+    want = ref.mhc_expand_site_fp8(y64, X64, post, C, *args)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 # --- custom ops and torch.compile -------------------------------------------------------------
