@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_gemm_moe.py",
         "W8A8 linear and grouped W4A8 MoE at flash_slice widths vs floors and peers (CUDA)",
     ),
+    "dense_kernels": (
+        "bench_dense_kernels.py",
+        "fused mHC site / expand / FP8 quant vs eager and compiled torch, per site (CUDA)",
+    ),
     "replay_deviation": (
         "replay_deviation.py",
         "decoder-replay logit deviation against a full prefill (CPU)",

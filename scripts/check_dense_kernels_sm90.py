@@ -1,0 +1,148 @@
+"""Compile the fused dense kernels for an H100/H200 (sm_90) without a GPU and report resources.
+
+    python scripts/check_dense_kernels_sm90.py [--quick] [--hidden 1024] [--arch 90]
+
+Builds every variant the launchers of ``v41plan.runtime.kernels.triton_dense`` pick (both site
+forms of ``SITE_CONFIGS`` with and without the fused expand and quantizer, the quantizer's codes
+and dequantized forms, the expand), bf16 and float32 streams, at the given hidden size, through
+Triton's whole pipeline down to a cubin (Triton's bundled ``ptxas``). Prints registers, spill
+bytes and the layout conversions left inside the main loop of each, and exits 1 if any variant
+fails to compile: the interpreter runs the kernels' arithmetic, not the GPU compiler, so this is
+the check that catches what only the compiler refuses. ``--quick``: one variant of each kernel.
+Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SITE_PTRS = [
+    "X_ptr",
+    "pre_in_ptr",
+    "fn_ptr",
+    "base_ptr",
+    "scale_ptr",
+    "w_ptr",
+    "y_ptr",
+    "post_prev_ptr",
+    "C_prev_ptr",
+    "X_out_ptr",
+    "pre_ptr",
+    "post_ptr",
+    "C_ptr",
+    "x_ptr",
+    "codes_ptr",
+    "scales_ptr",
+]
+STREAM_PTRS = {"X_ptr", "w_ptr", "y_ptr", "X_out_ptr", "x_ptr"}
+
+
+def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dict, int]]:
+    """(name, kernel, signature, constexprs, warps) of every variant to build."""
+    out = []
+    dtypes = ("*bf16",) if quick else ("*bf16", "*fp32")
+    for xdt in dtypes:
+        for dequant in (False,) if quick else (False, True):
+            sig = {
+                "x_ptr": xdt,
+                "out_ptr": xdt,
+                "codes_ptr": xdt if dequant else "*u8",
+                "scales_ptr": xdt if dequant else "*fp32",
+                "M": "i32",
+                "K": "i32",
+            }
+            cx = {"BLOCK_M": 2, "GROUPS": 32, "BLOCK": 32, "DEQUANT": dequant}
+            sig.update(dict.fromkeys(cx, "constexpr"))
+            out.append((f"fp8_quant {xdt} dequant={dequant}", td._fp8_quant_kernel, sig, cx, 4))
+        sig = {"y_ptr": xdt, "X_ptr": xdt, "post_ptr": "*fp32", "C_ptr": "*fp32", "out_ptr": xdt}
+        sig.update({"N": "i32", "D": "i32"})
+        cx = {"BLOCK_N": 4, "BLOCK_D": 256, "X_BF16": xdt == "*bf16"}
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"hc_expand {xdt}", td._hc_expand_kernel, sig, cx, 4))
+        for _, (mix, block_n, block_d, warps) in td.SITE_CONFIGS:
+            flags = ((True, True),) if quick else ((False, False), (True, False), (True, True))
+            for expand, quant in flags:
+                sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in SITE_PTRS}
+                sig["codes_ptr"] = "*u8"
+                sig.update({"N": "i32", "hc_eps": "fp32", "norm_eps": "fp32"})
+                cx = {
+                    "D": hidden,
+                    "ITERS": 20,
+                    "BLOCK_N": block_n,
+                    "BLOCK_D": block_d,
+                    "QBLOCK": 32,
+                    "EXPAND": expand,
+                    "QUANT": quant,
+                    "X_BF16": xdt == "*bf16",
+                }
+                kernel = td._mhc_site_kernel
+                if mix != "products":
+                    kernel = td._mhc_site_dot_kernel
+                    cx["PRECISION"] = mix
+                sig.update(dict.fromkeys(cx, "constexpr"))
+                name = f"mhc_site {mix} bn={block_n} {xdt} expand={expand} quant={quant}"
+                out.append((name, kernel, sig, cx, warps))
+    return out
+
+
+def _resources(cubin: bytes, cuobjdump: str) -> str:
+    """``REG:n STACK:n`` of a cubin, from the bundled ``cuobjdump``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+    line = next((ln for ln in res.stdout.splitlines() if "REG:" in ln), "")
+    return " ".join(w for w in line.split() if w.startswith(("REG:", "STACK:")))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one variant of each kernel")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (MEDIUM: 1024)")
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: the kernels must be built compiled")
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from v41plan.runtime.kernels import triton_dense as td
+
+    target = GPUTarget("cuda", args.arch, 32)
+    cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    failed = 0
+    for name, kernel, sig, cx, warps in _variants(td, args.hidden, args.quick):
+        try:
+            src = ASTSource(fn=kernel, signature=sig, constexprs=cx)
+            k = triton.compile(src, target=target, options={"num_warps": warps})
+        except Exception as exc:  # noqa: BLE001 - every variant is reported, the others still build
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            continue
+        ttgir = k.asm["ttgir"]
+        loop = ttgir[ttgir.find("scf.for") :]
+        loop = loop[: loop.find("scf.yield")]
+        print(
+            f"ok   {name}: {_resources(k.asm['cubin'], cuobjdump)} "
+            f"loop-layout-conversions {loop.count('convert_layout')}"
+        )
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""The fused dense kernels compiled for the GPU: the FP8 activation quantizer bit-exact with the
+reference at the MEDIUM widths, the mHC site and expand within their stated bounds, the custom
+ops inside ``torch.compile`` (Inductor) and a CUDA graph.
+
+Skipped without CUDA. Run on a GPU machine with ``python3 -m pytest tests/gpu -q``. The kernels
+module is imported inside the tests only, so a CPU run never builds it compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+U = 2.0**-24
+HC_EPS, NORM_EPS = 1e-6, 1e-20
+# the activation widths of specs/medium.yaml: hidden, q_lora, o_groups * o_lora, head_dim,
+# moe_intermediate, the Engram key width; and the published hidden size
+WIDTHS = (1024, 384, 512, 256, 6144, 5120)
+
+
+@functools.cache
+def _mods():
+    from v41plan.model import quant as Q
+    from v41plan.model.layers import HcParams
+    from v41plan.runtime.kernels import dense_ref, triton_dense
+
+    assert not triton_dense.INTERPRETED, "run tests/gpu without TRITON_INTERPRET"
+    return Q, HcParams, dense_ref, triton_dense
+
+
+@functools.cache
+def _medium():
+    """(hidden, hc, Sinkhorn iterations) of the MEDIUM spec."""
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.serving.engine import resolve_spec
+
+    cfg = config_from_cache_spec(resolve_spec("medium"))
+    return cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(view[t.element_size()])
+
+
+def _activations(rows: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows over 1e-30..1e30 plus an all-zero row, a floored row and exact E4M3 ties."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, K, generator=g, device="cuda")
+    x = x * torch.logspace(-30, 30, rows, device="cuda")[:, None]
+    if rows >= 4:
+        x[0] = 0.0
+        x[1] *= 1e-8
+        codes = torch.arange(0, 127, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        v = codes.float()
+        mids = torch.cat([(v[1:] + v[:-1]) / 2, -(v[1:] + v[:-1]) / 2])
+        ties = mids.repeat(-(-K // len(mids)))[:K].reshape(-1, 32)
+        ties[:, 0] = 448.0  # scale 1 in every block
+        x[2] = ties.reshape(K)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", WIDTHS)
+def test_fp8_quantizer_is_bit_exact_at_medium_widths(K, dtype):
+    Q, _, ref, td = _mods()
+    for rows in (1, 7, 64, 2048):
+        x = _activations(rows, K, dtype, seed=K + rows)
+        xc = x.cpu()
+        want = Q.fake_fp8(xc)
+        got = td.fake_fp8(x)
+        assert torch.equal(_bits(got.cpu()), _bits(want)), (K, rows)
+        codes, scales = td.fp8_act_quant(x)
+        want_codes, want_scales = ref.fp8_act_quant(xc)
+        assert torch.equal(_bits(codes.cpu()), _bits(want_codes)), (K, rows)
+        assert torch.equal(_bits(scales.cpu()), _bits(want_scales)), (K, rows)
+        # the device reference agrees too (torch's CUDA division and rounding are IEEE)
+        assert torch.equal(_bits(Q.fake_fp8(x)), _bits(got))
+
+
+def _site_inputs(N: int, D: int, hc: int, dtype: torch.dtype, seed: int):
+    _, HcParams, _, _ = _mods()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    X = torch.randn(N, hc, D, generator=g, device="cuda")
+    X[0] = 0.0
+    if N > 2:
+        X[1] *= 1e-20
+        X[2] *= 1e12
+    pre_in = torch.rand(N, hc, generator=g, device="cuda") + HC_EPS
+    mixes = (2 + hc) * hc
+    p = HcParams(
+        torch.randn(mixes, hc * D, generator=g, device="cuda") * 0.02,
+        torch.randn(mixes, generator=g, device="cuda"),
+        torch.tensor([0.7, 1.3, 4.0], device="cuda"),
+    )
+    w = (1 + 0.1 * torch.randn(D, generator=g, device="cuda")).to(dtype)
+    y = torch.randn(N, D, generator=g, device="cuda").to(dtype)
+    return X.to(dtype), pre_in, p, w, y
+
+
+def _p64(p):
+    _, HcParams, _, _ = _mods()
+    return HcParams(p.fn.double(), p.base.double(), p.scale.double())
+
+
+def _rowmax(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).amax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 16, 64, 300, 2048])
+def test_mhc_site_within_the_stated_bound(N, dtype):
+    # 1 and 16 tokens: one per program (per-lane products); more: the tf32x3 tl.dot form
+    _, _, ref, td = _mods()
+    D, hc, iters = _medium()
+    X, pre_in, p, w, _ = _site_inputs(N, D, hc, dtype, seed=N)
+    pre, post, C, x = td.mhc_site(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+    X64 = X.double()
+    want = ref.mhc_site(X64, pre_in.double(), _p64(p), w.double(), hc, iters, HC_EPS, NORM_EPS)
+    f = X64.reshape(N, -1)
+    r = torch.rsqrt(f.pow(2).mean(-1) + NORM_EPS)
+    c = td.mix_error_terms(N, f.shape[1])
+    E = c * U * r * (f.abs() @ p.fn.double().abs().T).amax(-1)
+    s = p.scale.double().abs()
+    assert (_rowmax((pre - want[0]).abs()) <= s[0] * E / 4 + 16 * U).all()
+    assert (_rowmax((post - want[1]).abs()) <= s[1] * E / 2 + 32 * U).all()
+    assert (_rowmax((C - want[2]).abs()) <= 4 * s[2] * E + 64 * U * iters).all()
+    if dtype == torch.float32:
+        terms = pre_in.double()[..., None] * X64
+        rx = torch.rsqrt(terms.sum(1).pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        bound = 8 * U * rx * w.double().abs() * terms.abs().sum(1) + (D / 2 + 8) * U * want[3].abs()
+        assert ((x.double() - want[3]).abs() <= bound).all()
+    else:
+        want16 = ref.mhc_site(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)[3].float()
+        ulp = 2.0 ** (torch.frexp(want16)[1] - 8).float()
+        assert ((x.float() - want16).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 64, 2048])
+def test_fused_epilogue_and_expand(N, dtype):
+    _, _, ref, td = _mods()
+    D, hc, iters = _medium()
+    X, pre_in, p, w, y = _site_inputs(N, D, hc, dtype, seed=N + 1)
+    pre, post, C, x, codes, scales = td.mhc_site_fp8(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+    want_codes, want_scales = ref.fp8_act_quant(x.cpu())
+    assert torch.equal(_bits(codes.cpu()), _bits(want_codes))
+    assert torch.equal(_bits(scales.cpu()), _bits(want_scales))
+    got = td.hc_expand(y, X, post, C)
+    want = ref.hc_expand(y.double(), X.double(), post.double(), C.double())
+    mag = torch.einsum("nij,nid->njd", C.double(), X.double().abs())
+    mag = mag + post.double()[..., None] * y.double().abs()[:, None]
+    if dtype == torch.float32:
+        assert ((got.double() - want).abs() <= 8 * U * mag).all()
+    else:
+        want16 = ref.hc_expand(y, X, post, C).float()
+        assert ((got.float() - want16).abs() <= 2.0 ** (torch.frexp(want16)[1] - 8)).all()
+    fused = td.mhc_expand_site(y, X, post, C, pre, p, w, hc, iters, HC_EPS, NORM_EPS)
+    step = (got, *td.mhc_site(got, pre, p, w, hc, iters, HC_EPS, NORM_EPS))
+    for a, b in zip(fused, step, strict=True):
+        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    ffn = td.mhc_expand_site_fp8(y, X, post, C, pre, p, w, hc, iters, HC_EPS, NORM_EPS)
+    for a, b in zip(ffn[:5], fused, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    want_codes, want_scales = ref.fp8_act_quant(ffn[4].cpu())
+    assert torch.equal(_bits(ffn[5].cpu()), _bits(want_codes))
+    assert torch.equal(_bits(ffn[6].cpu()), _bits(want_scales))
+
+
+def test_custom_ops_compile_with_inductor_and_capture_in_a_graph():
+    _, _, _, td = _mods()
+    D, hc, iters = _medium()
+    X, pre_in, p, w, y = _site_inputs(64, D, hc, torch.bfloat16, seed=5)
+
+    def piece(X, pre_in, y):
+        pre, post, C, x = td.mhc_site(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+        X2, f_pre, f_post, f_C, xf = td.mhc_expand_site(
+            y, X, post, C, pre, p, w, hc, iters, HC_EPS, NORM_EPS
+        )
+        codes, scales = td.fp8_act_quant(xf)
+        return td.hc_expand(td.fake_fp8(x), X2, f_post, f_C), codes, scales, f_pre
+
+    eager = piece(X, pre_in, y)
+    torch._dynamo.reset()
+    compiled = torch.compile(piece, fullgraph=True)
+    for a, b in zip(compiled(X, pre_in, y), eager, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        piece(X, pre_in, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = piece(X, pre_in, y)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager, strict=True):
+        assert torch.equal(_bits(a), _bits(b))

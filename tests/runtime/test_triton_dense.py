@@ -1,0 +1,352 @@
+"""The fused dense kernels under the Triton interpreter (CPU, fp32 operands) against the torch
+references: the FP8 activation quantizer bit for bit, the mHC site and expand within their
+stated bounds of the float64 evaluation, the custom ops opaque to ``torch.compile``.
+
+``TRITON_INTERPRET=1`` is set for this module only: at its import, before triton is imported
+(``triton.jit`` decides interpreted or compiled when a function is decorated, triton's own
+library included), and restored after its tests. On a CUDA machine the module is skipped:
+``tests/gpu/test_triton_dense_gpu.py`` runs the compiled kernels there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip(
+        "CUDA present: tests/gpu/test_triton_dense_gpu.py covers it", allow_module_level=True
+    )
+if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+    # triton's own library functions (tl.sum, tl.max, tl.sigmoid) were then built compiled,
+    # and interpreted kernels cannot call them
+    raise RuntimeError("triton was imported before this module could set TRITON_INTERPRET=1")
+_PREVIOUS = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+from v41plan.model import quant as Q
+from v41plan.model.layers import HcParams
+from v41plan.runtime.kernels import dense_ref as ref
+from v41plan.runtime.kernels import triton_dense as td
+
+U = 2.0**-24
+HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_for_this_module_only():
+    """Keep the interpreter switch on while these tests run (triton reads it lazily too), and
+    restore the previous setting after them."""
+    yield
+    if _PREVIOUS is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (so -0.0 differs from 0.0)."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(view[t.element_size()])
+
+
+def _e4m3_values() -> torch.Tensor:
+    """Every non-negative finite E4M3 (fn) value, ascending."""
+    return torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _quant_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Random and adversarial activations: magnitudes 1e-30..1e30, an all-zero row, blocks
+    floored at 1e-4, blocks at the top code, exact E4M3 ties, odd shapes."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(37, 256, generator=g) * torch.logspace(-30, 30, 256)[None]
+    wide[5] = 0.0
+    wide[6, :32] = torch.randn(32, generator=g) * 1e-6  # amax below the 1e-4 floor
+    wide[7, 32:64] = -0.0
+    v = _e4m3_values()
+    mids = (v[1:] + v[:-1]) / 2  # exactly halfway between neighbours: ties to the even code
+    ties = torch.cat([mids, -mids, v, -v])
+    ties = torch.cat([ties, torch.zeros(-len(ties) % 31)]).reshape(-1, 31)
+    ties = torch.cat([ties, torch.full((ties.shape[0], 1), 448.0)], 1)  # scale 1 in every block
+    ties = torch.cat([ties * 2.0**k for k in (-20, 0, 7)]).reshape(-1, 96)
+    near_top = torch.linspace(400.0, 448.0, 96).reshape(1, 96)  # 432 rounds to 448 (even)
+    odd = torch.randn(3, 5, 96, generator=g) * 10  # three leading dims, three blocks
+    long = torch.randn(2, 1056, generator=g)  # 33 blocks: more than one program along K
+    out = [wide, ties, near_top, odd, long, torch.randn(1, 32, generator=g)]
+    return [t.to(dtype) for t in out]
+
+
+def test_kernels_are_interpreted():
+    assert td.INTERPRETED
+    assert type(td._mhc_site_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_act_quant_is_bit_exact(dtype):
+    for x in _quant_inputs(dtype):
+        codes, scales = td.fp8_act_quant(x)
+        want_codes, want_scales = ref.fp8_act_quant(x)
+        assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+        assert codes.shape == x.shape and scales.shape == (*x.shape[:-1], x.shape[-1] // 32)
+        assert torch.equal(_bits(codes), _bits(want_codes))
+        assert torch.equal(_bits(scales), _bits(want_scales))
+        assert not ((_bits(codes) & 0x7F) == 0x7F).any()  # saturated, never NaN
+        deq = codes.float().unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)
+        assert torch.equal(_bits(deq.flatten(-2).to(dtype)), _bits(Q.fake_fp8(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_fp8_is_bit_exact(dtype):
+    for x in _quant_inputs(dtype):
+        got = td.fake_fp8(x)
+        assert got.dtype == dtype
+        assert torch.equal(_bits(got), _bits(Q.fake_fp8(x)))
+
+
+def test_quantizer_rounds_ties_to_even_and_tops_at_448():
+    x = torch.tensor([[1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 440.0, 448.0] + [0.0] * 25])
+    codes, scales = td.fp8_act_quant(x)
+    assert scales.tolist() == [[1.0]]
+    assert codes.float()[0, :7].tolist() == [1.0, 1.25, -1.0, 0.0, 2.0**-8, 448.0, 448.0]
+
+
+def test_fake_fp8_follows_the_switch_and_other_dtypes_fall_back():
+    x = torch.randn(4, 64)
+    with Q.fake_quant(False):
+        assert td.fake_fp8(x) is x
+    x64 = torch.randn(4, 64, dtype=torch.float64) * 100
+    assert torch.equal(td.fake_fp8(x64), Q.fake_fp8(x64))
+    codes, scales = td.fp8_act_quant(x64)
+    want = ref.fp8_act_quant(x64)
+    assert torch.equal(_bits(codes), _bits(want[0])) and torch.equal(scales, want[1])
+
+
+# --- mHC ----------------------------------------------------------------------------------
+
+
+def _site_inputs(N: int, D: int, seed: int, dtype=torch.float32, peaked: bool = False):
+    """Streams with an all-zero token, a tiny one and a huge one; mHC parameters (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, HC, D, generator=g)
+    X[0] = 0.0
+    if N > 3:
+        X[1] *= 1e-20
+        X[2] *= 1e12
+        X[3, 2] = 0.0  # one empty stream
+    pre_in = torch.rand(N, HC, generator=g) + HC_EPS
+    fn = torch.randn(24, HC * D, generator=g) * (0.5 if peaked else 0.05)
+    base = torch.randn(24, generator=g)
+    scale = torch.tensor([0.7, 1.3, 12.0 if peaked else 1.0])
+    w = torch.randn(D, generator=g).to(dtype)
+    y = torch.randn(N, D, generator=g).to(dtype)
+    return X.to(dtype), pre_in, HcParams(fn, base, scale), w, y
+
+
+def _p64(p: HcParams) -> HcParams:
+    return HcParams(p.fn.double(), p.base.double(), p.scale.double())
+
+
+def _mix_error(X: torch.Tensor, p: HcParams) -> torch.Tensor:
+    """``E`` per token: the worst-case error of the mix dot the kernel ran, scaled like ``m``."""
+    f = X.reshape(X.shape[0], -1).double()
+    r = torch.rsqrt(f.pow(2).mean(-1) + NORM_EPS)
+    c = td.mix_error_terms(X.shape[0], f.shape[1])
+    return c * U * r * (f.abs() @ p.fn.double().abs().T).amax(-1)
+
+
+def _rowmax(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).amax(-1)
+
+
+def _check_prediction(pre, post, C, X, p, iters=ITERS):
+    """pre/post/C within the module's stated bounds of the float64 evaluation."""
+    ones = torch.ones(X.shape[0], HC, dtype=torch.float64)
+    w = torch.ones(X.shape[-1], dtype=torch.float64)
+    want = ref.mhc_site(X.double(), ones, _p64(p), w, HC, iters, HC_EPS, NORM_EPS)
+    E = _mix_error(X, p)
+    s = p.scale.double().abs()
+    assert (_rowmax((pre - want[0]).abs()) <= s[0] * E / 4 + 16 * U).all()
+    assert (_rowmax((post - want[1]).abs()) <= s[1] * E / 2 + 32 * U).all()
+    assert (_rowmax((C - want[2]).abs()) <= 4 * s[2] * E + 64 * U * iters).all()
+
+
+@pytest.mark.parametrize(
+    ("N", "D", "peaked"), [(7, 96, False), (5, 64, True), (37, 96, False), (21, 64, True)]
+)
+def test_mhc_site_fp32_within_the_stated_bound(N, D, peaked):
+    # up to 16 tokens: one per program, per-lane products; more: 16 per program, tl.dot
+    assert td.site_config(N)[0] == ("products" if N <= 16 else "tf32x3")
+    X, pre_in, p, w, _ = _site_inputs(N, D, seed=N, peaked=peaked)
+    pre, post, C, x = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    assert pre.shape == post.shape == (N, HC) and C.shape == (N, HC, HC) and x.shape == (N, D)
+    _check_prediction(pre, post, C, X, p)
+    # the float32 torch composition: far inside the bound (both err like sqrt(K) ulps)
+    want32 = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    for got, want in zip((pre, post, C), want32[:3], strict=True):
+        assert (got - want).abs().max() <= 2e-5
+    # x: collapse then the norm, against float64
+    X64 = X.double()
+    want = ref.mhc_site(X64, pre_in.double(), _p64(p), w.double(), HC, ITERS, HC_EPS, NORM_EPS)
+    terms = pre_in.double()[..., None] * X64
+    rx = torch.rsqrt(terms.sum(1).pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    coll = terms.abs().sum(1)
+    bound = 8 * U * rx * w.double().abs() * coll + (D / 2 + 8) * U * want[3].abs()
+    assert ((x.double() - want[3]).abs() <= bound).all()
+    assert torch.equal(x[0], torch.zeros(D))  # the all-zero token: a zero input, finite mixes
+    assert torch.allclose(C[0], want32[2][0], atol=1e-6)
+
+
+@pytest.mark.parametrize("N", [6, 37])
+def test_mhc_site_bf16_rounds_where_the_reference_rounds(N):
+    X, pre_in, p, w, _ = _site_inputs(N, 96, seed=5, dtype=torch.bfloat16)
+    pre, post, C, x = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    assert x.dtype == torch.bfloat16 and pre.dtype == torch.float32
+    _check_prediction(pre, post, C, X, p)
+    want = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    ulp = 2.0 ** (torch.frexp(want[3].float())[1] - 8).float()  # one bf16 ulp of each value
+    assert ((x.float() - want[3].float()).abs() <= 2 * ulp).all()
+    assert (x.float() == want[3].float()).float().mean() > 0.95  # mostly the same rounding
+
+
+@pytest.mark.parametrize(("iters", "N"), [(1, 5), (2, 17), (5, 5)])
+def test_mhc_site_runs_exactly_the_sinkhorn_iterations(iters, N):
+    X, pre_in, p, w, _ = _site_inputs(N, 64, seed=iters, peaked=True)
+    C = td.mhc_site(X, pre_in, p, w, HC, iters, HC_EPS, NORM_EPS)[2]
+    runs = {
+        k: ref.mhc_site(X, pre_in, p, w, HC, k, HC_EPS, NORM_EPS)[2] for k in (iters, iters + 1)
+    }
+    one_more = (runs[iters + 1] - runs[iters]).abs().max()
+    assert one_more > 1e-3  # the inputs are far from the Sinkhorn fixed point
+    assert (C - runs[iters]).abs().max() <= min(2e-5, one_more / 50)
+
+
+def test_mhc_site_invariants_at_zero_parameters():
+    X, pre_in, _, w, _ = _site_inputs(18, 64, seed=2)
+    p = HcParams(torch.zeros(24, HC * 64), torch.zeros(24), torch.zeros(3))
+    pre, post, C, _ = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    assert torch.allclose(pre, torch.full_like(pre, 0.5 + HC_EPS))
+    assert torch.equal(post, torch.ones_like(post))
+    assert torch.allclose(C, torch.full_like(C, 0.25), atol=1e-5)
+    assert torch.allclose(C.sum(1), torch.ones(18, HC), atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "N"), [(torch.float32, 19), (torch.bfloat16, 5)])
+def test_fused_fp8_epilogue_quantizes_the_site_output(dtype, N):
+    X, pre_in, p, w, _ = _site_inputs(N, 96, seed=7, dtype=dtype)
+    pre, post, C, x, codes, scales = td.mhc_site_fp8(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    plain = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    for a, b in zip((pre, post, C, x), plain, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    want = ref.fp8_act_quant(x)
+    assert torch.equal(_bits(codes), _bits(want[0])) and torch.equal(_bits(scales), _bits(want[1]))
+    # the FFN form: the expand in front, the quantizer behind
+    y = torch.randn(N, 96).to(dtype)
+    got = td.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    plain = td.mhc_expand_site(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    assert len(got) == 7
+    for a, b in zip(got[:5], plain, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    want = ref.fp8_act_quant(got[4])
+    assert torch.equal(_bits(got[5]), _bits(want[0])) and torch.equal(_bits(got[6]), _bits(want[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_expand_within_the_stated_bound(dtype):
+    X, pre_in, p, w, y = _site_inputs(37, 96, seed=11, dtype=dtype)
+    _, post, C, _ = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    got = td.hc_expand(y, X, post, C)
+    assert got.dtype == dtype and got.shape == X.shape
+    want = ref.hc_expand(y.double(), X.double(), post.double(), C.double())
+    mag = torch.einsum("nij,nid->njd", C.double(), X.double().abs())
+    mag = mag + post.double()[..., None] * y.double().abs()[:, None]
+    if dtype == torch.float32:
+        assert ((got.double() - want).abs() <= 8 * U * mag).all()
+    else:
+        want_bf16 = ref.hc_expand(y, X, post, C).float()
+        ulp = 2.0 ** (torch.frexp(want_bf16)[1] - 8).float()
+        assert ((got.float() - want_bf16).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize(("dtype", "N"), [(torch.float32, 21), (torch.bfloat16, 4)])
+def test_mhc_expand_site_is_expand_then_site(dtype, N):
+    X, pre_in, p, w, y = _site_inputs(N, 64, seed=13, dtype=dtype)
+    _, post, C, _ = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    got = td.mhc_expand_site(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    X2 = td.hc_expand(y, X, post, C)
+    want = (X2, *td.mhc_site(X2, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS))
+    assert len(got) == 5
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def test_site_falls_back_to_the_reference_outside_the_kernel():
+    X, pre_in, p, w, _ = _site_inputs(9, 64, seed=17)
+    X64, p64 = X.double(), _p64(p)
+    got = td.mhc_site(X64, pre_in.double(), p64, w.double(), HC, ITERS, HC_EPS, NORM_EPS)
+    want = ref.mhc_site(X64, pre_in.double(), p64, w.double(), HC, ITERS, HC_EPS, NORM_EPS)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="hc 2"):
+        td.mhc_site(X, pre_in, p, w, 2, ITERS, HC_EPS, NORM_EPS)
+    y64, post, C = torch.randn(9, 64, dtype=torch.float64), got[1], got[2]
+    assert torch.equal(td.hc_expand(y64, X64, post, C), ref.hc_expand(y64, X64, post, C))
+    args = (pre_in.double(), p64, w.double(), HC, ITERS, HC_EPS, NORM_EPS)
+    got = td.mhc_expand_site_fp8(y64, X64, post, C, *args)
+    want = ref.mhc_expand_site_fp8(y64, X64, post, C, *args)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+# --- custom ops and torch.compile -------------------------------------------------------------
+
+
+def test_custom_ops_pass_opcheck():
+    g = torch.Generator().manual_seed(19)
+    X, y = torch.randn(1, HC, 32, generator=g), torch.randn(1, 32, generator=g)
+    pre_in, post, C = torch.rand(1, HC), torch.rand(1, HC), torch.rand(1, HC, HC)
+    p = HcParams(torch.randn(24, HC * 32, generator=g) * 0.1, torch.randn(24), torch.rand(3))
+    w = torch.randn(32)
+    site = (pre_in, p.fn, p.base, p.scale, w, HC_EPS, NORM_EPS, ITERS)
+    ops = torch.ops.v41plan
+    torch.library.opcheck(ops.fp8_act_quant, (y, 32))
+    torch.library.opcheck(ops.fake_fp8, (y.bfloat16(), 32))
+    torch.library.opcheck(ops.hc_expand, (y, X, post, C))
+    torch.library.opcheck(ops.mhc_site, (X, *site, 32))
+    torch.library.opcheck(ops.mhc_expand_site, (y, X, post, C, *site, 0))
+
+
+def test_a_layer_of_custom_ops_compiles_without_graph_breaks():
+    X, pre_in, p, w, y = _site_inputs(2, 32, seed=23)
+
+    def dense_piece(X, pre_in, w, y):
+        pre, post, C, _ = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+        X2, f_pre, f_post, f_C, xf = td.mhc_expand_site(
+            y, X, post, C, pre, p, w, HC, ITERS, HC_EPS, NORM_EPS
+        )
+        codes, scales = td.fp8_act_quant(xf)
+        return td.hc_expand(td.fake_fp8(xf), X2, f_post, f_C), codes, scales, f_pre
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(dense_piece)(X, pre_in, w, y)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    targets = {str(n.target) for n in explained.graphs[0].graph.nodes if n.op == "call_function"}
+    assert {f"v41plan.{op}" for op in ("mhc_site", "mhc_expand_site", "fp8_act_quant")} <= targets
+    assert {"v41plan.hc_expand", "v41plan.fake_fp8"} <= targets
+    compiled = torch.compile(dense_piece, backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(X, pre_in, w, y), dense_piece(X, pre_in, w, y), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def test_torch_and_triton_sets_have_the_same_call_shapes():
+    import inspect
+
+    names = [n for n in vars(ref.TorchDense) if not n.startswith("_") and n != "name"]
+    assert sorted(names) == sorted(
+        n for n in vars(td.TritonDense) if not n.startswith("_") and n != "name"
+    )
+    for n in names:
+        a = inspect.signature(getattr(ref.TorchDense, n))
+        b = inspect.signature(getattr(td.TritonDense, n))
+        assert list(a.parameters) == list(b.parameters), n

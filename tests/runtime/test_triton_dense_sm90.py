@@ -1,0 +1,32 @@
+"""The fused dense kernels compile for sm_90 on a CPU machine (Triton's own ``ptxas``).
+
+The interpreter tests run the kernels' arithmetic, not the GPU compiler: this runs
+``scripts/check_dense_kernels_sm90.py --quick`` in a fresh process (without ``TRITON_INTERPRET``,
+which ``test_triton_dense.py`` sets in this one) so a kernel only the compiler refuses fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_dense_kernels_sm90.py"
+
+
+@pytest.mark.slow
+def test_every_kernel_form_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "0 failed" in res.stdout and res.stdout.count("ok ") == 4

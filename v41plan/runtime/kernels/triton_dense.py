@@ -1,0 +1,997 @@
+"""Fused dense-path kernels (Triton): the mHC site, ``hc_expand`` and the FP8 activation quantizer.
+
+Each function here has the call shape of the torch composition it replaces
+(``v41plan.runtime.kernels.dense_ref``) and runs as one kernel launch:
+
+- ``mhc_site`` / ``mhc_site_fp8``: at one mHC site, the mix statistics (``flatten(X) @ fn.T``
+  times the rsqrt-mean-square factor, float32 accumulation), the sigmoids, the softmax and
+  every Sinkhorn iteration (a 4x4 matrix per token, in registers), the collapse with the
+  previous site's pre-mix and the RMSNorm; ``mhc_site_fp8`` also quantizes the normed ``x`` in
+  its epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes). Two forms
+  (``SITE_CONFIGS``): one token per program with the mix as per-lane products (decode), or 16
+  tokens per program with the mix as a ``tl.dot`` (prefill).
+- ``mhc_expand_site``: the previous sublayer's ``hc_expand`` fused in front of the site (for
+  rows where both run, e.g. every decode row).
+- ``hc_expand``: ``X'[j] = post[j] * y + sum_i C[i][j] * X[i]`` alone.
+- ``fp8_act_quant`` (codes + scales) and ``fake_fp8`` (dequantized): bit-exact with
+  ``v41plan.model.quant.fake_fp8``.
+
+Every op is a ``torch.library.custom_op`` (``torch.ops.v41plan.*``) with a fake (meta)
+implementation, so ``torch.compile(fullgraph=True)`` keeps each as one opaque node. On CUDA
+tensors the ops launch the Triton kernels; on CPU tensors they run the same kernels under the
+Triton interpreter when this module was imported with ``TRITON_INTERPRET=1``, else the torch
+reference. Inputs the kernels do not cover (float64 streams, ``hc != 4``, widths not a multiple
+of the quantizer block) also take the torch reference, so every call shape stays valid.
+
+Arithmetic and its accuracy (X in bf16 or float32; the mHC parameters, ``pre``/``post``/``C``
+and all accumulation in float32):
+
+- The quantizer is exact integer/power-of-two arithmetic: the scale ``pow2ceil(max(amax,
+  1e-4) / 448)`` (a correctly rounded division, then the fp32 bit pattern), the codes
+  round-to-nearest-even and saturating, assembled from bits. No float rounding step can differ
+  from the reference, so codes, scales and dequantized values are bit-identical (finite inputs;
+  NaN/inf blocks are out of scope). Casts to bf16 are explicit round-to-nearest-even (the
+  interpreter's own cast truncates).
+- mHC site, against the float64 evaluation of the same formulas on the same inputs, with
+  ``u = 2**-24``, ``K = hc * D``, ``r`` the site's rsqrt-mean-square factor and
+  ``E = c * u * r * max_j sum_l |f_l fn[j, l]|``, the worst-case error of the mix dot scaled
+  like ``m`` (tiny against 1 for normal inputs). ``c = mix_error_terms(N, K)``: ``K`` for
+  float32 products or FMAs summed in any order; ``6K + 16`` for the ``tf32x3`` tensor-core GEMM
+  of the prefill form (each term is three exact TF32 products, the dropped low*low product and
+  the splits' rounding stay within ``12u`` of it; three accumulations of ``K`` terms, each
+  addition within ``2u`` as tensor cores may truncate instead of rounding):
+
+  * ``|pre - pre64| <= |scale[0]| * E / 4 + 16u`` (sigmoid is 1/4-Lipschitz),
+  * ``|post - post64| <= |scale[1]| * E / 2 + 32u``,
+  * ``|C - C64| <= 4 * |scale[2]| * E + 64u * iters`` (the softmax at most doubles an error of
+    its logits; each Sinkhorn normalization adds a few ulps and does not amplify the error
+    already there, which the tests check over random and peaked matrices),
+  * float32 X: ``|x - x64| <= 8u * rx * |w| * sum_k |pre_in[k] X[k]| + (D/2 + 8) u * |x64|``
+    with ``rx`` the norm's rsqrt factor (collapse, then the norm's sum of squares);
+    bf16 X: ``x`` is rounded twice to bf16 (after the collapse, after the norm) exactly where
+    the torch reference rounds, so it is within 2 bf16 ulps of the reference run in bf16 and
+    float32 accumulation.
+
+  The bounds are per element; ``tests/runtime/test_triton_dense.py`` checks them.
+- ``hc_expand``: ``|X' - X'64| <= 8u * (sum_i |C[i][j] X[i]| + |post[j] y|)`` in float32,
+  one bf16 rounding (a half ulp, or one ulp against a bf16 reference) otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from v41plan.model import quant as Q
+from v41plan.model.layers import HcParams
+from v41plan.runtime.kernels import dense_ref
+
+__all__ = [
+    "INTERPRETED",
+    "SITE_CONFIGS",
+    "TritonDense",
+    "fake_fp8",
+    "fp8_act_quant",
+    "hc_expand",
+    "mhc_expand_site",
+    "mhc_expand_site_fp8",
+    "mhc_site",
+    "mhc_site_fp8",
+    "mix_error_terms",
+    "site_config",
+]
+
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+"""True when this module's kernels were built for the Triton interpreter (``TRITON_INTERPRET=1``
+at import): CPU tensors then run the kernels themselves instead of the torch reference."""
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_HC = 4  # the kernel keeps one 4x4 Sinkhorn matrix per token in registers
+SITE_CONFIGS: list[tuple[int, tuple[str, int, int, int]]] = [
+    (16, ("products", 1, 128, 4)),
+    (1 << 62, ("tf32x3", 16, 32, 4)),
+]
+"""The site kernel by token count, the first bound that holds: ``(mix, tokens per program,
+lanes per chunk, warps)``. ``products``: one token per program, the mix as per-lane float32
+products summed once (decode batches: as many programs as tokens, no wasted rows; lanes per
+chunk = 32 * warps keeps every tile in one layout). ``tf32x3`` / ``ieee``: ``tl.dot`` over
+``tokens per program`` rows (prefill: every program reads all of ``fn``, so fewer programs
+mean less L2 traffic). Lanes per chunk stay a multiple of the quantizer block (32)."""
+_QUANT_TILE = 2048  # elements per quantizer program (about 16 per thread)
+
+
+# --- device helpers -----------------------------------------------------------------------
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 ``v`` rounded to the nearest bf16 value (ties to even), still as fp32."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_stream(v, X_BF16: tl.constexpr):
+    """fp32 ``v`` rounded to the stream dtype (bf16 or fp32), still as fp32."""
+    if X_BF16:
+        v = _round_bf16(v)
+    return v
+
+
+@triton.jit
+def _fp8_e4m3_pow2(v):
+    """FP8 E4M3 with one pow2 scale per block along the last axis of fp32 ``v [R, G, B]``.
+
+    Returns (codes as int32 byte values [R, G, B], dequantized fp32 [R, G, B], scales fp32
+    [R, G]). Only exact operations: a correctly rounded division, power-of-two products and
+    integer rounding.
+    """
+    amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)
+    sbits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+    sexp = ((sbits >> 23) & 0xFF) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (sexp << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - sexp) << 23).to(tl.float32, bitcast=True)  # 1/scale, exact
+    y = v * inv[:, :, None]
+    neg = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    a = tl.minimum(tl.abs(y), 448.0)
+    # floor(log2 a), clamped at E4M3's smallest normal exponent (subnormals share its quantum)
+    ex = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    t = a * ((130 - ex) << 23).to(tl.float32, bitcast=True)  # a / 2**(ex - 3), in [0, 16)
+    n = t.to(tl.int32)
+    frac = t - n.to(tl.float32)
+    n = n + ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
+    # the magnitude code: 8 * (biased exponent - 1) + mantissa with its implicit bit; a
+    # round-up to 16 carries into the exponent by itself
+    code = (8 * (ex + 6) + n) | (neg << 7)
+    mag = (n.to(tl.float32) * ((124 + ex) << 23).to(tl.float32, bitcast=True)) * scale[:, :, None]
+    deq = (mag.to(tl.int32, bitcast=True) | (neg << 31)).to(tl.float32, bitcast=True)
+    return code, deq, scale
+
+
+@triton.jit(do_not_specialize=["M"])  # one build for every batch width
+def _fp8_quant_kernel(
+    x_ptr,
+    out_ptr,
+    codes_ptr,
+    scales_ptr,
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DEQUANT: tl.constexpr,
+):
+    """Quantize rows ``x [M, K]``: a ``BLOCK_M`` x ``GROUPS * BLOCK`` tile per program."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    lane = tl.arange(0, BLOCK)
+    col = grp[None, :, None] * BLOCK + lane[None, None, :]
+    r3 = rows[:, None, None].to(tl.int64)
+    mask = (rows[:, None, None] < M) & (col < K)
+    off = r3 * K + col
+    v = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    code, deq, scale = _fp8_e4m3_pow2(v)
+    if DEQUANT:
+        tl.store(out_ptr + off, deq.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(codes_ptr + off, code.to(tl.uint8), mask=mask)
+        ngroups = K // BLOCK
+        smask = (rows[:, None] < M) & (grp[None, :] < ngroups)
+        soff = rows[:, None].to(tl.int64) * ngroups + grp[None, :]
+        tl.store(scales_ptr + soff, scale, mask=smask)
+
+
+@triton.jit
+def _expand_stream(x0, x1, x2, x3, y, C_ptr, post_ptr, r64, rmask, j: tl.constexpr):
+    """Destination stream ``j``: ``sum_i C[i][j] X[i] + post[j] y`` in fp32; ``r64`` and
+    ``rmask`` are the tokens, shaped to broadcast against the tiles."""
+    c0 = tl.load(C_ptr + r64 * 16 + 0 + j, mask=rmask, other=0.0)
+    c1 = tl.load(C_ptr + r64 * 16 + 4 + j, mask=rmask, other=0.0)
+    c2 = tl.load(C_ptr + r64 * 16 + 8 + j, mask=rmask, other=0.0)
+    c3 = tl.load(C_ptr + r64 * 16 + 12 + j, mask=rmask, other=0.0)
+    q = tl.load(post_ptr + r64 * 4 + j, mask=rmask, other=0.0)
+    return (((c0 * x0 + c1 * x1) + c2 * x2) + c3 * x3) + q * y
+
+
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _hc_expand_kernel(
+    y_ptr,
+    X_ptr,
+    post_ptr,
+    C_ptr,
+    out_ptr,
+    N,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    X_BF16: tl.constexpr,
+):
+    """``out [N, 4, D]`` = the expand of ``y [N, D]`` into ``X [N, 4, D]``."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    m2 = rmask[:, None] & (d[None, :] < D)
+    xo = r64[:, None] * (4 * D) + d[None, :]
+    x0 = tl.load(X_ptr + xo, mask=m2, other=0.0).to(tl.float32)
+    x1 = tl.load(X_ptr + xo + D, mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(X_ptr + xo + 2 * D, mask=m2, other=0.0).to(tl.float32)
+    x3 = tl.load(X_ptr + xo + 3 * D, mask=m2, other=0.0).to(tl.float32)
+    yv = tl.load(y_ptr + r64[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    for j in tl.static_range(4):
+        v = _expand_stream(x0, x1, x2, x3, yv, C_ptr, post_ptr, r64[:, None], rmask[:, None], j)
+        tl.store(out_ptr + xo + j * D, _to_stream(v, X_BF16).to(ty), mask=m2)
+
+
+@triton.jit
+def _load_streams(
+    X_ptr, xo, m, D, y_ptr, yo, C_prev_ptr, post_prev_ptr, rn, rm, X_out_ptr,
+    EXPAND: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """The four streams' chunk at offsets ``xo`` (fp32); with ``EXPAND`` first the previous
+    sublayer's expand of ``y`` (offsets ``yo``) into them, stored to ``X_out`` and returned."""
+    x0 = tl.load(X_ptr + xo, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(X_ptr + xo + D, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(X_ptr + xo + 2 * D, mask=m, other=0.0).to(tl.float32)
+    x3 = tl.load(X_ptr + xo + 3 * D, mask=m, other=0.0).to(tl.float32)
+    if EXPAND:
+        yv = tl.load(y_ptr + yo, mask=m, other=0.0).to(tl.float32)
+        n0 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 0), X_BF16
+        )
+        n1 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 1), X_BF16
+        )
+        n2 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 2), X_BF16
+        )
+        n3 = _to_stream(
+            _expand_stream(x0, x1, x2, x3, yv, C_prev_ptr, post_prev_ptr, rn, rm, 3), X_BF16
+        )
+        oty = X_out_ptr.dtype.element_ty
+        tl.store(X_out_ptr + xo, n0.to(oty), mask=m)
+        tl.store(X_out_ptr + xo + D, n1.to(oty), mask=m)
+        tl.store(X_out_ptr + xo + 2 * D, n2.to(oty), mask=m)
+        tl.store(X_out_ptr + xo + 3 * D, n3.to(oty), mask=m)
+        x0 = n0
+        x1 = n1
+        x2 = n2
+        x3 = n3
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _mix3(xk, fn_ptr, k: tl.constexpr, D, dd, dm3, jj3, acc_pp, acc_c):
+    """Add stream ``k``'s chunk ``xk [BN, 1, BD]`` times ``fn``'s matching columns to the mix
+    products ``acc_pp`` (pre and post, mixes 0..7 of 16) and ``acc_c`` (mixes 8..23), both
+    ``[BN, 16, BD]``: summed over the lanes once after the last chunk, so the loop needs no
+    cross-thread reduction and every tile keeps one layout."""
+    col = k * D + dd
+    rowlen = 4 * D
+    fpp = tl.load(fn_ptr + jj3 * rowlen + col, mask=dm3 & (jj3 < 8), other=0.0)
+    fc = tl.load(fn_ptr + (jj3 + 8) * rowlen + col, mask=dm3, other=0.0)
+    return acc_pp + xk * fpp, acc_c + xk * fc
+
+
+@triton.jit
+def _mix_dot(xk, fn_ptr, k: tl.constexpr, D, d, dmask, jj, acc_pp, acc_c, PRECISION: tl.constexpr):
+    """Add stream ``k``'s chunk ``xk [BN, BD]`` times ``fn``'s matching columns to the mix
+    accumulators ``acc_pp`` (mixes 0..7 of 16 columns) and ``acc_c`` (mixes 8..23), ``[BN, 16]``,
+    with ``tl.dot`` at ``PRECISION`` (``tf32x3``: three TF32 products on the tensor cores,
+    float32 accumulation; ``ieee``: float32 FMAs)."""
+    rowlen = 4 * D
+    col = k * D + d[:, None]
+    pp_mask = dmask[:, None] & (jj[None, :] < 8)
+    fpp = tl.load(fn_ptr + jj[None, :] * rowlen + col, mask=pp_mask, other=0.0)
+    fc = tl.load(fn_ptr + (jj[None, :] + 8) * rowlen + col, mask=dmask[:, None], other=0.0)
+    acc_pp = tl.dot(xk, fpp, acc_pp, input_precision=PRECISION)
+    acc_c = tl.dot(xk, fc, acc_c, input_precision=PRECISION)
+    return acc_pp, acc_c
+
+
+@triton.jit
+def _col(t, jj, c: tl.constexpr):
+    """Column ``c`` of ``t [BN, 16]`` as a ``[BN]`` vector (exact: the other terms are 0)."""
+    return tl.sum(tl.where(jj[None, :] == c, t, 0.0), axis=1)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """``(a, b, c, d) / (a + b + c + d + eps)``, elementwise over the token vectors."""
+    s = (((a + b) + c) + d) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """Softmax of one row of four logits, plus ``eps``."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    s = ((a + b) + c) + d
+    return (
+        tl.div_rn(a, s) + eps,
+        tl.div_rn(b, s) + eps,
+        tl.div_rn(c, s) + eps,
+        tl.div_rn(d, s) + eps,
+    )
+
+
+@triton.jit
+def _site_predict(
+    acc_pp, acc_c, ss, r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr,
+    hc_eps, norm_eps, D: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
+    """pre/post/C of the tokens ``r64`` from their raw mixes ``acc_pp``/``acc_c [BN, 16]`` and
+    sums of squares ``ss [BN]``. The 4x4 Sinkhorn matrix of each token is 16 token vectors, so
+    every normalization is elementwise (no cross-thread reduction inside the loop)."""
+    jj = tl.arange(0, 16)
+    r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, 4.0 * D) + norm_eps))
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    bpp = tl.load(base_ptr + jj, mask=jj < 8, other=0.0)
+    bc = tl.load(base_ptr + 8 + jj)
+    zpp = (acc_pp * r[:, None]) * tl.where(jj < 4, s0, s1)[None, :] + bpp[None, :]
+    g = tl.sigmoid(zpp)
+    o2 = r64[:, None] * 4 + jj[None, :]
+    tl.store(pre_ptr + o2, g + hc_eps, mask=rmask[:, None] & (jj[None, :] < 4))
+    post_mask = rmask[:, None] & (jj[None, :] >= 4) & (jj[None, :] < 8)
+    tl.store(post_ptr + o2 - 4, 2.0 * g, mask=post_mask)
+    z = (acc_c * r[:, None]) * s2 + bc[None, :]
+    # C[i][j] = cij: the softmax over j, the column normalization, then (row, column) pairs
+    c00, c01, c02, c03 = _softmax4(
+        _col(z, jj, 0), _col(z, jj, 1), _col(z, jj, 2), _col(z, jj, 3), hc_eps
+    )
+    c10, c11, c12, c13 = _softmax4(
+        _col(z, jj, 4), _col(z, jj, 5), _col(z, jj, 6), _col(z, jj, 7), hc_eps
+    )
+    c20, c21, c22, c23 = _softmax4(
+        _col(z, jj, 8), _col(z, jj, 9), _col(z, jj, 10), _col(z, jj, 11), hc_eps
+    )
+    c30, c31, c32, c33 = _softmax4(
+        _col(z, jj, 12), _col(z, jj, 13), _col(z, jj, 14), _col(z, jj, 15), hc_eps
+    )
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    for _it in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    cp = C_ptr + r64 * 16
+    tl.store(cp + 0, c00, mask=rmask)
+    tl.store(cp + 1, c01, mask=rmask)
+    tl.store(cp + 2, c02, mask=rmask)
+    tl.store(cp + 3, c03, mask=rmask)
+    tl.store(cp + 4, c10, mask=rmask)
+    tl.store(cp + 5, c11, mask=rmask)
+    tl.store(cp + 6, c12, mask=rmask)
+    tl.store(cp + 7, c13, mask=rmask)
+    tl.store(cp + 8, c20, mask=rmask)
+    tl.store(cp + 9, c21, mask=rmask)
+    tl.store(cp + 10, c22, mask=rmask)
+    tl.store(cp + 11, c23, mask=rmask)
+    tl.store(cp + 12, c30, mask=rmask)
+    tl.store(cp + 13, c31, mask=rmask)
+    tl.store(cp + 14, c32, mask=rmask)
+    tl.store(cp + 15, c33, mask=rmask)
+
+
+@triton.jit
+def _site_norm(
+    xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr,
+    QUANT: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """Pass 2: RMSNorm of the collapse ``x`` pass 1 stored (sums of squares ``xs [BN]``), in
+    place, and its FP8 quant. Other threads wrote ``x``: a barrier first, loads through L2."""
+    tl.debug_barrier()
+    rx = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(xs, 1.0 * D) + norm_eps))
+    G: tl.constexpr = BLOCK_D // QBLOCK
+    gi = tl.arange(0, G)
+    lane = tl.arange(0, QBLOCK)
+    ngroups = D // QBLOCK
+    xty = x_ptr.dtype.element_ty
+    for d0 in range(0, D, BLOCK_D):
+        col = d0 + gi[None, :, None] * QBLOCK + lane[None, None, :]
+        cmask = col < D
+        m3 = rmask[:, None, None] & cmask
+        off = r64[:, None, None] * D + col
+        xv = tl.load(x_ptr + off, mask=m3, other=0.0, cache_modifier=".cg").to(tl.float32)
+        wv = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        yv = _to_stream((xv * rx[:, None, None]) * wv, X_BF16)
+        tl.store(x_ptr + off, yv.to(xty), mask=m3)
+        if QUANT:
+            code, _deq, sc = _fp8_e4m3_pow2(yv)
+            tl.store(codes_ptr + off, code.to(tl.uint8), mask=m3)
+            grp = d0 // QBLOCK + gi
+            smask = rmask[:, None] & (grp[None, :] < ngroups)
+            tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], sc, mask=smask)
+
+
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _mhc_site_kernel(
+    X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
+    X_out_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
+    N, hc_eps, norm_eps,
+    D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """One mHC site for ``BLOCK_N`` (1 or 2) tokens (hc = 4), optionally behind the previous
+    expand: the decode form.
+
+    Pass 1 streams ``X`` once in ``BLOCK_D`` chunks on ``[BN, 1, BD]`` tiles (one layout family,
+    ``BLOCK_D = 32 * warps``): the mix products, both sums of squares and the collapse (stored
+    unnormalized in ``x``). Then the prediction (``_site_predict``) and pass 2 (``_site_norm``).
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    rn = r64[:, None, None]
+    rm3 = rmask[:, None, None]
+    jj3 = tl.arange(0, 16)[None, :, None]
+    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm3, other=0.0)
+    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm3, other=0.0)
+    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm3, other=0.0)
+    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm3, other=0.0)
+    acc_pp = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xty = x_ptr.dtype.element_ty
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+        dm3 = dd < D
+        m3 = rm3 & dm3
+        xo = rn * (4 * D) + dd
+        x0, x1, x2, x3 = _load_streams(
+            X_ptr, xo, m3, D, y_ptr, rn * D + dd, C_prev_ptr, post_prev_ptr, rn, rm3, X_out_ptr,
+            EXPAND, X_BF16,
+        )  # fmt: skip
+        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        acc_pp, acc_c = _mix3(x0, fn_ptr, 0, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x1, fn_ptr, 1, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x2, fn_ptr, 2, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x3, fn_ptr, 3, D, dd, dm3, jj3, acc_pp, acc_c)
+        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
+        xs += xc * xc
+        tl.store(x_ptr + rn * D + dd, xc.to(xty), mask=m3)
+    _site_predict(
+        tl.sum(acc_pp, axis=2), tl.sum(acc_c, axis=2), tl.sum(tl.sum(ss, axis=2), axis=1),
+        r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr, hc_eps, norm_eps, D, ITERS,
+    )  # fmt: skip
+    _site_norm(
+        tl.sum(tl.sum(xs, axis=2), axis=1), r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr,
+        norm_eps, D, BLOCK_D, QBLOCK, QUANT, X_BF16,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _mhc_site_dot_kernel(
+    X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
+    X_out_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
+    N, hc_eps, norm_eps,
+    D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_mhc_site_kernel`` for 16 tokens or more per program (prefill): the mix GEMM is a
+    ``tl.dot`` per stream and chunk on ``[BN, BD]`` tiles, so ``fn`` is read once per
+    ``BLOCK_N`` tokens."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    rn = r64[:, None]
+    rm2 = rmask[:, None]
+    jj = tl.arange(0, 16)
+    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm2, other=0.0)
+    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm2, other=0.0)
+    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm2, other=0.0)
+    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm2, other=0.0)
+    acc_pp = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    xty = x_ptr.dtype.element_ty
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        m2 = rm2 & dmask[None, :]
+        xo = rn * (4 * D) + d[None, :]
+        x0, x1, x2, x3 = _load_streams(
+            X_ptr, xo, m2, D, y_ptr, rn * D + d[None, :], C_prev_ptr, post_prev_ptr, rn, rm2,
+            X_out_ptr, EXPAND, X_BF16,
+        )  # fmt: skip
+        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        acc_pp, acc_c = _mix_dot(x0, fn_ptr, 0, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        acc_pp, acc_c = _mix_dot(x1, fn_ptr, 1, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        acc_pp, acc_c = _mix_dot(x2, fn_ptr, 2, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        acc_pp, acc_c = _mix_dot(x3, fn_ptr, 3, D, d, dmask, jj, acc_pp, acc_c, PRECISION)
+        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
+        xs += xc * xc
+        tl.store(x_ptr + rn * D + d[None, :], xc.to(xty), mask=m2)
+    _site_predict(
+        acc_pp, acc_c, tl.sum(ss, axis=1), r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr,
+        C_ptr, hc_eps, norm_eps, D, ITERS,
+    )  # fmt: skip
+    _site_norm(
+        tl.sum(xs, axis=1), r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D,
+        BLOCK_D, QBLOCK, QUANT, X_BF16,
+    )  # fmt: skip
+
+
+# --- launchers ----------------------------------------------------------------------------
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    """The largest power of two ``<= min(n, cap)`` (at least 1)."""
+    p = 1
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _quant_kernel_ok(x: torch.Tensor, block: int) -> bool:
+    """Whether the quantizer kernel covers ``x`` (else the torch reference runs)."""
+    return (
+        x.dtype in _KERNEL_DTYPES
+        and x.dim() >= 1
+        and x.shape[-1] % block == 0
+        and block >= 1
+        and block & (block - 1) == 0
+        and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
+    )
+
+
+def _launch_quant(x: torch.Tensor, block: int, dequant: bool):
+    """Run the quantizer kernel over ``x [..., K]``: dequantized values, or (codes, scales)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    groups = _pow2_at_most(K // block, max(1, 1024 // block)) if K else 1
+    block_m = min(_next_pow2(max(M, 1)), max(1, _QUANT_TILE // (groups * block)))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K // block, groups))
+    if dequant:
+        out = torch.empty_like(x2)
+        codes = scales = out  # unused by the kernel
+    else:
+        codes = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+        scales = torch.empty((M, K // block), dtype=torch.float32, device=x.device)
+        out = x2  # unused by the kernel
+    if M and K:
+        _fp8_quant_kernel[grid](
+            x2, out, codes, scales, M, K, BLOCK_M=block_m, GROUPS=groups, BLOCK=block,
+            DEQUANT=dequant, num_warps=4,
+        )  # fmt: skip
+    if dequant:
+        return out.reshape(x.shape)
+    lead = x.shape[:-1]
+    return codes.view(torch.float8_e4m3fn).reshape(x.shape), scales.reshape(*lead, K // block)
+
+
+def mix_error_terms(N: int, K: int) -> int:
+    """``c`` of the site's mix error bound (module docstring) for ``N`` tokens, ``K = hc * D``:
+    ``K`` for float32 products or FMAs, ``6K + 16`` for the ``tf32x3`` GEMM."""
+    return 6 * K + 16 if site_config(N)[0] == "tf32x3" else K
+
+
+def site_config(N: int) -> tuple[str, int, int, int]:
+    """``(mix, tokens per program, lanes per chunk, warps)`` of the site kernel for ``N``
+    tokens (``SITE_CONFIGS``)."""
+    return next(cfg for bound, cfg in SITE_CONFIGS if N <= bound)
+
+
+def _site_kernel_ok(X: torch.Tensor, D: int, hc: int, quant_block: int | None) -> bool:
+    """Whether the site kernel covers these streams (else the torch reference runs)."""
+    ok = (
+        X.dtype in _KERNEL_DTYPES
+        and hc == _HC
+        and X.dim() == 3
+        and X.shape[1] == _HC
+        and (X.is_cuda or (INTERPRETED and X.device.type == "cpu"))
+    )
+    if quant_block is not None:
+        ok = ok and D % quant_block == 0 and 32 % quant_block == 0
+    return ok
+
+
+def _launch_site(
+    X: torch.Tensor,
+    pre_in: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    iters: int,
+    expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    quant_block: int | None,
+) -> tuple[torch.Tensor, ...]:
+    """Run the site kernel: ``(X_out or None, pre, post, C, x, codes or None, scales or
+    None)``."""
+    N, hc, D = X.shape
+    dev = X.device
+    f32 = torch.float32
+    X = X.contiguous()
+    pre_in = pre_in.to(f32).contiguous()
+    fn = fn.to(f32).contiguous()
+    base = base.to(f32).contiguous()
+    scale = scale.to(f32).contiguous()
+    norm_weight = norm_weight.contiguous()
+    pre = torch.empty((N, hc), dtype=f32, device=dev)
+    post = torch.empty((N, hc), dtype=f32, device=dev)
+    C = torch.empty((N, hc, hc), dtype=f32, device=dev)
+    x = torch.empty((N, D), dtype=X.dtype, device=dev)
+    qb = quant_block or 32
+    codes = torch.empty((N, D), dtype=torch.uint8, device=dev) if quant_block else x
+    scales = torch.empty((N, D // qb), dtype=f32, device=dev) if quant_block else pre
+    if expand is not None:
+        y, post_prev, C_prev = expand
+        y = y.contiguous()
+        post_prev = post_prev.to(f32).contiguous()
+        C_prev = C_prev.to(f32).contiguous()
+        X_out = torch.empty_like(X)
+    else:
+        y, post_prev, C_prev, X_out = X, pre_in, pre_in, X  # unused by the kernel
+    mix, block_n, block_d, warps = site_config(N)
+    kernel, extra = _mhc_site_kernel, {}
+    if mix != "products":
+        kernel, extra = _mhc_site_dot_kernel, {"PRECISION": mix}
+    if N:
+        kernel[(triton.cdiv(N, block_n),)](
+            X, pre_in, fn, base, scale, norm_weight, y, post_prev, C_prev, X_out,
+            pre, post, C, x, codes, scales,
+            N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters),
+            BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb,
+            EXPAND=expand is not None, QUANT=quant_block is not None,
+            X_BF16=X.dtype == torch.bfloat16, num_warps=warps, **extra,
+        )  # fmt: skip
+    return (
+        X_out if expand is not None else None,
+        pre,
+        post,
+        C,
+        x,
+        codes.view(torch.float8_e4m3fn) if quant_block else None,
+        scales if quant_block else None,
+    )
+
+
+def _expand_kernel_ok(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor) -> bool:
+    """Whether the expand kernel covers these operands (else the torch reference runs)."""
+    return (
+        X.dtype in _KERNEL_DTYPES
+        and y.dtype in _KERNEL_DTYPES
+        and post.dtype == torch.float32
+        and X.dim() == 3
+        and X.shape[1] == _HC
+        and (X.is_cuda or (INTERPRETED and X.device.type == "cpu"))
+    )
+
+
+def _launch_expand(y, X, post, C) -> torch.Tensor:
+    """Run the expand kernel over ``X [N, 4, D]``."""
+    N, _, D = X.shape
+    X = X.contiguous()
+    out = torch.empty_like(X)
+    if N and D:
+        block_d = _pow2_at_most(D, 256)
+        block_n = max(1, min(_next_pow2(N), 1024 // block_d))
+        grid = (triton.cdiv(N, block_n), triton.cdiv(D, block_d))
+        _hc_expand_kernel[grid](
+            y.contiguous(), X, post.contiguous(), C.contiguous(), out, N, D,
+            BLOCK_N=block_n, BLOCK_D=block_d, X_BF16=X.dtype == torch.bfloat16, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# --- custom ops (opaque to torch.compile) ---------------------------------------------------
+
+
+def _params(fn, base, scale) -> HcParams:
+    return HcParams(fn, base, scale)
+
+
+@torch.library.custom_op("v41plan::fp8_act_quant", mutates_args=())
+def _fp8_act_quant_op(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes ``float8_e4m3fn``, pow2 float32 scales) of ``x``; see ``fp8_act_quant``."""
+    if _quant_kernel_ok(x, block):
+        return _launch_quant(x, block, dequant=False)
+    return dense_ref.fp8_act_quant(x, block)
+
+
+@_fp8_act_quant_op.register_fake
+def _(x, block):
+    lead = x.shape[:-1]
+    return (
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        x.new_empty((*lead, x.shape[-1] // block), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("v41plan::fake_fp8", mutates_args=())
+def _fake_fp8_op(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``quant.fake_fp8(x, block)`` with the quantizer on (the wrapper checks the switch)."""
+    if _quant_kernel_ok(x, block):
+        return _launch_quant(x, block, dequant=True)
+    with Q.fake_quant(True):
+        return Q.fake_fp8(x, block).clone()
+
+
+@_fake_fp8_op.register_fake
+def _(x, block):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("v41plan::hc_expand", mutates_args=())
+def _hc_expand_op(
+    y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
+) -> torch.Tensor:
+    """``layers.hc_expand(y, X, post, C)`` as one kernel."""
+    if _expand_kernel_ok(y, X, post):
+        return _launch_expand(y, X, post, C)
+    return dense_ref.hc_expand(y, X, post, C)
+
+
+@_hc_expand_op.register_fake
+def _(y, X, post, C):
+    return torch.empty_like(X)
+
+
+def _empty_codes(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (codes, scales) placeholders of a site run without the quantizer: ``[N, 0]``."""
+    n = X.shape[0]
+    return (
+        X.new_empty((n, 0), dtype=torch.float8_e4m3fn),
+        X.new_empty((n, 0), dtype=torch.float32),
+    )
+
+
+def _site_fake(X, quant_block):
+    n, hc, D = X.shape
+    f32 = torch.float32
+    qb = quant_block if quant_block > 0 else None
+    codes = X.new_empty((n, D if qb else 0), dtype=torch.float8_e4m3fn)
+    scales = X.new_empty((n, D // qb if qb else 0), dtype=f32)
+    return (
+        X.new_empty((n, hc), dtype=f32),
+        X.new_empty((n, hc), dtype=f32),
+        X.new_empty((n, hc, hc), dtype=f32),
+        X.new_empty((n, D)),
+        codes,
+        scales,
+    )
+
+
+def _site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb):
+    """The torch composition behind the site op (operands the kernel does not cover)."""
+    hc = X.shape[1]
+    p = _params(fn, base, scale)
+    if qb:
+        return dense_ref.mhc_site_fp8(X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps, qb)
+    out = dense_ref.mhc_site(X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps)
+    return (*out, *_empty_codes(X))
+
+
+@torch.library.custom_op("v41plan::mhc_site", mutates_args=())
+def _mhc_site_op(
+    X: torch.Tensor,
+    pre_in: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    iters: int,
+    quant_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, C, x, codes, scales) of one site; ``quant_block`` 0: no quantizer (codes
+    and scales ``[N, 0]``)."""
+    qb = quant_block if quant_block > 0 else None
+    if _site_kernel_ok(X, X.shape[-1], X.shape[1], qb) and fn.dtype == torch.float32:
+        _, pre, post, C, x, codes, scales = _launch_site(
+            X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, None, qb
+        )
+        if qb is None:
+            codes, scales = _empty_codes(X)
+        return pre, post, C, x, codes, scales
+    return tuple(_site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb))
+
+
+@_mhc_site_op.register_fake
+def _(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, quant_block):
+    return _site_fake(X, quant_block)
+
+
+@torch.library.custom_op("v41plan::mhc_expand_site", mutates_args=())
+def _mhc_expand_site_op(
+    y: torch.Tensor,
+    X: torch.Tensor,
+    post_prev: torch.Tensor,
+    C_prev: torch.Tensor,
+    pre_in: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    iters: int,
+    quant_block: int,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """(X2, pre, post, C, x, codes, scales): the expand into ``X`` then the site on ``X2``."""
+    qb = quant_block if quant_block > 0 else None
+    if (
+        _site_kernel_ok(X, X.shape[-1], X.shape[1], qb)
+        and _expand_kernel_ok(y, X, post_prev)
+        and fn.dtype == torch.float32
+    ):
+        X2, pre, post, C, x, codes, scales = _launch_site(
+            X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters,
+            (y, post_prev, C_prev), qb,
+        )  # fmt: skip
+        if qb is None:
+            codes, scales = _empty_codes(X)
+        return X2, pre, post, C, x, codes, scales
+    X2 = dense_ref.hc_expand(y, X, post_prev, C_prev)
+    site = _site_ref(X2, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb)
+    return (X2, *site)
+
+
+@_mhc_expand_site_op.register_fake
+def _(y, X, post_prev, C_prev, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb):
+    return (torch.empty_like(X), *_site_fake(X, qb))
+
+
+# --- drop-in wrappers (the torch functions' call shapes) ------------------------------------
+
+
+def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 activation format of ``x [..., K]`` in one kernel: E4M3 codes
+    (``float8_e4m3fn [..., K]``) and pow2 float32 scales ``[..., K/block]``;
+    ``codes * scales == quant.fake_fp8(x, block)`` bit for bit."""
+    return torch.ops.v41plan.fp8_act_quant(x, block)
+
+
+def fake_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``quant.fake_fp8(x, block)`` in one kernel, bit for bit (fp32 and bf16; float64 takes
+    the reference). Honours ``set_fake_quant``."""
+    if not Q.fake_quant_enabled():
+        return x
+    return torch.ops.v41plan.fake_fp8(x, block)
+
+
+def hc_expand(
+    y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
+) -> torch.Tensor:
+    """``layers.hc_expand`` in one kernel: ``X'[j] = post[j] * y + sum_i C[i][j] * X[i]``."""
+    return torch.ops.v41plan.hc_expand(y, X, post, C)
+
+
+def mhc_site(
+    X: torch.Tensor,
+    pre_in: torch.Tensor,
+    p: HcParams,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dense_ref.mhc_site`` in one kernel: ``(pre, post, C, x)``."""
+    if hc != X.shape[1]:
+        raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
+    out = torch.ops.v41plan.mhc_site(
+        X, pre_in, p.fn, p.base, p.scale, norm_weight, hc_eps, norm_eps, iters, 0
+    )
+    return out[0], out[1], out[2], out[3]
+
+
+def mhc_site_fp8(
+    X: torch.Tensor,
+    pre_in: torch.Tensor,
+    p: HcParams,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    block: int = 32,
+) -> tuple[torch.Tensor, ...]:
+    """``dense_ref.mhc_site_fp8`` in one kernel: ``(pre, post, C, x, codes, scales)``, the
+    codes and scales being ``fp8_act_quant(x, block)``."""
+    if hc != X.shape[1]:
+        raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
+    return tuple(
+        torch.ops.v41plan.mhc_site(
+            X, pre_in, p.fn, p.base, p.scale, norm_weight, hc_eps, norm_eps, iters, block
+        )
+    )
+
+
+def mhc_expand_site(
+    y: torch.Tensor,
+    X: torch.Tensor,
+    post_prev: torch.Tensor,
+    C_prev: torch.Tensor,
+    pre_in: torch.Tensor,
+    p: HcParams,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, ...]:
+    """``dense_ref.mhc_expand_site`` in one kernel: ``(X2, pre, post, C, x)``."""
+    if hc != X.shape[1]:
+        raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
+    out = torch.ops.v41plan.mhc_expand_site(
+        y, X, post_prev, C_prev, pre_in, p.fn, p.base, p.scale, norm_weight,
+        hc_eps, norm_eps, iters, 0,
+    )  # fmt: skip
+    return out[0], out[1], out[2], out[3], out[4]
+
+
+def mhc_expand_site_fp8(
+    y: torch.Tensor,
+    X: torch.Tensor,
+    post_prev: torch.Tensor,
+    C_prev: torch.Tensor,
+    pre_in: torch.Tensor,
+    p: HcParams,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    block: int = 32,
+) -> tuple[torch.Tensor, ...]:
+    """``dense_ref.mhc_expand_site_fp8`` in one kernel: ``(X2, pre, post, C, x, codes,
+    scales)``."""
+    if hc != X.shape[1]:
+        raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
+    return tuple(
+        torch.ops.v41plan.mhc_expand_site(
+            y, X, post_prev, C_prev, pre_in, p.fn, p.base, p.scale, norm_weight,
+            hc_eps, norm_eps, iters, block,
+        )
+    )  # fmt: skip
+
+
+class TritonDense:
+    """The fused dense pieces as one object (``dense_ref`` has the same functions)."""
+
+    name = "triton"
+    fp8_act_quant = staticmethod(fp8_act_quant)
+    fake_fp8 = staticmethod(fake_fp8)
+    hc_expand = staticmethod(hc_expand)
+    mhc_site = staticmethod(mhc_site)
+    mhc_site_fp8 = staticmethod(mhc_site_fp8)
+    mhc_expand_site = staticmethod(mhc_expand_site)
+    mhc_expand_site_fp8 = staticmethod(mhc_expand_site_fp8)
