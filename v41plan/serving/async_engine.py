@@ -475,9 +475,9 @@ class AsyncEngine:
                     continue
                 new_total += self._collect_choice(handle, c)
             if new_total:
+                self.metrics.observe_tokens(handle, new_total, now)
                 if handle.first_token is None:
                     handle.first_token = now
-                self.metrics.observe_tokens(handle, new_total, now)
                 handle.last_token = now
             if handle.done:
                 handle.finished = now

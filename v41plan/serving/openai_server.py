@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import json
 import math
+import signal
 import threading
 import time
 import uuid
@@ -799,8 +800,12 @@ def _uvicorn_server(server: OpenAIServer, host: str, port: int, grace_s: float, 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # In-flight requests get grace_s to finish, then are cut with finish_reason set.
+            # The signal is not re-raised after the drain: the command exits 0 (torchrun's
+            # other ranks have been told to stop by then).
             engine.drain(grace_s)
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     config = uvicorn.Config(
         server.app,
