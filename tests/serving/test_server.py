@@ -30,7 +30,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from v41plan.serving.openai_server import OpenAIServer, start_in_thread  # noqa: E402
+from v41plan.serving.openai_server import OpenAIServer, start_in_thread
 
 OPTIONS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
 PROMPTS = ["The sky is", "Once upon a", "hello world", "1, 2, 3,"]
@@ -99,8 +99,9 @@ def test_completions_greedy_equal_generate(live, offline):
     one = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert one.choices[0].text == want[0]
     assert one.choices[0].finish_reason in ("length", "stop")
-    tok = c.completions.create(model="tiny", prompt=list(PROMPTS[1].encode()), max_tokens=8,
-                               temperature=0)  # fmt: skip
+    tok = c.completions.create(
+        model="tiny", prompt=list(PROMPTS[1].encode()), max_tokens=8, temperature=0
+    )
     assert tok.choices[0].text == want[1]
 
 
@@ -111,9 +112,15 @@ def test_seeded_sampling_and_n_equal_generate(live, offline):
     ]
     want, _ = offline_texts(offline, [PROMPTS[2]] * 3, params)
     r = client(live).completions.create(
-        model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0.8, top_p=0.95, seed=7, n=3,
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.95,
+        seed=7,
+        n=3,
         extra_body={"top_k": 50},
-    )  # fmt: skip
+    )
     assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == want
 
 
@@ -137,10 +144,14 @@ def test_chat_and_streams_equal_generate(live, offline):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(toks[0])
     chunks = list(
         c.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want[0]
@@ -148,8 +159,9 @@ def test_chat_and_streams_equal_generate(live, offline):
     assert finals[-1] == r.choices[0].finish_reason and set(finals[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
     text_want, _ = offline_texts(offline, PROMPTS[:2], SamplingParams(max_tokens=8))
-    stream = c.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=8, temperature=0,
-                                  stream=True)  # fmt: skip
+    stream = c.completions.create(
+        model="tiny", prompt=PROMPTS[:2], max_tokens=8, temperature=0, stream=True
+    )
     parts = ["", ""]
     for ch in stream:
         for choice in ch.choices:
@@ -176,16 +188,28 @@ def test_stop_strings_streamed_and_not(live, offline):
     want = text[: text.index(stop)]
     n_tok = next(k for k in range(1, len(ids) + 1) if stop in offline.decode(ids[:k]))
     c = client(live)
-    kw = dict(model="tiny", prompt=p, max_tokens=16, temperature=0, stop=[stop, "\u2603\u2603"],
-              extra_body={"ignore_eos": True})  # fmt: skip
+    kw = {
+        "model": "tiny",
+        "prompt": p,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stop": [stop, "\u2603\u2603"],
+        "extra_body": {"ignore_eos": True},
+    }
     r = c.completions.create(**kw)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["stop_reason"] == stop
     assert r.usage.completion_tokens == n_tok
     got = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw))
     assert got == want
-    eos = c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
-                               stop=[ids[2]], extra_body={"ignore_eos": True})  # fmt: skip
+    eos = c.completions.create(
+        model="tiny",
+        prompt=p,
+        max_tokens=16,
+        temperature=0,
+        stop=[ids[2]],
+        extra_body={"ignore_eos": True},
+    )
     assert eos.choices[0].finish_reason == "stop" and eos.usage.completion_tokens == 3
     assert eos.choices[0].text == offline.decode(ids[:2])  # the stop token's text is cut
 
@@ -199,9 +223,10 @@ def test_logprobs_when_the_engine_has_none(live):
     status, body, _ = post(live, "/v1/completions", {"prompt": "a", "logprobs": 2})
     assert status == 400 and "logprobs are not available" in body["error"]["message"]
     status, body, _ = post(
-        live, "/v1/chat/completions",
+        live,
+        "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 1},
-    )  # fmt: skip
+    )
     assert status == 400 and body["error"]["param"] == "top_logprobs"
 
 
@@ -233,29 +258,54 @@ def test_logprobs_formatting_with_a_stub_engine():
     bg = start_in_thread(OpenAIServer(llm, params_cls=StubParams))
     try:
         c = client(bg)
-        r = c.completions.create(model="tiny", prompt="ab", max_tokens=4, temperature=0,
-                                 logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+        r = c.completions.create(
+            model="tiny",
+            prompt="ab",
+            max_tokens=4,
+            temperature=0,
+            logprobs=2,
+            extra_body={"ignore_eos": True},
+        )
         lp = r.choices[0].logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
         assert lp.text_offset[0] == 0
-        assert lp.token_logprobs == [
-            -((lp_tok[0]) % 7) / 8 for lp_tok in [[ord(t) if len(t) == 1 else 0] for t in lp.tokens]
-        ] or all(v <= 0 for v in lp.token_logprobs)
+        ref = StubLogprobLLM(TINY, runner_factory=fake_factory, world_size=1)
+        seq = ref.add_request(list(b"ab"), StubParams(max_tokens=4, ignore_eos=True, logprobs=2))
+        ref.run_until_done(max_steps=50)
+        assert lp.token_logprobs == [e[0] for e in seq.output_logprobs]
+        assert lp.tokens == [ref.decode([t]) for t in seq.output_ids]
+        assert lp.top_logprobs == [
+            {ref.decode([k]): v for k, v in e[1].items()} for e in seq.output_logprobs
+        ]
         assert all(len(top) <= 2 for top in lp.top_logprobs)
         chat = c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
-            temperature=0, logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=3,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
         content = chat.choices[0].logprobs.content
         assert len(content) == 3 and all(len(e.top_logprobs) == 1 for e in content)
         assert all(e.logprob == e.top_logprobs[0].logprob for e in content)
         stream = c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
-            temperature=0, logprobs=True, top_logprobs=1, stream=True,
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=3,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+            stream=True,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        streamed = [e for ch in stream if ch.choices and ch.choices[0].logprobs
-                    for e in ch.choices[0].logprobs.content]  # fmt: skip
+        )
+        streamed = [
+            e
+            for ch in stream
+            if ch.choices and ch.choices[0].logprobs
+            for e in ch.choices[0].logprobs.content
+        ]
         assert [e.logprob for e in streamed] == [e.logprob for e in content]
     finally:
         bg.stop(grace_s=0.5)
@@ -390,8 +440,9 @@ def _stream_raw(url: str, body: dict, drop_after: int | None, out: dict, key: in
     host, port = url.split("//")[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         text, chunks, finish = "", 0, None
         while True:
@@ -431,10 +482,20 @@ def test_64_streaming_clients_with_disconnects(live, offline):
     threads = [
         threading.Thread(
             target=_stream_raw,
-            args=(live.url, {"prompt": p, "max_tokens": 200 if i in drops else 4,
-                             "temperature": 0, "stream": True, "ignore_eos": True},
-                  2 if i in drops else None, out, i),
-        )  # fmt: skip
+            args=(
+                live.url,
+                {
+                    "prompt": p,
+                    "max_tokens": 200 if i in drops else 4,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+                2 if i in drops else None,
+                out,
+                i,
+            ),
+        )
         for i, p in enumerate(prompts)
     ]
     for t in threads:
@@ -487,10 +548,25 @@ def test_cli_serve_says_random_weights_and_drains_on_sigterm():
 
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "v41plan", "serve", "--port", str(port), "--max-num-seqs", "2",
-         "--grace-s", "0.5", "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "v41plan",
+            "serve",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "2",
+            "--grace-s",
+            "0.5",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         banner = proc.stdout.readline()
         assert "RANDOM weights" in banner and "tiny" in banner, banner
@@ -503,8 +579,13 @@ def test_cli_serve_says_random_weights_and_drains_on_sigterm():
             except OSError:
                 time.sleep(0.2)
         out: dict = {}
-        body = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "prompt": "a",
+            "max_tokens": 3000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         t = threading.Thread(target=_stream_raw, args=(url, body, None, out, 0))
         t.start()
         time.sleep(1.0)
