@@ -11,6 +11,7 @@ seconds to finish and are then cut with ``finish_reason="abort"``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"v41plan serve: model '{server.model_name}' (spec {llm.spec.name}, {weights}; "
         f"tokenizer {tok}, max_model_len {llm.options.max_model_len}, world size "
-        f"{info.world_size}) on http://{args.host}:{args.port}/v1",
+        f"{info.world_size}, pid {os.getpid()}) on http://{args.host}:{args.port}/v1",
         flush=True,
     )
     run_server(server, args.host, args.port, grace_s=args.grace_s, log_level=args.log_level)
