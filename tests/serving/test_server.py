@@ -32,7 +32,7 @@ pytest.importorskip("prometheus_client")
 
 from v41plan.serving.openai_server import OpenAIServer, start_in_thread
 
-OPTIONS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
+OPTIONS = {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
 PROMPTS = ["The sky is", "Once upon a", "hello world", "1, 2, 3,"]
 
 
@@ -170,7 +170,8 @@ def test_chat_and_streams_equal_generate(live, offline):
 
 
 def _stop_case(offline):
-    """A prompt whose greedy text holds a two-character stop string past its start."""
+    """A prompt whose greedy text holds a two-character stop string past its start (the first
+    prompt usually does; the loop is bounded)."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     for i in range(40):
         p = f"stop case {i}:"
