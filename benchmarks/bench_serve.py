@@ -127,6 +127,7 @@ def _pct(xs, q):
 
 
 def main(argv=None) -> int:
+    """Run the load and print/write the report; exit 1 when no request succeeded."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="medium")
     ap.add_argument("--checkpoint", default=None)

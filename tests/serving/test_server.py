@@ -357,6 +357,8 @@ BAD = [
      "invalid_request_error", "seed"),
     ("stop wrong type", "/v1/completions", {"prompt": "a", "stop": [1.5]}, 400,
      "invalid_request_error", "stop"),
+    ("too many stop strings", "/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, 400,
+     "invalid_request_error", "stop"),
     ("stop_options without stream", "/v1/completions",
      {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "invalid_request_error",
      "stream_options"),

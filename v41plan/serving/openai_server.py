@@ -38,6 +38,8 @@ MAX_N = 64
 """Choices per request at most."""
 MAX_LOGPROBS = 20
 """Top logprobs per token at most (the OpenAI limit)."""
+MAX_STOP = 16
+"""Stop entries per request at most (each is checked against the text every step)."""
 _COMMON = {
     "model",
     "max_tokens",
@@ -363,6 +365,8 @@ class RequestParser:
         items = [] if stop is None else [stop] if isinstance(stop, (str, int)) else stop
         if not isinstance(items, list):
             raise ApiError("'stop' must be a string or a list", param="stop")
+        if len(items) > MAX_STOP:
+            raise ApiError(f"'stop' takes at most {MAX_STOP} entries", param="stop")
         strings, ids = [], []
         for s in items:
             if isinstance(s, str) and s:
@@ -559,6 +563,7 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health():
+            """200 while the engine loop runs, else 503 naming why."""
             if not server.engine.alive:
                 err = ApiError(
                     f"the engine loop is not running ({server.engine.error!r})",
@@ -570,6 +575,7 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
+            """The Prometheus text exposition."""
             return Response(
                 server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
             )
@@ -577,6 +583,7 @@ class OpenAIServer:
         @app.get("/v1/models")
         @takes_request
         async def models(request: Request):
+            """The one served model."""
             server._check_key(request)
             card = {
                 "id": server.model_name,
@@ -591,6 +598,7 @@ class OpenAIServer:
         @app.post("/tokenize")
         @takes_request
         async def tokenize(request: Request):
+            """Token ids of a prompt or a chat (``count``, ``max_model_len``, ``tokens``)."""
             server._check_key(request)
             body = await server._json(request)
             server.parser._common(body, {"model", "prompt", "messages", "add_special_tokens"})
@@ -610,6 +618,7 @@ class OpenAIServer:
         @app.post("/detokenize")
         @takes_request
         async def detokenize(request: Request):
+            """Text of token ids (``prompt``)."""
             server._check_key(request)
             body = await server._json(request)
             server.parser._common(body, {"model", "tokens"})
@@ -622,11 +631,13 @@ class OpenAIServer:
         @app.post("/v1/completions")
         @takes_request
         async def completions(request: Request):
+            """``/v1/completions``."""
             return await server._generate(request, chat=False)
 
         @app.post("/v1/chat/completions")
         @takes_request
         async def chat_completions(request: Request):
+            """``/v1/chat/completions``."""
             return await server._generate(request, chat=True)
 
         self._responses = (JSONResponse, StreamingResponse)
