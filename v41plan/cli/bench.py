@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "decode step eager vs FULL graph at batch 1/8/64 on MEDIUM (CUDA)",
     ),
     "prefill": ("bench_prefill.py", "8K-token prefill, decoder replay on vs off, on MEDIUM (CUDA)"),
+    "serve": (
+        "bench_serve.py",
+        "open-loop load on the OpenAI server: throughput, TTFT, ITL, prefix hits",
+    ),
     "ceilings": ("ceilings.py", "device copy bandwidth and bf16 matmul rate (CUDA)"),
     "gemm_moe": (
         "bench_gemm_moe.py",

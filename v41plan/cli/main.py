@@ -1,4 +1,4 @@
-"""Command line: ``v41plan compile|explain|plan|init-checkpoint|run|bench``.
+"""Command line: ``v41plan compile|explain|plan|init-checkpoint|run|serve|bench``.
 
 Each subcommand lives in the module that owns its work and exposes ``add_arguments(parser)``
 and ``run(args) -> int``; modules are imported lazily so ``compile`` never loads torch.
@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("v41plan.cli.plan", "print the step plan of a described batch"),
     "init-checkpoint": ("v41plan.cli.checkpoint", "write a random checkpoint for a spec"),
     "run": ("v41plan.cli.run", "generate text with the engine"),
+    "serve": ("v41plan.cli.serve", "serve the OpenAI API over the asynchronous engine"),
     "bench": ("v41plan.cli.bench", "run a benchmark"),
 }
 

@@ -36,50 +36,15 @@ _SAMPLING_FLAGS = {
 _ENGINE_FLAGS = {"seed": "--engine-seed", "enforce_eager": "--no-enforce-eager"}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``v41plan run``."""
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's options: the spec, the checkpoint and every engine flag (``run`` and
+    ``serve`` share them)."""
     parser.add_argument("--spec", default="tiny", help="compiled spec name or spec file")
     parser.add_argument(
         "--checkpoint",
         default=None,
         help="checkpoint directory, e.g. from `v41plan init-checkpoint` (default: the spec's "
         "seeded random weights, built in memory)",
-    )
-    parser.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        help='a text prompt; repeatable (default: "The quick brown fox" when no prompt is given)',
-    )
-    parser.add_argument(
-        "--prompt-token-ids",
-        action="append",
-        default=[],
-        help="a prompt as comma-separated token ids, e.g. 72,105; repeatable (default: none)",
-    )
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument(
-        "--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all"
-    )
-    g.add_argument(
-        "--top-p", type=float, default=1.0, help="keep the smallest set reaching this probability"
-    )
-    g.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="sampling seed of every prompt, SamplingParams.seed (default: the engine's "
-        "--engine-seed plus the request id)",
-    )
-    g.add_argument(
-        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
-    )
-    g.add_argument(
-        "--stop-token-ids",
-        default="",
-        help="comma-separated token ids that finish a request (default: none)",
     )
     e = parser.add_argument_group("engine options (the engine API's names)")
     e.add_argument(
@@ -174,6 +139,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="seed of the random weights used without --checkpoint (init-checkpoint's --seed)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``v41plan run``: the engine's, the prompts, sampling and output."""
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help='a text prompt; repeatable (default: "The quick brown fox" when no prompt is given)',
+    )
+    parser.add_argument(
+        "--prompt-token-ids",
+        action="append",
+        default=[],
+        help="a prompt as comma-separated token ids, e.g. 72,105; repeatable (default: none)",
+    )
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all"
+    )
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="keep the smallest set reaching this probability"
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed of every prompt, SamplingParams.seed (default: the engine's "
+        "--engine-seed plus the request id)",
+    )
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
+    )
+    g.add_argument(
+        "--stop-token-ids",
+        default="",
+        help="comma-separated token ids that finish a request (default: none)",
     )
     o = parser.add_argument_group("output")
     o.add_argument(
@@ -351,14 +357,21 @@ def run(args: argparse.Namespace) -> int:
         shutdown()
 
 
-def _generate(args, spec, prompts, labels, params, info) -> int:
-    from v41plan.model.checkpoint import CheckpointError, random_weights_seed
+def build_engine(args: argparse.Namespace, world_size: int, spec=None):
+    """The ``LLM`` of the parsed engine flags (tensor parallelism defaulted to the world); a
+    refused option or checkpoint raises ``Refused`` naming its flag."""
+    from v41plan.model.checkpoint import CheckpointError
     from v41plan.serving.admission import ConfigError, default_tensor_parallel_size
     from v41plan.serving.engine import LLM
 
+    if spec is None:
+        spec = spec_arg(args.spec, "--spec")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        what = "not a directory" if path_exists(args.checkpoint) else "no such directory"
+        raise Refused(f"--checkpoint {args.checkpoint}: {what}")
     tp = args.tensor_parallel_size
     if tp is None:
-        tp = default_tensor_parallel_size(spec, info.world_size, args.enable_expert_parallel)
+        tp = default_tensor_parallel_size(spec, world_size, args.enable_expert_parallel)
     options = {
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
@@ -380,7 +393,7 @@ def _generate(args, spec, prompts, labels, params, info) -> int:
         "random_weights_seed": args.random_weights_seed,
     }
     try:
-        llm = LLM(spec, args.checkpoint, world_size=info.world_size, **options)
+        return LLM(spec, args.checkpoint, world_size=world_size, **options)
     except ConfigError as exc:
         name = str(exc).split("=", 1)[0]
         flag = _ENGINE_FLAGS.get(name, "--" + name.replace("_", "-"))
@@ -388,6 +401,12 @@ def _generate(args, spec, prompts, labels, params, info) -> int:
         raise Refused(f"{flag}: {exc}" if known and name.isidentifier() else str(exc)) from None
     except CheckpointError as exc:
         raise Refused(f"--checkpoint {exc}") from None
+
+
+def _generate(args, spec, prompts, labels, params, info) -> int:
+    from v41plan.model.checkpoint import random_weights_seed
+
+    llm = build_engine(args, info.world_size, spec)
     max_len = llm.options.max_model_len
     notes = []
     if args.checkpoint is None:

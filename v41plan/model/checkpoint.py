@@ -454,11 +454,14 @@ class LoadedCheckpoint:
         return w
 
     def engram_host(self) -> EngramHost:
-        """Host Engram half: the real token map from ``tokenizer.json`` when present, else
-        synthetic."""
+        """Host Engram half: the real token map from the model's ``tokenizer.json`` (beside the
+        checkpoint, or the packaged DeepSeek-V4 one for a V4.1-vocabulary config:
+        ``v41plan.model.vocab``), else synthetic."""
+        from v41plan.model.vocab import tokenizer_json_for
+
         cfg = self.config
-        tok = (self.path / "tokenizer.json") if self.path is not None else None
-        if tok is not None and tok.exists():
+        tok = tokenizer_json_for(self.path, cfg)
+        if tok is not None:
             from tokenizers import Tokenizer
 
             from v41plan.model.engram import token_map_from_tokenizer

@@ -54,36 +54,48 @@ def synthetic_token_map(vocab_size: int, size: int) -> np.ndarray:
 
 
 _SENTINEL = "\ue000"
+# Unicode White_Space (what the published chain's strip removes); Python's str.strip would also
+# remove U+001C..U+001F, which are not White_Space.
+_WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(chr(c) for c in range(0x2000, 0x200B))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
 
 
 def normalize_token_text(text: str) -> str:
-    """The published normalization chain for one decoded vocab entry."""
+    """The published normalization chain for one decoded vocab entry: NFKC, NFD, strip accents
+    (every mark, general category M*), lowercase (per character), collapse runs of
+    space/tab/CR/LF to one space, protect a lone space, strip White_Space."""
     s = unicodedata.normalize("NFKC", text)
     s = unicodedata.normalize("NFD", s)
-    s = "".join(c for c in s if not unicodedata.combining(c))
-    s = s.lower()
-    s = re.sub(r"\s+", " ", s)
+    s = "".join(c for c in s if not unicodedata.category(c).startswith("M"))
+    s = "".join(c.lower() for c in s)  # per character: no final-sigma context rule
+    s = re.sub(r"[ \t\r\n]+", " ", s)
     if s == " ":
         s = _SENTINEL
-    s = s.strip()
+    s = s.strip(_WHITE_SPACE)
     return s.replace(_SENTINEL, " ")
 
 
 def token_map_from_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> np.ndarray:
-    """The real token map from a ``tokenizers.Tokenizer``: distinct normalized strings, first-seen
+    """The real token map from a ``tokenizers.Tokenizer``: distinct keys numbered in first-seen
     order.
 
-    A token that decodes to U+FFFD (a partial byte) is keyed by its raw token string instead.
+    A token's key is its normalized text; a token that normalizes to nothing keeps its decoded
+    text, and one that decodes to U+FFFD (a partial byte) is keyed by its raw token string. Keys
+    share one namespace, as in the published map: the DeepSeek-V4 ``tokenizer.json`` gives
+    exactly the V4.1 config's 99,092 compressed ids this way.
     """
     n = vocab_size if vocab_size is not None else tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[t] for t in range(n)], skip_special_tokens=False)
     ids: dict[str, int] = {}
     out = np.zeros(n, dtype=np.int64)
-    for t in range(n):
-        text = tokenizer.decode([t], skip_special_tokens=False)
+    for t, text in enumerate(texts):
         if "\ufffd" in text:
-            key = "raw:" + (tokenizer.id_to_token(t) or "")
+            key = tokenizer.id_to_token(t) or ""
         else:
-            key = normalize_token_text(text)
+            key = normalize_token_text(text) or text
         out[t] = ids.setdefault(key, len(ids))
     return out
 
