@@ -133,8 +133,8 @@ def test_a_failing_batch_fails_its_requests_and_the_loop_goes_on():
         runner = fake_factory(spec, checkpoint, opts)
         execute = runner.execute
 
-        def failing(batch):
-            if any(poison in r.token_ids for r in batch.requests):
+        def failing(batch):  # a prompt holding the poison id fails its batch
+            if any(poison in d.new_tokens for d in batch.deltas):
                 raise RuntimeError("injected kernel failure")
             return execute(batch)
 
