@@ -28,6 +28,7 @@ until every query read its prefix), a decode forward writes first. Positions and
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -70,6 +71,20 @@ _PER_REQUEST = (
     "tail_start",
     "last_rows",
 )
+
+
+def index_pages_needed(
+    max_position: int, ratio: int, rows_per_page: int, block_rows: int, table_width: int
+) -> int:
+    """Block-table columns a step's scorer and selected-row gathers must read: enough pages for
+    the largest visible bound ``(max_position + 1) // ratio`` of the step, rounded up to whole
+    candidate blocks of ``block_rows`` compressed rows, at most ``table_width``. The scorer's
+    work then follows the context, not ``max_model_len``."""
+    rows = (max_position + 1) // ratio
+    n = -(-rows // rows_per_page)
+    unit = block_rows // math.gcd(block_rows, rows_per_page)  # pages per whole candidate block
+    n = -(-n // unit) * unit
+    return max(unit, min(n, table_width)) if table_width >= unit else table_width
 
 
 def check_formats(kv_cache_dtype: str, index_cache_dtype: str) -> None:
@@ -202,6 +217,9 @@ class StepInputs:
     """``[t]`` bool: rows whose logits are undefined under decoder replay (NaN)."""
     sampler: SamplerInputs | None = None
     """Device sampling of the last rows (None: the step returns logits only)."""
+    index_pages: dict[int, int] | None = None
+    """Per compress ratio, the block-table columns the scorer reads (``index_pages_needed``);
+    None: the whole width (a decode step: its graph replays whatever the context)."""
     sampling_shape: tuple | None = None
     """``StepSampling.shape_key`` of the staged sampler (None without one)."""
 
@@ -596,6 +614,16 @@ class RuntimeModel:
         for r in plan.compress:
             idx, flags = dv[f"c{r}_idx"], dv[f"c{r}_flags"]
             compress[r] = CompressInputs(idx[0], idx[1], idx[2], flags[0], flags[1])
+        index_pages = None
+        if not decode and plan.scheduled_tokens:  # eager steps read only their context's pages
+            top = int(plan.positions[: plan.scheduled_tokens].max())
+            index_pages = {
+                r: index_pages_needed(
+                    top, r, self.pools.geometry.page_tokens // r, self.cfg.candidate_block_size,
+                    self.table_width,
+                )
+                for r in {info.ratio for info in self.cfg.layers if info.ratio > 0}
+            }  # fmt: skip
         n_e = len(self._engram_shapes)
         sampler = None
         if sampling is not None:
@@ -623,6 +651,7 @@ class RuntimeModel:
             undefined_rows=dv["undefined"] if undefined else None,
             sampler=sampler,
             sampling_shape=None if sampling is None else sampling.shape_key,
+            index_pages=index_pages,
         )
 
     def _prepare_engram(self, plan, hv: dict, ids: np.ndarray) -> None:
@@ -976,6 +1005,8 @@ class RuntimeModel:
         if info.ratio > 0:
             owner = info.kv_owner
             pages = _take(fr.pages, at)
+            if si.index_pages is not None:
+                pages = pages[:, : si.index_pages[info.ratio]]
             if info.role in ("full", "reindex"):
                 bound = (pa + 1) // info.ratio
                 planes = self.index_planes(owner)
