@@ -7,6 +7,11 @@ Decode: 256 running requests, one row each, contexts 100..4600 tokens. Prefill: 
 non-final, final (tail) and backed-off final chunks. Both use the columnar ``StepArrays``
 input (what a scheduler keeping numpy state passes); the ``StepInput`` (one dataclass per
 request) figure is printed too. Ceilings: 100 us (decode) and 300 us (prefill).
+
+Plan + prepare: the same 256-request decode step planned and prepared for the device by
+``RuntimeModel.prepare`` (the staging workspace: every per-request and per-row input, the
+Engram rows of every request and the sampler's columns) on the ``tiny`` model, contexts cut to
+100..600 tokens so its pools stay small. Ceiling: 300 us.
 """
 
 from __future__ import annotations
@@ -111,6 +116,51 @@ def median_us(fn, iters: int) -> float:
     return statistics.median(samples) / 1000
 
 
+def plan_and_prepare_us(iters: int, n: int = 256) -> float:
+    """Median of ``plan_step`` + ``RuntimeModel.prepare`` of an ``n``-request decode step on the
+    tiny model (random weights, CPU)."""
+    import torch
+
+    from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.runtime.paged_model import RuntimeModel, StepSampling
+
+    torch.set_num_threads(1)
+    spec = load_spec(str(ROOT / "specs" / "tiny.yaml"))
+    cfg = config_from_cache_spec(spec)
+    ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    rng = np.random.default_rng(0)
+    page = spec.replay.hash_block_tokens
+    prompt = rng.integers(100, 500, n)
+    start = prompt + rng.integers(0, 100, n)
+    pages = int(start.max()) // page + 1
+    m = RuntimeModel(
+        spec, ckpt.process(torch.float32), ckpt.engram_host(), num_pages=n * pages + 1,
+        num_slots=n, max_tokens=n, max_bs=n, table_width=pages + 1, cfg=cfg,
+    )  # fmt: skip
+    step = StepArrays(
+        slots=np.arange(n),
+        block_tables=np.arange(n * pages).reshape(n, pages),
+        prompt_lens=prompt,
+        starts=start,
+        chunk_lens=np.ones(n, dtype=np.int64),
+        is_decode=np.ones(n, dtype=bool),
+        prefix_hits=np.zeros(n, dtype=np.int64),
+        fresh_slot=np.zeros(n, dtype=bool),
+        running_bs=n,
+        running_tokens=n,
+        block_table_width=pages + 1,
+    )
+    ids = rng.integers(0, 256, n)
+    f = np.full(n, 0.7, dtype=np.float32)
+    sampling = StepSampling(f, np.zeros(n, np.int64), f, f * 0, np.arange(n), np.arange(n))
+
+    def once():
+        m.prepare(plan_step(step, spec), ids, sampling=sampling)
+
+    return median_us(once, iters)
+
+
 def main() -> int:
     """Print the table of medians and ceilings."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,6 +188,7 @@ def main() -> int:
             None,
         )
     )
+    rows.append(("plan + prepare, decode 256 (tiny)", plan_and_prepare_us(args.iters // 4), 300))
     print(f"plan_step on {spec.name}, median of {args.iters} calls")
     print(f"{'step':34} {'median us':>10} {'ceiling us':>11}")
     for name, us, ceiling in rows:

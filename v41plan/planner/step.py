@@ -207,6 +207,12 @@ class LayerRows(Mapping):
     def __len__(self):
         return len(self._index)
 
+    @property
+    def distinct(self) -> tuple[dict, tuple]:
+        """``(key -> array index, the distinct arrays)``: what consumers staging each row set
+        once iterate (the index is static per stage table and shared between steps)."""
+        return self._index, self._arrays
+
 
 @dataclass(frozen=True)
 class StageRows:

@@ -153,6 +153,28 @@ class StepOutput:
     ``StepSampling``): ``[running_bs]`` ids, their logprobs and the top logprobs asked for."""
 
 
+class RowSets:
+    """``(layer, sub_step)`` -> the flat rows a sub-step runs: ``ALL`` (every row), a device
+    index tensor, or ``NO_ROWS``; the key index is the planner's (static per stage table), the
+    tensors are this step's staged row sets."""
+
+    __slots__ = ("_index", "_lens", "_staged")
+
+    def __init__(self, key_index: dict, staged: list, lens: tuple[int, ...]) -> None:
+        self._index, self._staged, self._lens = key_index, staged, lens
+
+    def get(self, key):
+        """The rows of ``key`` (``NO_ROWS`` when it runs none)."""
+        i = self._index.get(key)
+        if i is None or self._lens[i] == 0:
+            return NO_ROWS
+        return self._staged[i]
+
+
+NO_ROWS = object()
+"""A sub-step that runs on no row of the step."""
+
+
 @dataclass
 class CompressInputs:
     """The compressed groups of one ratio closing in the step, padded to the width."""
@@ -205,8 +227,8 @@ class StepInputs:
     last_undefined: torch.Tensor
     """``[b]`` bool: the request's last row ran no decoder layer (a non-final chunk under
     decoder replay): its logits are NaN."""
-    rows: dict[tuple[int, str], torch.Tensor | None]
-    """``(layer, sub_step)`` -> flat rows (``ALL``: every row; absent: no row)."""
+    rows: RowSets
+    """``(layer, sub_step)`` -> flat rows (``ALL``: every row; ``NO_ROWS``: none)."""
     stages: tuple[StageInputs, ...]
     compress: dict[int, CompressInputs]
     engram_codes: tuple[torch.Tensor, ...]
@@ -362,9 +384,9 @@ class RuntimeModel:
         """Staging per step family: ``decode`` (fixed addresses, read by captured graphs) and
         ``step`` (prefill and mixed steps, grown as needed)."""
         quant.warm_tables(self.device)  # constant tables built before any step (no H2D later)
-        self.row_counts: Counter = Counter()
-        """Rows each ``(layer, sub_step)`` ran, summed over prepared steps (the replay row-count
-        check)."""
+        self._row_counts: Counter = Counter()
+        self._row_count_log: list[tuple[dict, tuple[int, ...]]] = []
+        self._layouts: dict = {}
         self.selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward
         (-1 on rows that did not select)."""
@@ -377,6 +399,16 @@ class RuntimeModel:
         self.forced_experts: dict[int, torch.Tensor] = {}
         """Routed expert ids ``[running_tokens, num_experts_per_tok]`` by flat row to use instead
         of the router's, per layer."""
+
+    @property
+    def row_counts(self) -> Counter:
+        """Rows each ``(layer, sub_step)`` ran, summed over prepared steps (the replay row-count
+        check; folded from a per-step log when read, so a step pays nothing per layer)."""
+        for key_index, lens in self._row_count_log:
+            for key, i in key_index.items():
+                self._row_counts[key] += lens[i]
+        self._row_count_log.clear()
+        return self._row_counts
 
     @property
     def experts(self) -> dict[int, torch.Tensor]:
@@ -453,9 +485,19 @@ class RuntimeModel:
     def _decode_capacity(self) -> int:
         """Bytes of the widest decode step's layout (its workspace never grows)."""
         t, b = self.max_tokens, self.max_bs
-        return self._layout(t, b, {}, [], {r: True for r in (1, 2)}, False, True).nbytes
+        return self._build_layout(t, b, (), (), (1, 2), False, True).nbytes
 
     def _layout(self, t, b, row_sets, stage_sets, ratios, undefined, sampling=False) -> Layout:
+        key = (t, b, tuple(sorted(row_sets.items())), tuple(stage_sets), tuple(sorted(ratios)),
+               undefined, sampling)  # fmt: skip
+        got = self._layouts.get(key)
+        if got is None:
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            got = self._layouts[key] = self._build_layout(*key)
+        return got
+
+    def _build_layout(self, t, b, row_sets, stage_sets, ratios, undefined, sampling) -> Layout:
         h = self.cfg.engram_max_ngram_size - 1
         i64, u8, bl = torch.int64, torch.uint8, torch.bool
         items = [
@@ -468,7 +510,7 @@ class RuntimeModel:
             ("cursors", i64, (b, 1 + h)),
             ("last_undefined", bl, (b,)),
         ]
-        items += [(f"rows{i}", i64, (n,)) for i, n in sorted(row_sets.items())]
+        items += [(f"rows{i}", i64, (n,)) for i, n in row_sets]
         items += [(f"stage{i}", i64, (n,)) for i, n in enumerate(stage_sets)]
         for r in sorted(ratios):
             items += [(f"c{r}_idx", i64, (3, t)), (f"c{r}_flags", bl, (2, t))]
@@ -513,39 +555,34 @@ class RuntimeModel:
         decode = plan.graph_key[0] == "decode"
         n_sched = plan.scheduled_tokens
 
-        # Row sets: layers share a handful of arrays; a set of every scheduled row runs every
-        # row of the width (padding rows carry sentinels and write only the sinks).
-        staged: dict[int, int] = {}  # id(array) -> row-set index
+        # Row sets: layers share a handful of arrays (the planner's distinct ones); a set of
+        # every scheduled row runs every row of the width (padding rows carry sentinels and
+        # write only the sinks).
+        key_index, distinct = plan.layer_rows.distinct
+        lens = tuple(len(a) for a in distinct)
+        self._row_count_log.append((key_index, lens))
         arrays: list[np.ndarray] = []
-        row_index: dict[tuple[int, str], int | None] = {}
-        for key, arr in plan.layer_rows.items():
-            self.row_counts[key] += len(arr)
-            if len(arr) == n_sched:
-                row_index[key] = None
-            elif len(arr):
-                i = staged.get(id(arr))
-                if i is None:
-                    i = staged[id(arr)] = len(arrays)
-                    arrays.append(arr)
-                row_index[key] = i
+        slot_of: list[int | None] = []  # distinct array -> staged row set (None: every row)
+        for a, n in zip(distinct, lens, strict=True):
+            if n == n_sched:
+                slot_of.append(None)
+            else:
+                slot_of.append(len(arrays))
+                arrays.append(a)
         stage_rows: list[np.ndarray | None] = []
-        for st in plan.stages:
-            sets = [
-                arr
-                for (layer, _), arr in plan.layer_rows.items()
-                if st.first_layer <= layer <= st.last_layer
-            ]
-            if any(len(arr) == n_sched for arr in sets):
+        for st in plan.stages:  # a stage's rows: the union of its sub-steps' (the planner's)
+            sets = [a for a in st.rows.values() if len(a)]
+            if any(len(a) == n_sched for a in sets):
                 stage_rows.append(None)
             else:
                 stage_rows.append(
                     np.unique(np.concatenate(sets)) if sets else np.zeros(0, dtype=np.int64)
                 )
         for L in self.spec.dims.kv_source_layer_ids:  # groups each owner closes
-            if len(plan.layer_rows.get((L, "compress"), ())):
-                self.row_counts[(L, "compress_groups")] += len(
-                    plan.compress[self.cfg.layers[L].ratio].rows
-                )
+            i = key_index.get((L, "compress"))
+            if i is not None and lens[i]:
+                r = self.cfg.layers[L].ratio
+                self._row_counts[(L, "compress_groups")] += len(plan.compress[r].rows)
         staged_stages = [s for s in stage_rows if s is not None]
         ratios = {r: True for r in plan.compress}
         undefined = bool(all_row_logits and plan.decoder_replay)
@@ -602,7 +639,8 @@ class RuntimeModel:
             i[0, :n], i[1, :n], i[2, :n] = sampling.top_k, sampling.seed, sampling.output_index
 
         dv = ws.commit(layout)
-        rows = {key: (None if i is None else dv[f"rows{i}"]) for key, i in row_index.items()}
+        staged = [None if i is None else dv[f"rows{i}"] for i in slot_of]
+        rows = RowSets(key_index, staged, lens)
         stages, si = [], 0
         for st, s in zip(plan.stages, stage_rows, strict=True):
             if s is None:
@@ -748,9 +786,10 @@ class RuntimeModel:
 
     def _row_set(self, si: StepInputs, fr: Frame, L: int, sub: str):
         """Frame rows of a sub-step: ``ALL``, an index tensor, or an empty index tensor."""
-        if (L, sub) not in si.rows:
+        rows = si.rows.get((L, sub))
+        if rows is NO_ROWS:
             return self._arange[:0]
-        return fr.local(si.rows[(L, sub)])
+        return fr.local(rows)
 
     def layer_pre(self, L: int, si: StepInputs, fr: Frame) -> Pieces | None:
         """Dense piece before attention: Engram injection, attention-site mHC, norm, RoPE, the

@@ -27,6 +27,7 @@ _NP = {
     torch.bool: np.bool_,
     torch.float32: np.float32,
 }
+_SIZE = {torch.int64: 8, torch.uint8: 1, torch.bool: 1, torch.float32: 4}
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def build_layout(items: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Layou
         off = -(-off // ALIGN_BYTES) * ALIGN_BYTES
         offsets[name], shapes[name], dtypes[name] = off, tuple(shape), dtype
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        off += n * torch.empty((), dtype=dtype).element_size()
+        off += n * _SIZE[dtype]
     key = tuple((n, str(d), s) for (n, d, s) in items)
     return Layout(key, offsets, shapes, dtypes, off)
 
@@ -109,7 +110,7 @@ class Workspace:
             for name, off in layout.offsets.items():
                 dt, shape = layout.dtypes[name], layout.shapes[name]
                 n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-                size = torch.empty((), dtype=dt).element_size()
+                size = _SIZE[dt]
                 views[name] = buf[off : off + n * size].view(_NP[dt]).reshape(shape)
             self._host_views[key] = views
         self._host_np[self._k][: layout.nbytes] = 0
@@ -137,7 +138,7 @@ class Workspace:
             for name, off in layout.offsets.items():
                 dt, shape = layout.dtypes[name], layout.shapes[name]
                 n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-                size = torch.empty((), dtype=dt).element_size()
+                size = _SIZE[dt]
                 raw = base[off : off + n * size]
                 views[name] = (raw if dt == torch.uint8 else raw.view(dt)).view(shape)
             self._dev_views[key] = views
