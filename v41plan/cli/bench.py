@@ -26,6 +26,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "prefill": ("bench_prefill.py", "8K-token prefill, decoder replay on vs off, on MEDIUM (CUDA)"),
     "ceilings": ("ceilings.py", "device copy bandwidth and bf16 matmul rate (CUDA)"),
+    "kernels": (
+        "bench_kernels.py",
+        "Triton backend kernels against their floors and in-image peers (CUDA)",
+    ),
     "replay_deviation": (
         "replay_deviation.py",
         "decoder-replay logit deviation against a full prefill (CPU)",

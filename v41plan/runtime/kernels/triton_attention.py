@@ -29,14 +29,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr):
+def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr, F32_DOT: tl.constexpr):
     """One key block of the online softmax (base-2 logits ``q . k * scale * log2 e``)."""
     if DOT_BF16:
         kd = k.to(tl.bfloat16)
         s = tl.dot(q, tl.trans(kd))
     else:
         kd = k
-        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+        s = tl.dot(q, tl.trans(kd), input_precision=F32_DOT)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -46,7 +46,7 @@ def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr):
     if DOT_BF16:
         pv = tl.dot(p.to(tl.bfloat16), kd)
     else:
-        pv = tl.dot(p, kd, input_precision="ieee")
+        pv = tl.dot(p, kd, input_precision=F32_DOT)
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc
 
@@ -96,6 +96,7 @@ def sparse_attention_kernel(
     SPLITS: tl.constexpr,
     OUT_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
     dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
@@ -134,50 +135,55 @@ def sparse_attention_kernel(
         l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, D), dtype=tl.float32)
 
-    # constant trip counts with a guard (the interpreter takes no tensor loop bounds)
-    for b in range(NWB):
+    # window blocks from the first holding a visible position (none without a slot)
+    first = pos - (W - 1)
+    w_from = tl.where(slot >= 0, tl.maximum(lo - first, 0) // BN, NWB)
+    for b in range(tl.maximum(b_lo, w_from), tl.minimum(b_hi, NWB)):
         j = b * BN + tl.arange(0, BN)
-        kp = pos - (W - 1) + j
-        valid = (j < W) & (kp >= lo) & (slot >= 0) & (b >= b_lo) & (b < b_hi)
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            from_ring = kp < ring_until
-            rmask = (valid & from_ring)[:, None]
-            rbase = ring_ptr + slot * s_ring_slot + (kp % ring_rows) * s_ring_row
-            if RING_FP8:
-                codes = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0)
-                sb = tl.load(rbase[:, None] + D + d[None, :] // 32, mask=rmask, other=127)
-                kr = e4m3_value(codes) * e8m0_value(sb)
-            else:
-                kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0).to(tl.float32)
-            frow = tl.minimum(tl.maximum(row - (pos - kp), 0), n_kv_rows - 1)
-            fmask = (valid & ~from_ring)[:, None]
-            kf = tl.load(kv_ptr + frow[:, None] * s_kv_row + d[None, :], mask=fmask, other=0.0)
-            k = tl.where(from_ring[:, None], kr, kf.to(tl.float32))
-            m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16)
+        kp = first + j
+        valid = (j < W) & (kp >= lo)
+        from_ring = kp < ring_until
+        rmask = (valid & from_ring)[:, None]
+        rbase = ring_ptr + slot * s_ring_slot + (kp % ring_rows) * s_ring_row
+        if RING_FP8:
+            codes = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0)
+            sb = tl.load(rbase[:, None] + D + d[None, :] // 32, mask=rmask, other=127)
+            kr = e4m3_value(codes) * e8m0_value(sb)
+        else:
+            kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+        frow = tl.minimum(tl.maximum(row - (pos - kp), 0), n_kv_rows - 1)
+        fmask = (valid & ~from_ring)[:, None]
+        kf = tl.load(kv_ptr + frow[:, None] * s_kv_row + d[None, :], mask=fmask, other=0.0)
+        k = tl.where(from_ring[:, None], kr, kf.to(tl.float32))
+        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if HAS_PLANE:
-        for b in range(NSB):
-            jj = b * BN + tl.arange(0, BN)
-            mine = (NWB + b >= b_lo) & (NWB + b < b_hi)
-            c = tl.load(ids_ptr + i * s_ids_row + jj, mask=(jj < KSEL) & mine, other=-1)
+        # selected blocks up to the one holding the last id (-1 padding costs nothing)
+        KP2: tl.constexpr = NSB * BN
+        jall = tl.arange(0, KP2)
+        call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
+        n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
+        s_hi = NWB + (n_sel + BN - 1) // BN
+        for b in range(tl.maximum(b_lo, NWB), tl.minimum(b_hi, s_hi)):
+            jj = (b - NWB) * BN + tl.arange(0, BN)
+            c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1)
             valid = c >= 0
             cc = tl.maximum(c, 0)
             col = tl.minimum(cc // RPP, P - 1)
             page = tl.load(pages_ptr + i * s_pages_row + col, mask=valid, other=-1)
             valid = valid & (page >= 0)
-            if tl.max(valid.to(tl.int32), axis=0) > 0:
-                pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
-                vm = valid[:, None]
-                if PLANE_FP4:
-                    half = tl.arange(0, D // 2)
-                    packed = tl.load(pbase[:, None] + half[None, :], mask=vm, other=0)
-                    packed = packed.to(tl.int32)
-                    sb = tl.load(pbase[:, None] + D // 2 + half[None, :] // 8, mask=vm, other=0)
-                    sc = e4m3_value(sb)
-                    k = tl.interleave(e2m1_value(packed & 15) * sc, e2m1_value(packed >> 4) * sc)
-                else:
-                    k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0).to(tl.float32)
-                m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16)
+            pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
+            vm = valid[:, None]
+            if PLANE_FP4:
+                half = tl.arange(0, D // 2)
+                packed = tl.load(pbase[:, None] + half[None, :], mask=vm, other=0)
+                packed = packed.to(tl.int32)
+                sb = tl.load(pbase[:, None] + D // 2 + half[None, :] // 8, mask=vm, other=0)
+                sc = e4m3_value(sb)
+                k = tl.interleave(e2m1_value(packed & 15) * sc, e2m1_value(packed >> 4) * sc)
+            else:
+                k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0).to(tl.float32)
+            m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if SPLITS == 1:
         o = tl.where(l[:, None] > 0, div_rn(acc, tl.where(l > 0, l, 1.0)[:, None]), 0.0)

@@ -330,7 +330,7 @@ class TritonBackend(TorchBackend):
             out,
             out.stride(0),
             k,
-            N=n,
+            n,
             HAS_BOUND=bound is not None,
             G=g,
             BLOCK_MODE=block_rows > 0,
@@ -419,21 +419,43 @@ class TritonBackend(TorchBackend):
     from L2)."""
     max_splits = 16
     """Most key splits of one query row (flash decoding)."""
+    attention_override: dict | None = None
+    """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
+    ``num_stages``): the benchmark's sweep."""
+    f32_dot = "ieee"
+    """fp32 attention's dot precision on the GPU: ``ieee`` (fp32 FMAs, the validation mode's
+    arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
 
-    def attention_config(self, tq: int, h: int, d: int, window: int, k: int, device) -> dict:
-        """Tile sizes, head blocks and key splits for ``tq`` query rows (shapes only: the same
-        shapes always give the same launch, so a capture replays it)."""
-        bn = self.attention_block if d >= 256 else 16
-        hb = max(16, min(next_pow2(h), self.head_block_max))
+    def attention_config(
+        self, tq: int, h: int, d: int, window: int, k: int, device, dtype=torch.bfloat16
+    ) -> dict:
+        """Tile sizes, head blocks, key splits and launch options for ``tq`` query rows (shapes
+        only: the same shapes always give the same launch, so a capture replays it)."""
+        f32 = dtype == torch.float32
+        bn = self.attention_block if d >= 256 and not f32 else 16
+        # fp32 operands take twice the registers and shared memory: smaller head blocks
+        hb = max(16, min(next_pow2(h), 16 if f32 else self.head_block_max))
         n_hb = triton_cdiv(h, hb)
         n_blocks = triton_cdiv(window, bn) + triton_cdiv(k, bn)
         programs = tq * n_hb
-        target = 2 * self.num_sms(device)
+        # few rows: split the keys until one wave fills the device (each split adds an fp32
+        # partial output, as large as H keys, so no more than that)
+        sms = self.num_sms(device)
         splits = 1
-        if programs < target:
-            splits = max(1, min(self.max_splits, n_blocks, triton_cdiv(target, programs)))
-        warps = 8 if hb * d >= 32 * 512 else 4
-        return {"BN": bn, "HB": hb, "n_hb": n_hb, "SPLITS": splits, "num_warps": warps}
+        if programs < sms:
+            splits = max(1, min(self.max_splits, n_blocks, triton_cdiv(sms, programs)))
+        cfg = {
+            "BN": bn,
+            "HB": hb,
+            "n_hb": n_hb,
+            "SPLITS": splits,
+            "num_warps": 8 if hb * d >= 32 * 512 else 4,
+            "num_stages": 1 if f32 else 2,
+            "F32_DOT": self.f32_dot,
+        }
+        cfg.update(self.attention_override or {})
+        cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
+        return cfg
 
     def sparse_attention(
         self,
@@ -483,7 +505,7 @@ class TritonBackend(TorchBackend):
             return
         has_plane = plane is not None
         ksel = ids.shape[1] if has_plane else 0
-        cfg = self.attention_config(tq, h, d, window, ksel, q.device)
+        cfg = self.attention_config(tq, h, d, window, ksel, q.device, q.dtype)
         splits = cfg["SPLITS"]
         grid = (tq, cfg["n_hb"], splits)
         part_o = part_ml = out
@@ -540,7 +562,9 @@ class TritonBackend(TorchBackend):
             SPLITS=splits,
             OUT_BF16=out_bf16,
             DOT_BF16=q.dtype == torch.bfloat16 and not interpreted(A.sparse_attention_kernel),
+            F32_DOT=cfg["F32_DOT"],
             num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
         if splits > 1:
             A.combine_kernel[(tq, cfg["n_hb"])](

@@ -33,6 +33,58 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def patch_interpreter():
+    """Make the kernels run under ``TRITON_INTERPRET=1`` (the CPU tests, ``bench_kernels.py
+    --smoke``); returns the interpreter function to put back (``interpreter._patch_lang``).
+
+    Two changes to triton 3.6's interpreter:
+
+    - A tensor used as an int (a loop bound read on the device) converts through
+      ``int(ndarray)``, which numpy >= 2.3 refuses for its one-element arrays: take the element.
+    - It re-patches every builtin (``inspect.getmembers`` over the language modules) at each
+      call of a device function, ``tl.sum`` and ``tl.max`` included, which is most of the
+      interpreted run time. Within a launch the modules stay patched, so a nested call only
+      needs the language modules the launch has not patched yet.
+    """
+    import inspect
+
+    from triton.runtime import interpreter
+
+    real = interpreter._patch_lang
+    patched: list[set[int]] = []
+
+    class LaunchScope:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def restore(self):
+            patched.clear()
+            self.inner.restore()
+
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patch(fn):
+        scope = real(fn)
+        scope.set_attr(tl.core.tensor, "__index__", index)
+        return scope
+
+    def patch_lang(fn):
+        mods = {
+            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+        }
+        if patched and mods <= patched[0]:
+            return interpreter._LangPatchScope()
+        if patched:
+            patched[0] |= mods
+            return patch(fn)
+        patched.append(mods)
+        return LaunchScope(patch(fn))
+
+    interpreter._patch_lang = patch_lang
+    return real
+
+
 @triton.jit
 def bits_of(x):
     """The int32 bit pattern of fp32 ``x``."""
@@ -158,7 +210,7 @@ def ordered_key(x):
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
-NEG_INF_KEY = -2139095041
+NEG_INF_KEY = tl.constexpr(-2139095041)
 """``ordered_key(-inf)``: a key at or below it is not a candidate."""
 
 

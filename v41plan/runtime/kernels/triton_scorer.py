@@ -121,48 +121,45 @@ def score_kernel(
         else:
             qd = q
         end = tl.minimum(start + CHUNK, limit)
-        # constant trip counts with a guard (the interpreter takes no tensor loop bounds)
-        for jj in range(0, CHUNK, BN):
-            j0 = start + jj
-            if j0 < end:
-                n = j0 + tl.arange(0, BN)
-                inb = n < end
-                page = tl.load(pages_ptr + t * s_pages_row + n // RPP, mask=inb, other=-1)
-                valid = inb & (n < bound) & (page >= 0)
-                if HAS_CAND:
-                    cand = tl.load(cand_ptr + t * s_cand_row + n, mask=valid, other=0)
-                    valid = valid & (cand != 0)
-                row = n % RPP
-                kbase = key_ptr + page * s_key_page + row * s_key_row
-                if FP4:
-                    half = tl.arange(0, D // 2)
-                    packed = tl.load(kbase[:, None] + half[None, :], mask=valid[:, None], other=0)
-                    packed = packed.to(tl.int32)
-                    k = tl.interleave(e2m1_value(packed & 15), e2m1_value(packed >> 4))
-                    sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
-                    sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=valid[:, None], other=127)
-                    k = k * e8m0_value(sb)
+        for j0 in range(start, end, BN):
+            n = j0 + tl.arange(0, BN)
+            inb = n < end
+            page = tl.load(pages_ptr + t * s_pages_row + n // RPP, mask=inb, other=-1)
+            valid = inb & (n < bound) & (page >= 0)
+            if HAS_CAND:
+                cand = tl.load(cand_ptr + t * s_cand_row + n, mask=valid, other=0)
+                valid = valid & (cand != 0)
+            row = n % RPP
+            kbase = key_ptr + page * s_key_page + row * s_key_row
+            if FP4:
+                half = tl.arange(0, D // 2)
+                packed = tl.load(kbase[:, None] + half[None, :], mask=valid[:, None], other=0)
+                packed = packed.to(tl.int32)
+                k = tl.interleave(e2m1_value(packed & 15), e2m1_value(packed >> 4))
+                sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
+                sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=valid[:, None], other=127)
+                k = k * e8m0_value(sb)
+            else:
+                codes = tl.load(kbase[:, None] + d[None, :], mask=valid[:, None], other=0)
+                k = e4m3_value(codes)
+                kptr = (kbase + D).to(tl.pointer_type(tl.float32))
+                ks = tl.load(kptr, mask=valid, other=0.0)
+            if DOT_BF16:
+                logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
+            else:
+                logits = tl.dot(qd, tl.trans(k), input_precision="ieee")
+            if FP4:
+                if ROUND_BF16:
+                    logits = bf16_round(logits)
+                    r = bf16_round(tl.maximum(logits, 0.0) * qw[:, None])
+                    s = bf16_round(tl.sum(r, axis=0))
                 else:
-                    codes = tl.load(kbase[:, None] + d[None, :], mask=valid[:, None], other=0)
-                    k = e4m3_value(codes)
-                    kptr = (kbase + D).to(tl.pointer_type(tl.float32))
-                    ks = tl.load(kptr, mask=valid, other=0.0)
-                if DOT_BF16:
-                    logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
-                else:
-                    logits = tl.dot(qd, tl.trans(k), input_precision="ieee")
-                if FP4:
-                    if ROUND_BF16:
-                        logits = bf16_round(logits)
-                        r = bf16_round(tl.maximum(logits, 0.0) * qw[:, None])
-                        s = bf16_round(tl.sum(r, axis=0))
-                    else:
-                        s = tl.sum(tl.maximum(logits, 0.0) * qw[:, None], axis=0)
-                else:
-                    logits = logits * ks[None, :]
                     s = tl.sum(tl.maximum(logits, 0.0) * qw[:, None], axis=0)
-                s = tl.where(valid, s, float("-inf"))
-                tl.store(out_ptr + t * s_out_row + n, s, mask=inb)
+            else:
+                logits = logits * ks[None, :]
+                s = tl.sum(tl.maximum(logits, 0.0) * qw[:, None], axis=0)
+            s = tl.where(valid, s, float("-inf"))
+            tl.store(out_ptr + t * s_out_row + n, s, mask=inb)
 
 
 @triton.jit
@@ -173,7 +170,7 @@ def select_kernel(
     out_ptr,
     s_out_row,
     K,
-    N: tl.constexpr,
+    N,
     HAS_BOUND: tl.constexpr,
     G: tl.constexpr,
     BLOCK_MODE: tl.constexpr,
@@ -191,10 +188,9 @@ def select_kernel(
         bound = tl.load(bound_ptr + t)
     else:
         bound = N + tl.zeros((), dtype=tl.int64)
-    NE: tl.constexpr = N // G
     if BLOCK_MODE:
         # the bound as given: one past the table forces no block (as the reference)
-        n_elem = NE + tl.zeros((), dtype=tl.int64)
+        n_elem = N // G
         newest = tl.where(bound > 0, (bound - 1) // G, -1)
     else:
         n_elem = tl.minimum(bound, N)
@@ -206,46 +202,43 @@ def select_kernel(
     taken = tl.zeros((), dtype=tl.int32)
     ties = tl.zeros((), dtype=tl.int32)
     for p in tl.static_range(5):
-        shift: tl.constexpr = 24 - 8 * p if p < 4 else 0
-        high: tl.constexpr = -(1 << (shift + 8)) if (p > 0 and p < 4) else 0
-        flip: tl.constexpr = 128 if p == 0 else 0
+        shift = 24 - 8 * p
         hist = tl.zeros((256,), dtype=tl.int32)
-        # constant trip counts with a guard (the interpreter takes no tensor loop bounds)
-        for e0 in range(0, NE, CHUNK):
-            if e0 < n_elem:
-                e = e0 + tl.arange(0, CHUNK)
-                inb = e < n_elem
+        for e0 in range(0, n_elem, CHUNK):
+            e = e0 + tl.arange(0, CHUNK)
+            inb = e < n_elem
+            if BLOCK_MODE:
+                g = tl.arange(0, G)
+                rows = e[:, None] * G + g[None, :]
+                v = tl.load(row_ptr + rows, mask=inb[:, None], other=float("-inf"))
+                v = tl.max(v.to(tl.float32), axis=1)
+                v = tl.where(e == newest, float("inf"), v)
+            else:
+                v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
+            # ordered_key, inline (a helper call per step is slow under the interpreter)
+            b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+            key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+            valid = inb & (key > NEG_INF_KEY)
+            if p < 4:
+                if p > 0:
+                    valid = valid & ((key & -(1 << (shift + 8))) == prefix)
+                digit = (key >> shift) & 255
+                if p == 0:  # unsigned digit order: the sign bit flipped
+                    digit = digit ^ 128
+                hist += tl.histogram(digit, 256, mask=valid)
+            else:
+                eq = (valid & (key == prefix)).to(tl.int32)
+                tie_rank = ties + tl.cumsum(eq, axis=0) - eq
+                sel = valid & ((key > prefix) | ((eq != 0) & (tie_rank < rem)))
+                si = sel.to(tl.int32)
                 if BLOCK_MODE:
-                    g = tl.arange(0, G)
-                    rows = e[:, None] * G + g[None, :]
-                    v = tl.load(row_ptr + rows, mask=inb[:, None], other=float("-inf"))
-                    v = tl.max(v.to(tl.float32), axis=1)
-                    v = tl.where(e == newest, float("inf"), v)
+                    keep = sel[:, None] & (rows < bound)
+                    tl.store(out_ptr + t * s_out_row + rows, keep, mask=inb[:, None])
                 else:
-                    v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
-                # ordered_key, inline (a helper call per step is slow under the interpreter)
-                b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
-                key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-                valid = inb & (key > NEG_INF_KEY)
-                if p < 4:
-                    if p > 0:
-                        valid = valid & ((key & high) == prefix)
-                    # unsigned digit order: the sign bit flipped in the top digit
-                    digit = ((key >> shift) & 255) ^ flip
-                    hist += tl.histogram(digit, 256, mask=valid)
-                else:
-                    eq = (valid & (key == prefix)).to(tl.int32)
-                    tie_rank = ties + tl.cumsum(eq, axis=0) - eq
-                    sel = valid & ((key > prefix) | ((eq != 0) & (tie_rank < rem)))
-                    si = sel.to(tl.int32)
-                    if BLOCK_MODE:
-                        keep = sel[:, None] & (rows < bound)
-                        tl.store(out_ptr + t * s_out_row + rows, keep, mask=inb[:, None])
-                    else:
-                        idx = taken + tl.cumsum(si, axis=0) - si
-                        tl.store(out_ptr + t * s_out_row + idx, e.to(tl.int64), mask=sel)
-                    taken += tl.sum(si, axis=0)
-                    ties += tl.sum(eq, axis=0)
+                    idx = taken + tl.cumsum(si, axis=0) - si
+                    tl.store(out_ptr + t * s_out_row + idx, e.to(tl.int64), mask=sel)
+                taken += tl.sum(si, axis=0)
+                ties += tl.sum(eq, axis=0)
         if p < 4:
             total = tl.sum(hist, axis=0)
             if p == 0:
@@ -253,7 +246,9 @@ def select_kernel(
             at_least = total - tl.cumsum(hist, axis=0) + hist
             dstar = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
             rem -= tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
-            prefix = prefix | ((dstar ^ flip) << shift)
+            if p == 0:
+                dstar = dstar ^ 128
+            prefix = prefix | (dstar << shift)
     if not BLOCK_MODE:
         j = tl.arange(0, KP)
         fill = tl.full((KP,), -1, tl.int64)
