@@ -114,9 +114,9 @@ def test_compressor_tails_and_cursor_are_exact(name):
     ref, tri = _backends()
     _, cfg = _spec(name)
     pr, pt = _pools(name, ("bf16", "fp8"))
-    for p in (pr, pt):
-        p.tail_values.normal_()
-        p.tail_scores.normal_()
+    pr.tail_values.normal_()
+    pr.tail_scores.normal_()
+    pt.backing.copy_(pr.backing)
     t, d = 64, cfg.head_dim
     slot = torch.arange(t, device="cuda") // 16 - 1  # slots -1, 0, 1, 2
     pos = torch.arange(t, device="cuda") % 16 + 3
@@ -271,15 +271,18 @@ def _attention_case(name, kv, dtype, heads=None, t=40, seed=0):
     ref.main_scatter(p.main[owner], lat, addr.page, addr.row, ones, p.sink_page)
     kvf = Q.fake_fp8(torch.randn(t, d, generator=g, device="cuda")).to(dtype)
     rows = torch.arange(t, device="cuda")
-    slot = torch.arange(t, device="cuda") % 4
-    slot[-1] = -1
-    position = 2 * W + torch.arange(t, device="cuda") // 4
+    slot = rows * 4 // t  # four requests, each a contiguous run of rows
+    start = (torch.arange(4, device="cuda") * t + 3) // 4
+    position = 2 * W + rows - start[slot]
+    # the first half of the rows read their whole window from the ring, the rest cut it 3 rows
+    # below themselves (this forward's rows above)
+    ring_until = torch.where(rows < t // 2, position + 1, position - 3)
     window_lo = torch.zeros(t, dtype=torch.long, device="cuda")
-    window_lo[5] = position[5] + 1  # empty window
-    ring_until = torch.where(torch.arange(t, device="cuda") < t // 2, position + 1, position - 3)
+    window_lo[1] = position[1] + 1  # an empty window
     ids = torch.randint(0, n_pages * rpp, (t, K), generator=g, device="cuda").sort(1).values
     ids[:, K - K // 4 :] = -1
-    ids[7] = -1
+    ids[2] = -1  # no selected row
+    slot[-1] = -1  # a padding row
     pages = table[slot.clamp(min=0)]
     q = torch.randn(t, h, d, generator=g, device="cuda").to(dtype)
     sink = torch.randn(h, generator=g, device="cuda")

@@ -36,6 +36,9 @@ from v41plan.runtime.kernels.torch_ref import TorchBackend, plane_format
 from v41plan.runtime.kernels.triton_common import interpreted, next_pow2
 
 _FLOAT = (torch.float32, torch.bfloat16)
+_INTERPRETED = interpreted(S.ring_write_kernel)
+"""Whether this process decorated the kernels under ``TRITON_INTERPRET=1`` (they then take CPU
+tensors, and only CPU tensors)."""
 
 
 def _bits16(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +65,7 @@ class TritonBackend(TorchBackend):
     def _runs(self, op: str, *tensors: torch.Tensor | None) -> bool:
         """Whether ``op``'s kernel runs on these tensors; records a fallback otherwise."""
         ts = [t for t in tensors if t is not None]
-        if interpreted(S.ring_write_kernel):
+        if _INTERPRETED:
             ok = all(t.device.type == "cpu" for t in ts)
         else:
             ok = all(t.is_cuda for t in ts)
@@ -252,15 +255,15 @@ class TritonBackend(TorchBackend):
     # -- scorer -------------------------------------------------------------------------------
     score_chunk = 512
     """Keys one scorer program covers (a row's programs past its bound return at once)."""
-    score_block = 64
-    """Keys per scorer tile (the dot's N)."""
+    score_block = 32
+    """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
 
     def _dot_bf16(self, exact_operands: bool) -> bool:
         """bf16 dot operands on the GPU when they are exact; fp32 under the interpreter (its bf16
         dot is not reliable)."""
-        return exact_operands and not interpreted(SC.score_kernel)
+        return exact_operands and not _INTERPRETED
 
     def _score(self, planes, q, weights, bound, pages, candidates, out, fill: bool) -> None:
         """Launch the scorer: ``out [T, P*rows]`` fp32 up to each row's bound (every column with
@@ -273,7 +276,9 @@ class TritonBackend(TorchBackend):
         n = rpp * n_pages
         if t == 0 or n == 0:
             return
-        assert q.stride(2) == 1 and weights.stride(1) == 1 and pages.stride(1) == 1
+        q, weights, pages = q.contiguous(), weights.contiguous(), pages.contiguous()
+        if candidates is not None:
+            candidates = candidates.contiguous()
         assert key.stride(2) == 1 and ksc.stride(2) == 1 and out.stride(1) == 1
         if not fp4:
             assert key.data_ptr() % 4 == 0 and key.stride(0) % 4 == 0 and key.stride(1) % 4 == 0
@@ -514,10 +519,10 @@ class TritonBackend(TorchBackend):
             part_ml = torch.empty(tq, splits, h, 2, dtype=torch.float32, device=q.device)
         out_bf16 = out.dtype == torch.bfloat16
         dst = _bits16(out)
+        rows = _vec(rows)
         pl = plane if has_plane else ring
-        idt = ids if has_plane else rows
-        pgt = pages if has_plane else rows.view(-1, 1)
-        assert not has_plane or (ids.stride(1) == 1 and pages.stride(1) == 1)
+        idt = ids.contiguous() if has_plane else rows
+        pgt = pages.contiguous() if has_plane else rows.view(-1, 1)
         A.sparse_attention_kernel[grid](
             q,
             q.stride(0),
@@ -531,7 +536,7 @@ class TritonBackend(TorchBackend):
             ring.stride(1),
             kv,
             kv.stride(0),
-            _vec(rows),
+            rows,
             _vec(slot),
             _vec(position),
             _vec(window_lo),
@@ -561,7 +566,7 @@ class TritonBackend(TorchBackend):
             HAS_PLANE=has_plane,
             SPLITS=splits,
             OUT_BF16=out_bf16,
-            DOT_BF16=q.dtype == torch.bfloat16 and not interpreted(A.sparse_attention_kernel),
+            DOT_BF16=q.dtype == torch.bfloat16 and not _INTERPRETED,
             F32_DOT=cfg["F32_DOT"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],

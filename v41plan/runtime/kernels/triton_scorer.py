@@ -141,7 +141,11 @@ def score_kernel(
                 k = k * e8m0_value(sb)
             else:
                 codes = tl.load(kbase[:, None] + d[None, :], mask=valid[:, None], other=0)
-                k = e4m3_value(codes)
+                # E4M3 straight to the dot's type (exact either way)
+                if DOT_BF16:
+                    k = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                else:
+                    k = e4m3_value(codes)
                 kptr = (kbase + D).to(tl.pointer_type(tl.float32))
                 ks = tl.load(kptr, mask=valid, other=0.0)
             if DOT_BF16:
