@@ -214,6 +214,7 @@ def _scenarios(width: str):
 
 
 def main(argv=None) -> int:
+    """Compile every distinct captured launch; print one line each (exit 1 on a failure)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--widths", default="medium,flash")

@@ -259,6 +259,15 @@ class TritonBackend(TorchBackend):
     """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
+    score_rows: int | None = None
+    """Query rows a scorer program holds (None: by the batch, ``score_tile_rows``)."""
+
+    def score_tile_rows(self, t: int, padded_heads: int) -> int:
+        """Rows a scorer program takes: one in a small batch (decode rows are of different
+        requests), else enough for a 64-row dot (a prefill chunk's rows share their keys)."""
+        if self.score_rows is not None:
+            return self.score_rows
+        return 1 if t < 256 else max(1, 64 // padded_heads)
 
     def _dot_bf16(self, exact_operands: bool) -> bool:
         """bf16 dot operands on the GPU when they are exact; fp32 under the interpreter (its bf16
@@ -285,7 +294,9 @@ class TritonBackend(TorchBackend):
         quant = Q.fake_quant_enabled()
         cand = candidates if candidates is not None else out
         chunk = min(self.score_chunk, max(self.score_block, next_pow2(n)))
-        SC.score_kernel[(t, triton_cdiv(n, chunk))](
+        hp = max(16, next_pow2(h))
+        rows = self.score_tile_rows(t, hp)
+        SC.score_kernel[(triton_cdiv(t, rows), triton_cdiv(n, chunk))](
             q,
             q.stride(0),
             q.stride(1),
@@ -304,11 +315,13 @@ class TritonBackend(TorchBackend):
             ksc.stride(1),
             out,
             out.stride(0),
+            t,
             h,
             n_pages,
-            rpp,
+            RPP=rpp,
+            ROWS=rows,
             D=d,
-            HP=max(16, next_pow2(h)),
+            HP=hp,
             BN=self.score_block,
             CHUNK=chunk,
             FP4=fp4,

@@ -36,17 +36,16 @@ from v41plan.runtime.kernels.triton_common import (
 
 
 @triton.jit
-def _round_query(
-    q, w, H, HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, QUANT: tl.constexpr
-):
-    """The query rows on the plane's grid and the per-head factor of the score."""
+def _round_query(q, w, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, QUANT: tl.constexpr):
+    """Query rows ``q [M, D]`` (one per (row, head)) on the plane's grid, and the per-head factor
+    of the score."""
     if FP4:
         if QUANT:
-            qb = tl.reshape(q, (HP, D // 32, 32))
+            qb = tl.reshape(q, (M, D // 32, 32))
             amax = tl.max(tl.abs(qb), axis=2)
             e = pow2ceil_exponent(div_rn(tl.maximum(amax, 6.0 * 2.0**-126), 6.0))
             qb = round_e2m1(qb * pow2(127 - e)[:, :, None]) * pow2(e - 127)[:, :, None]
-            q = tl.reshape(qb, (HP, D))
+            q = tl.reshape(qb, (M, D))
         qw = w
     else:
         if QUANT:
@@ -57,6 +56,122 @@ def _round_query(
         else:
             qw = w
     return q, qw
+
+
+@triton.jit
+def _score_tile(
+    t0,
+    c,
+    T,
+    q_ptr,
+    s_q_row,
+    s_q_head,
+    w_ptr,
+    s_w_row,
+    bound_ptr,
+    pages_ptr,
+    s_pages_row,
+    cand_ptr,
+    s_cand_row,
+    key_ptr,
+    s_key_page,
+    s_key_row,
+    ksc_ptr,
+    s_ksc_page,
+    s_ksc_row,
+    out_ptr,
+    s_out_row,
+    H,
+    P,
+    RPP: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FP4: tl.constexpr,
+    HAS_CAND: tl.constexpr,
+    FILL: tl.constexpr,
+    QUANT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    """Scores of rows ``[t0, t0 + ROWS)`` over keys ``[c * CHUNK, (c + 1) * CHUNK)``, every
+    row reading row ``t0``'s pages (the caller checked they are the same): one dot of
+    ``ROWS * HP`` query rows per key tile."""
+    M: tl.constexpr = ROWS * HP
+    r = tl.arange(0, ROWS)
+    trow = t0 + r
+    rm = trow < T
+    n_cols = P * RPP
+    bound = tl.minimum(tl.load(bound_ptr + trow, mask=rm, other=0), n_cols)
+    start = c * CHUNK
+    if FILL:
+        limit = n_cols
+    else:
+        limit = tl.max(bound, axis=0)
+    if start < limit:
+        h = tl.arange(0, HP)
+        d = tl.arange(0, D)
+        qm = rm[:, None, None] & (h < H)[None, :, None]
+        qptr = q_ptr + trow[:, None, None] * s_q_row + h[None, :, None] * s_q_head
+        q = tl.load(qptr + d[None, None, :], mask=qm, other=0.0).to(tl.float32)
+        wm = rm[:, None] & (h < H)[None, :]
+        w = tl.load(w_ptr + trow[:, None] * s_w_row + h[None, :], mask=wm, other=0.0)
+        q, qw = _round_query(
+            tl.reshape(q, (M, D)), tl.reshape(w.to(tl.float32), (M,)), M, D, FP4, QUANT
+        )
+        if DOT_BF16:
+            qd = q.to(tl.bfloat16)
+        else:
+            qd = q
+        end = tl.minimum(start + CHUNK, limit)
+        for j0 in range(start, end, BN):
+            n = j0 + tl.arange(0, BN)
+            inb = n < end
+            page = tl.load(pages_ptr + t0 * s_pages_row + n // RPP, mask=inb, other=-1)
+            kvalid = inb & (page >= 0)
+            row = n % RPP
+            kbase = key_ptr + page * s_key_page + row * s_key_row
+            if FP4:
+                half = tl.arange(0, D // 2)
+                packed = tl.load(kbase[:, None] + half[None, :], mask=kvalid[:, None], other=0)
+                packed = packed.to(tl.int32)
+                k = tl.interleave(e2m1_value(packed & 15), e2m1_value(packed >> 4))
+                sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
+                sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
+                k = k * e8m0_value(sb)
+            else:
+                codes = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
+                # E4M3 straight to the dot's type (exact either way)
+                if DOT_BF16:
+                    k = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                else:
+                    k = e4m3_value(codes)
+                kptr = (kbase + D).to(tl.pointer_type(tl.float32))
+                ks = tl.load(kptr, mask=kvalid, other=0.0)
+            if DOT_BF16:
+                logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
+            else:
+                logits = tl.dot(qd, tl.trans(k), input_precision="ieee")
+            if FP4:
+                if ROUND_BF16:
+                    logits = bf16_round(logits)
+                    part = bf16_round(tl.maximum(logits, 0.0) * qw[:, None])
+                else:
+                    part = tl.maximum(logits, 0.0) * qw[:, None]
+            else:
+                part = tl.maximum(logits * ks[None, :], 0.0) * qw[:, None]
+            sc = tl.sum(tl.reshape(part, (ROWS, HP, BN)), axis=1)
+            if ROUND_BF16:
+                sc = bf16_round(sc)
+            valid = kvalid[None, :] & (n[None, :] < bound[:, None]) & rm[:, None]
+            if HAS_CAND:
+                cptr = cand_ptr + trow[:, None] * s_cand_row + n[None, :]
+                valid = valid & (tl.load(cptr, mask=valid, other=0) != 0)
+            sc = tl.where(valid, sc, float("-inf"))
+            optr = out_ptr + trow[:, None] * s_out_row + n[None, :]
+            tl.store(optr, sc, mask=rm[:, None] & inb[None, :])
 
 
 @triton.jit
@@ -79,9 +194,11 @@ def score_kernel(
     s_ksc_row,
     out_ptr,
     s_out_row,
+    T,
     H,
     P,
-    RPP,
+    RPP: tl.constexpr,
+    ROWS: tl.constexpr,
     D: tl.constexpr,
     HP: tl.constexpr,
     BN: tl.constexpr,
@@ -93,77 +210,41 @@ def score_kernel(
     ROUND_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
 ):
-    """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` for ``n`` in this program's range
-    (``-inf`` past the bound, on a missing page or outside the candidates). ``FILL`` writes
-    every column up to ``P * RPP`` (the materialized score matrix), else only up to the bound.
-    fp8 plane: ``key_ptr`` the E4M3 codes, the fp32 row scale at byte ``D`` of the row; fp4:
-    ``key_ptr`` the packed E2M1 values, ``ksc_ptr`` the E8M0 scales plane."""
-    t = tl.program_id(0)
+    """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
+    for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
+    the candidates). ``FILL`` writes every column up to ``P * RPP`` (the materialized score
+    matrix), else only up to the bound. fp8 plane: ``key_ptr`` the E4M3 codes, the fp32 row
+    scale at byte ``D`` of the row; fp4: ``key_ptr`` the packed E2M1 values, ``ksc_ptr`` the E8M0
+    scales plane. With ``ROWS > 1`` rows that read the same pages in this range (a prefill
+    chunk's rows) share each key tile; rows of different requests are scored one by one."""
+    t0 = tl.program_id(0) * ROWS
     c = tl.program_id(1)
-    n_cols = P * RPP
-    bound = tl.minimum(tl.load(bound_ptr + t), n_cols)
-    start = c * CHUNK
-    if FILL:
-        limit = n_cols
+    args = (q_ptr, s_q_row, s_q_head, w_ptr, s_w_row, bound_ptr, pages_ptr, s_pages_row)
+    args2 = (cand_ptr, s_cand_row, key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row)
+    if ROWS == 1:
+        _score_tile(
+            t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
+            RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+        )  # fmt: skip
     else:
-        limit = bound
-    if start < limit:
-        h = tl.arange(0, HP)
-        d = tl.arange(0, D)
-        hm = h < H
-        q = tl.load(
-            q_ptr + t * s_q_row + h[:, None] * s_q_head + d[None, :], mask=hm[:, None], other=0.0
-        ).to(tl.float32)
-        w = tl.load(w_ptr + t * s_w_row + h, mask=hm, other=0.0).to(tl.float32)
-        q, qw = _round_query(q, w, H, HP, D, FP4, QUANT)
-        if DOT_BF16:
-            qd = q.to(tl.bfloat16)
+        NCOL: tl.constexpr = (CHUNK + RPP - 1) // RPP
+        r = tl.arange(0, ROWS)
+        cols = (c * CHUNK) // RPP + tl.arange(0, NCOL)
+        m = ((t0 + r) < T)[:, None] & (cols < P)[None, :]
+        p0 = tl.load(pages_ptr + t0 * s_pages_row + cols, mask=cols < P, other=-1)
+        pr = tl.load(pages_ptr + (t0 + r)[:, None] * s_pages_row + cols[None, :], mask=m, other=-1)
+        differ = tl.sum(tl.sum((m & (pr != p0[None, :])).to(tl.int32), axis=1), axis=0)
+        if differ == 0:
+            _score_tile(
+                t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
+                RPP, ROWS, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+            )  # fmt: skip
         else:
-            qd = q
-        end = tl.minimum(start + CHUNK, limit)
-        for j0 in range(start, end, BN):
-            n = j0 + tl.arange(0, BN)
-            inb = n < end
-            page = tl.load(pages_ptr + t * s_pages_row + n // RPP, mask=inb, other=-1)
-            valid = inb & (n < bound) & (page >= 0)
-            if HAS_CAND:
-                cand = tl.load(cand_ptr + t * s_cand_row + n, mask=valid, other=0)
-                valid = valid & (cand != 0)
-            row = n % RPP
-            kbase = key_ptr + page * s_key_page + row * s_key_row
-            if FP4:
-                half = tl.arange(0, D // 2)
-                packed = tl.load(kbase[:, None] + half[None, :], mask=valid[:, None], other=0)
-                packed = packed.to(tl.int32)
-                k = tl.interleave(e2m1_value(packed & 15), e2m1_value(packed >> 4))
-                sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
-                sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=valid[:, None], other=127)
-                k = k * e8m0_value(sb)
-            else:
-                codes = tl.load(kbase[:, None] + d[None, :], mask=valid[:, None], other=0)
-                # E4M3 straight to the dot's type (exact either way)
-                if DOT_BF16:
-                    k = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-                else:
-                    k = e4m3_value(codes)
-                kptr = (kbase + D).to(tl.pointer_type(tl.float32))
-                ks = tl.load(kptr, mask=valid, other=0.0)
-            if DOT_BF16:
-                logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
-            else:
-                logits = tl.dot(qd, tl.trans(k), input_precision="ieee")
-            if FP4:
-                if ROUND_BF16:
-                    logits = bf16_round(logits)
-                    r = bf16_round(tl.maximum(logits, 0.0) * qw[:, None])
-                    s = bf16_round(tl.sum(r, axis=0))
-                else:
-                    s = tl.sum(tl.maximum(logits, 0.0) * qw[:, None], axis=0)
-            else:
-                logits = logits * ks[None, :]
-                s = tl.sum(tl.maximum(logits, 0.0) * qw[:, None], axis=0)
-            s = tl.where(valid, s, float("-inf"))
-            tl.store(out_ptr + t * s_out_row + n, s, mask=inb)
+            for i in tl.static_range(ROWS):
+                _score_tile(
+                    t0 + i, c, T, *args, *args2, out_ptr, s_out_row, H, P,
+                    RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+                )  # fmt: skip
 
 
 @triton.jit
