@@ -292,7 +292,7 @@ def attention_rows(width, prefill, kv, peers, ceil, kb, ref):
     base["check"] = {"max_abs_err_vs_torch": err, "tolerance": 2e-2}
     q = args[0]
     base["config"] = kb.attention_config(
-        q.shape[0], q.shape[1], D, W, K, torch.device(DEV), q.dtype
+        q.shape[0], q.shape[1], D, W, K, torch.device(DEV), q.dtype, kv == "fp4"
     )
     out_rows = []
     for name in peers:

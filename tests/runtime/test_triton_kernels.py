@@ -433,3 +433,9 @@ def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the padding row sees no key
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     assert not kb.fallbacks
+
+
+def test_the_default_backend_is_the_reference_off_cuda():
+    from v41plan.runtime.kernels import default_backend
+
+    assert default_backend("cpu").name == "torch"

@@ -150,11 +150,16 @@ def sparse_attention_kernel(
             sb = tl.load(rbase[:, None] + D + d[None, :] // 32, mask=rmask, other=127)
             kr = e4m3_value(codes) * e8m0_value(sb)
         else:
-            kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+            kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0)
         frow = tl.minimum(tl.maximum(row - (pos - kp), 0), n_kv_rows - 1)
         fmask = (valid & ~from_ring)[:, None]
         kf = tl.load(kv_ptr + frow[:, None] * s_kv_row + d[None, :], mask=fmask, other=0.0)
-        k = tl.where(from_ring[:, None], kr, kf.to(tl.float32))
+        # to the dot's type at once (exact: every key is on a grid bf16 holds), half the
+        # registers of fp32 for bf16 dots
+        if DOT_BF16:
+            k = tl.where(from_ring[:, None], kr.to(tl.bfloat16), kf.to(tl.bfloat16))
+        else:
+            k = tl.where(from_ring[:, None], kr.to(tl.float32), kf.to(tl.float32))
         m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if HAS_PLANE:
@@ -180,9 +185,14 @@ def sparse_attention_kernel(
                 packed = packed.to(tl.int32)
                 sb = tl.load(pbase[:, None] + D // 2 + half[None, :] // 8, mask=vm, other=0)
                 sc = e4m3_value(sb)
+                # interleaved in fp32: a bf16 interleave fails to compile at 64 heads (sm_90)
                 k = tl.interleave(e2m1_value(packed & 15) * sc, e2m1_value(packed >> 4) * sc)
+                if DOT_BF16:
+                    k = k.to(tl.bfloat16)
             else:
-                k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0).to(tl.float32)
+                k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0)
+                if not DOT_BF16:
+                    k = k.to(tl.float32)
             m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if SPLITS == 1:
@@ -208,6 +218,7 @@ def combine_kernel(
     s_out_head,
     H,
     D: tl.constexpr,
+    DC: tl.constexpr,
     HB: tl.constexpr,
     SPLITS: tl.constexpr,
     OUT_BF16: tl.constexpr,
@@ -217,23 +228,30 @@ def combine_kernel(
     hb = tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)
     hm = h < H
-    d = tl.arange(0, D)
     mx = tl.full((HB,), float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
         base = (i * SPLITS + s) * H + h
         mx = tl.maximum(mx, tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")))
     mu = tl.where(mx == float("-inf"), 0.0, mx)
     den = tl.zeros((HB,), dtype=tl.float32)
-    acc = tl.zeros((HB, D), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         base = (i * SPLITS + s) * H + h
         wgt = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")) - mu)
         den += tl.load(part_ml_ptr + base * 2 + 1, mask=hm, other=0.0) * wgt
-        part = tl.load(part_o_ptr + base[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
-        acc += part * wgt[:, None]
-    o = tl.where(den[:, None] > 0, div_rn(acc, tl.where(den > 0, den, 1.0)[:, None]), 0.0)
-    optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + d[None, :]
-    if OUT_BF16:
-        tl.store(optr, bf16_bits(o), mask=hm[:, None])
-    else:
-        tl.store(optr, o, mask=hm[:, None])
+    inv_ok = den > 0
+    den = tl.where(inv_ok, den, 1.0)
+    # the latent in column chunks of DC: an [HB, D] fp32 accumulator spills at 64 heads
+    dc = tl.arange(0, DC)
+    for c0 in tl.static_range(0, D, DC):
+        acc = tl.zeros((HB, DC), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            base = (i * SPLITS + s) * H + h
+            wgt = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")) - mu)
+            pptr = part_o_ptr + base[:, None] * D + c0 + dc[None, :]
+            acc += tl.load(pptr, mask=hm[:, None], other=0.0) * wgt[:, None]
+        o = tl.where(inv_ok[:, None], div_rn(acc, den[:, None]), 0.0)
+        optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + c0 + dc[None, :]
+        if OUT_BF16:
+            tl.store(optr, bf16_bits(o), mask=hm[:, None])
+        else:
+            tl.store(optr, o, mask=hm[:, None])

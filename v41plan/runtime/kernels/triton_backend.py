@@ -21,7 +21,11 @@ What is exact and what is not:
   product, as the published kernels do).
 
 Everything is capturable: shapes are fixed by the arguments, every bound, length and id is
-read on the device, and nothing syncs with the host.
+read on the device, and nothing syncs with the host. ``gather_window``, ``gather_selected`` and
+``copy_image`` stay the torch ones (the fused ``sparse_attention`` replaces the two gathers).
+Under the interpreter, ``triton_common.patch_interpreter()`` must be in place (tensor loop
+bounds; see there). ``scripts/triton_compile_check.py`` compiles every launch for sm_90
+without a GPU and reports registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -445,12 +449,21 @@ class TritonBackend(TorchBackend):
     arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
 
     def attention_config(
-        self, tq: int, h: int, d: int, window: int, k: int, device, dtype=torch.bfloat16
+        self,
+        tq: int,
+        h: int,
+        d: int,
+        window: int,
+        k: int,
+        device,
+        dtype=torch.bfloat16,
+        packed: bool = False,
     ) -> dict:
         """Tile sizes, head blocks, key splits and launch options for ``tq`` query rows (shapes
-        only: the same shapes always give the same launch, so a capture replays it)."""
+        and formats only: the same shapes always give the same launch, so a capture replays it).
+        ``packed``: FP4 main rows or FP8 ring rows, decoded in registers (smaller key tiles)."""
         f32 = dtype == torch.float32
-        bn = self.attention_block if d >= 256 and not f32 else 16
+        bn = self.attention_block if d >= 256 and not (f32 or packed) else 16
         # fp32 operands take twice the registers and shared memory: smaller head blocks
         hb = max(16, min(next_pow2(h), 16 if f32 else self.head_block_max))
         n_hb = triton_cdiv(h, hb)
@@ -523,7 +536,8 @@ class TritonBackend(TorchBackend):
             return
         has_plane = plane is not None
         ksel = ids.shape[1] if has_plane else 0
-        cfg = self.attention_config(tq, h, d, window, ksel, q.device, q.dtype)
+        packed = ring.dtype == torch.uint8 or (has_plane and plane.dtype == torch.uint8)
+        cfg = self.attention_config(tq, h, d, window, ksel, q.device, q.dtype, packed)
         splits = cfg["SPLITS"]
         grid = (tq, cfg["n_hb"], splits)
         part_o = part_ml = out
@@ -593,6 +607,7 @@ class TritonBackend(TorchBackend):
                 out.stride(1),
                 h,
                 D=d,
+                DC=min(d, 128),
                 HB=cfg["HB"],
                 SPLITS=splits,
                 OUT_BF16=out_bf16,
