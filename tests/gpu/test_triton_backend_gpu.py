@@ -234,11 +234,13 @@ def test_scores_within_rounding_and_select_exact_on_one_matrix(name, ix, dtype):
     assert torch.equal(
         tri.candidate_blocks(s_ref, bound, br, bk), ref.candidate_blocks(s_ref, bound, br, bk)
     )
-    # the scorer's own top-k against the reference's set: equal up to near-ties
+    # the scorer's own top-k against the reference's set: equal up to near-ties (bf16 scores
+    # tie often, and a last-bit difference moves a tied row across the cut)
     a = tri.score_topk(planes, q, w, bound, pages, k, None)
     b = ref.score_topk(planes, q, w, bound, pages, k, None)
     same = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b))
-    assert same >= 0.98 * sum(len(set(y.tolist())) for y in b)
+    least = 0.98 if s_ref.dtype == torch.float32 else 0.95
+    assert same >= least * sum(len(set(y.tolist())) for y in b)
 
 
 def _attention_case(name, kv, dtype, heads=None, t=40, seed=0):
