@@ -40,6 +40,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_dense_kernels.py",
         "fused mHC site / expand / FP8 quant vs eager and compiled torch, per site (CUDA)",
     ),
+    "kernels": (
+        "bench_kernels.py",
+        "Triton backend kernels against their floors and in-image peers (CUDA)",
+    ),
     "replay_deviation": (
         "replay_deviation.py",
         "decoder-replay logit deviation against a full prefill (CPU)",

@@ -1,0 +1,738 @@
+"""TritonBackend kernels on the GPU: each op against its floor and an in-image peer, one run.
+
+    python benchmarks/bench_kernels.py [--out FILE] [--budget-s 170] [--only SUBSTRING]
+
+Both ceilings (copy bandwidth, bf16 matmul rate: ``ceilings.py``) are measured first in this
+process. A row's floor is ``max(bytes / copy bandwidth, FLOPs / bf16 rate)`` with the bytes the
+op must move (the keys it reads, at the pool's row size, its inputs and outputs; never the
+kernel's own scratch) and the FLOPs it must compute (valid keys only); ``of_floor`` is
+``floor_ms / ms``. Every timing is the median of ``triton.testing.do_bench`` (L2 flushed before
+each repetition), and the pools are far larger than L2 with random block tables. Each row is
+checked against ``TorchBackend`` before it is timed (``check``).
+
+Peers, in this process: FlexAttention with a block mask and torch SDPA (math backend) for
+attention, both over keys gathered from the pools with torch indexing (the gather is part of
+the peer's time; no fused torch attention takes head_dim 512), with the sink as an extra key of
+value zero; the ``TorchBackend`` op for the rest.
+
+A failing row is reported with its error and the run goes on; rows past ``--budget-s`` are
+skipped. Prints a table and writes JSON (``{device, torch, triton, commit, ceilings, rows}``,
+each row ``{kernel, shape, ms, floor_ms, of_floor, peer, peer_ms, ...}``) to ``--out``, by
+default ``$OUT/bench_kernels.json`` when ``$OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ceilings import measure_ceilings
+
+D, W, K, RPP, PAGE, INDEX_D = 512, 128, 512, 64, 128, 128
+"""Latent width, window, top-k, compressed rows a PAGE (ratio 2 at PAGE 128), PAGE tokens, index
+head width."""
+WIDTHS = {"medium": (16, 16), "flash": (64, 32)}
+"""Attention heads and index heads: MEDIUM, and V4.1-Flash."""
+DEV = "cuda"
+SIZES = {"decode_rows": 64, "context": 8192, "long_context": 65536, "prefill_rows": 8192}
+
+
+def _smoke() -> None:
+    """``--smoke``: every row at tiny sizes on the CPU through the Triton interpreter (checks
+    the script itself, times nothing meaningful)."""
+    global D, W, K, RPP, PAGE, INDEX_D, DEV
+    os.environ["TRITON_INTERPRET"] = "1"
+    D, W, K, RPP, PAGE, INDEX_D, DEV = 64, 16, 16, 16, 32, 32, "cpu"
+    SIZES.update(decode_rows=4, context=256, long_context=512, prefill_rows=64)
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return out.stdout.strip() or os.environ.get("V41PLAN_COMMIT", "unknown")
+    except OSError:
+        return os.environ.get("V41PLAN_COMMIT", "unknown")
+
+
+def _bench(fn) -> float:
+    """Median ms of ``fn`` (L2 flushed before each repetition)."""
+    if DEV == "cpu":  # --smoke: one run
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+# -- pools --------------------------------------------------------------------------------------
+class Pools:
+    """Standalone ring, main plane and index planes at the pool's row formats, filled with
+    values on their grids (random pages: many times the L2)."""
+
+    def __init__(self, batch: int, pages_per_request: int, kv: str, ix: str, seed: int = 0):
+        from v41plan.model import quant as Q
+        from v41plan.runtime.kernels import torch_ref as R
+
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.batch, self.n_pages = batch, batch * pages_per_request
+        n = self.n_pages + 1  # + the sink page
+        self.kv, self.ix = kv, ix
+        lat = torch.empty(n * RPP, D, device=DEV)
+        if kv == "bf16":
+            self.plane = torch.empty(n, RPP, D, dtype=torch.bfloat16, device=DEV)
+            for i in range(0, n * RPP, 1 << 18):
+                lat[i : i + (1 << 18)].normal_(generator=g)
+            self.plane.view(-1, D).copy_(Q.fake_fp4_e4m3(lat, 16))
+            self.ring = Q.fake_fp8(torch.randn(batch + 1, W, D, generator=g, device=DEV))
+            self.ring = self.ring.to(torch.bfloat16)
+        else:
+            self.plane = torch.empty(n, RPP, D // 2 + D // 16, dtype=torch.uint8, device=DEV)
+            for i in range(0, n * RPP, 1 << 18):
+                x = torch.randn(min(1 << 18, n * RPP - i), D, generator=g, device=DEV)
+                self.plane.view(-1, self.plane.shape[-1])[i : i + len(x)] = (
+                    R.encode_fp4_e4m3_scales(x)
+                )
+            self.ring = R.encode_fp8_e8m0(torch.randn(batch + 1, W, D, generator=g, device=DEV))
+        del lat
+        keys = torch.randn(n * RPP, INDEX_D, generator=g, device=DEV)
+        if ix == "fp8":
+            self.index = (R.encode_fp8_row(keys).view(n, RPP, INDEX_D + 4),)
+        else:
+            v, s = R.encode_fp4_e8m0(keys)
+            self.index = (v.view(n, RPP, INDEX_D // 2), s.view(n, RPP, INDEX_D // 32))
+        self.tables = torch.randperm(self.n_pages, generator=g, device=DEV).view(batch, -1)
+
+    def main_row_bytes(self) -> int:
+        """Bytes of one main-plane row."""
+        return self.plane.shape[-1] * self.plane.element_size()
+
+    def ring_row_bytes(self) -> int:
+        """Bytes of one ring row."""
+        return self.ring.shape[-1] * self.ring.element_size()
+
+    def index_row_bytes(self) -> int:
+        """Bytes of one index row (both planes of the fp4 format)."""
+        return sum(p.shape[-1] for p in self.index)
+
+
+# -- attention --------------------------------------------------------------------------------
+def _attention_inputs(pools: Pools, heads: int, rows: int, context: int, prefill: bool):
+    """Decode: ``rows`` requests one token each at ``context - 1``, the window in the ring.
+    Prefill: one request's ``rows`` tokens from 0, the window in this forward's rows, each row's
+    top-k over its visible compressed rows (fewer below 2K tokens: -1 padded)."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    dev = DEV
+    q = torch.randn(rows, heads, D, generator=g, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(rows, D, generator=g, device=dev).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=g, device=dev)
+    n_comp = context // 2
+    if prefill:
+        position = torch.arange(rows, device=dev)
+        slot = torch.zeros(rows, dtype=torch.long, device=dev)
+        ring_until = torch.zeros(rows, dtype=torch.long, device=dev)  # the forward starts at 0
+        bound = (position + 1) // 2
+        pages = pools.tables[0].expand(rows, -1)
+    else:
+        position = torch.full((rows,), context - 1, device=dev)
+        slot = torch.arange(rows, device=dev)
+        ring_until = position + 1
+        bound = torch.full((rows,), n_comp, device=dev)
+        pages = pools.tables[:rows]
+    vis = torch.arange(n_comp, device=dev)[None, :] < bound[:, None]
+    top = torch.rand(rows, n_comp, generator=g, device=dev).masked_fill(~vis, -1).topk(K, 1)
+    ids = _pad_last(torch.where(top.values >= 0, top.indices, -1))
+    window_lo = torch.zeros(rows, dtype=torch.long, device=dev)
+    rows_t = torch.arange(rows, device=dev)
+    args = (q, sink, D**-0.5, pools.ring, kv, rows_t, slot, position, window_lo, ring_until, W)
+    return args, (pools.plane, ids.contiguous(), pages.contiguous(), RPP)
+
+
+def _pad_last(ids: torch.Tensor) -> torch.Tensor:
+    """Each row's valid ids ascending, then the -1s."""
+    big = torch.iinfo(torch.long).max
+    s = torch.where(ids >= 0, ids, big).sort(1).values
+    return torch.where(s == big, -1, s)
+
+
+def _valid_keys(args, sel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window and selected key counts per row (what the op must read and compute)."""
+    position, window_lo, slot = args[7], args[8], args[6]
+    lo = torch.maximum(torch.maximum(window_lo, position - (W - 1)), torch.zeros_like(position))
+    n_win = torch.where(slot >= 0, position - lo + 1, 0)
+    n_sel = (sel[1] >= 0).sum(1)
+    return n_win, n_sel
+
+
+def _gathered(kb, args, sel):
+    """Keys ``[T, S, D]`` (window, selected, one zero key for the sink) and validity."""
+    keys, valid = kb.gather_window(*args[3:11])
+    rows, ok = kb.gather_selected(sel[0], sel[1], sel[2], sel[3], D, torch.bfloat16)
+    t = keys.shape[0]
+    zero = torch.zeros(t, 1, D, dtype=keys.dtype, device=keys.device)
+    s = torch.cat((keys, rows, zero), 1)
+    v = torch.cat((valid, ok, torch.ones(t, 1, dtype=torch.bool, device=keys.device)), 1)
+    return s, v
+
+
+def _sdpa_peer(kb, args, sel):
+    """Gather, then SDPA (math) with the heads as the query length (one latent: MQA) and the
+    sink as the additive mask value of the zero key."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, sink, scale = args[0], args[1], args[2]
+
+    def run():
+        keys, valid = _gathered(kb, args, sel)
+        t, s, _ = keys.shape
+        mask = torch.zeros(t, 1, q.shape[1], s, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        mask[..., -1] = sink.to(q.dtype)[None, None, :]
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q[:, None], keys[:, None], keys[:, None], attn_mask=mask, scale=scale
+            )
+
+    return run
+
+
+def _flex_peer(kb, args, sel):
+    """Gather, then FlexAttention (compiled, 32 x 32 tiles: D = 512) with a block mask of the
+    valid keys and the sink as a score_mod on the zero key."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, sink, scale = args[0], args[1], args[2]
+    keys, valid = _gathered(kb, args, sel)
+    t, s, _ = keys.shape
+    h = q.shape[1]
+
+    def mask_mod(b, hh, q_idx, kv_idx):
+        return valid[b, kv_idx]
+
+    def score_mod(score, b, hh, q_idx, kv_idx):
+        return torch.where(kv_idx == s - 1, sink[q_idx].to(score.dtype), score)
+
+    block = create_block_mask(mask_mod, t, None, h, s, device=DEV, BLOCK_SIZE=32)
+    flex = torch.compile(flex_attention, dynamic=False)
+    opts = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+
+    def run():
+        keys2, _ = _gathered(kb, args, sel)
+        return flex(
+            q[:, None],
+            keys2[:, None],
+            keys2[:, None],
+            score_mod=score_mod,
+            block_mask=block,
+            scale=scale,
+            kernel_options=opts,
+        )
+
+    return run
+
+
+def _attention_cost(pools, args, sel, prefill) -> tuple[int, int]:
+    """Bytes the op must move and FLOPs it must compute (valid keys only)."""
+    q = args[0]
+    heads, rows = q.shape[1], q.shape[0]
+    n_win, n_sel = _valid_keys(args, sel)
+    keys = int((n_win + n_sel).sum())
+    if prefill:  # window rows come from this forward's rows; selected rows from the plane
+        key_bytes = int(n_sel.sum()) * pools.main_row_bytes() + rows * D * 2
+    else:
+        key_bytes = int(n_win.sum()) * pools.ring_row_bytes() + int(n_sel.sum()) * (
+            pools.main_row_bytes()
+        )
+    io = 2 * q.numel() * 2 + sel[1].numel() * 8 + sel[2].numel() * 8
+    return key_bytes + io, 4 * heads * D * keys
+
+
+def _attention_setup(width, prefill, kv):
+    heads, _ = WIDTHS[width]
+    rows = SIZES["prefill_rows"] if prefill else SIZES["decode_rows"]
+    context = SIZES["prefill_rows"] if prefill else SIZES["context"]
+    pools = Pools(1 if prefill else rows, context // PAGE, kv, "fp8")
+    args, sel = _attention_inputs(pools, heads, rows, context, prefill)
+    shape = (
+        f"{width} H={heads} D={D} W={W} top-{K} {'prefill' if prefill else 'decode'} "
+        f"T={rows} ctx={context} ring={'bf16' if kv == 'bf16' else 'fp8'} main={kv}"
+    )
+    return pools, args, sel, shape
+
+
+def attention_rows(width, prefill, kv, peers, ceil, kb, ref):
+    """Sparse attention at one width and format, a row per peer."""
+    pools, args, sel, shape = _attention_setup(width, prefill, kv)
+    out = torch.empty_like(args[0])
+    want = torch.empty_like(args[0])
+    kb.sparse_attention(*args, *sel, out)
+    ref.sparse_attention(*args, *sel, want)
+    err = (out.float() - want.float()).abs().max().item()
+    nbytes, flops = _attention_cost(pools, args, sel, prefill)
+    ms = _bench(lambda: kb.sparse_attention(*args, *sel, out))
+    base = _row("sparse_attention", shape, ms, nbytes, flops, ceil)
+    base["check"] = {"max_abs_err_vs_torch": err, "tolerance": 2e-2}
+    q = args[0]
+    base["config"] = kb.attention_config(
+        q.shape[0], q.shape[1], D, W, K, torch.device(DEV), q.dtype, kv == "fp4"
+    )
+    out_rows = []
+    for name in peers:
+        r = dict(base)
+        r["peer"] = name
+        try:
+            if name == "torch_backend":
+                r["peer_ms"] = _bench(lambda: ref.sparse_attention(*args, *sel, want))
+            elif name == "sdpa_math":
+                r["peer_ms"] = _bench(_sdpa_peer(ref, args, sel))
+            elif name == "flex_block_mask":
+                r["peer_ms"] = _bench(_flex_peer(ref, args, sel))
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape: say why, keep the row
+            r["peer_ms"] = None
+            r["peer_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        out_rows.append(r)
+    del pools
+    return out_rows
+
+
+def attention_sweep(width, configs, ceil, kb, ref):
+    """Decode attention under other launch settings (head block, key splits, tile, warps), so
+    the defaults can follow the measurements."""
+    pools, args, sel, shape = _attention_setup(width, False, "bf16")
+    want = torch.empty_like(args[0])
+    ref.sparse_attention(*args, *sel, want)
+    nbytes, flops = _attention_cost(pools, args, sel, False)
+    rows = []
+    for cfg in configs:
+        out = torch.empty_like(args[0])
+        kb.attention_override = cfg
+        try:
+            kb.sparse_attention(*args, *sel, out)
+            err = (out.float() - want.float()).abs().max().item()
+            r = _row(
+                "sparse_attention",
+                f"{shape} sweep {cfg}",
+                _bench(lambda out=out: kb.sparse_attention(*args, *sel, out)),
+                nbytes,
+                flops,
+                ceil,
+            )
+            r["check"] = {"max_abs_err_vs_torch": err, "tolerance": 2e-2}
+            r["config"] = cfg
+        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+            r = {
+                "kernel": "sparse_attention",
+                "shape": f"{shape} sweep {cfg}",
+                "error": str(e)[:300],
+            }
+        finally:
+            kb.attention_override = None
+        rows.append(r)
+    del pools
+    return rows
+
+
+# -- scorer -------------------------------------------------------------------------------------
+def scorer_rows(width, prefill, ix, context, ceil, kb, ref, peer=True):
+    """The scorer and its top-k (one call, as the runtime makes it) over a plane format."""
+    _, hi = WIDTHS[width]
+    rows = context if prefill else SIZES["decode_rows"]
+    pools = Pools(1 if prefill else rows, context // PAGE, "bf16" if ix == "fp8" else "fp4", ix)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
+    n_comp = context // 2
+    if prefill:
+        bound = (torch.arange(rows, device=DEV) + 1) // 2
+        pages = pools.tables[0].expand(rows, -1).contiguous()
+    else:
+        bound = torch.full((rows,), n_comp, device=DEV)
+        pages = pools.tables
+    planes = pools.index
+    ids = kb.score_topk(planes, q, w, bound, pages, K, None)
+    want = ref.score_topk(planes, q, w, bound, pages, K, None)
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids[:64], want[:64]))
+    overlap = same / max(1, sum(len(set(b.tolist())) for b in want[:64]))
+    visible = int(bound.clamp(max=n_comp).sum())
+    key_bytes = visible * pools.index_row_bytes()
+    nbytes = key_bytes + q.numel() * 2 + w.numel() * 2 + rows * K * 8
+    flops = 2 * hi * INDEX_D * visible
+    ms = _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None))
+    shape = (
+        f"{width} index {hi}x{INDEX_D} {ix} {'prefill' if prefill else 'decode'} T={rows} "
+        f"ctx={context} (ratio 2: {n_comp} rows) top-{K}"
+    )
+    r = _row("score_topk", shape, ms, nbytes, flops, ceil)
+    r["check"] = {"topk_overlap_vs_torch": overlap}
+    r["peer"] = "torch_backend"
+    try:
+        r["peer_ms"] = (
+            _bench(lambda: ref.score_topk(planes, q, w, bound, pages, K, None)) if peer else None
+        )
+    except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+        r["peer_ms"] = None
+        r["peer_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    del pools
+    return [r]
+
+
+def select_rows(context, ceil, kb, ref):
+    """The top-k select and the candidate blocks alone, over one score matrix."""
+    rows, n = SIZES["decode_rows"], context
+    g = torch.Generator(device=DEV).manual_seed(3)
+    score = torch.randn(rows, n, generator=g, device=DEV)
+    bound = torch.full((rows,), n, device=DEV)
+    out = []
+    for name, fn, peer, check in (
+        (
+            "topk_ids",
+            lambda: kb.topk_ids(score, K),
+            lambda: ref.topk_ids(score, K),
+            lambda: torch.equal(kb.topk_ids(score, K), ref.topk_ids(score, K)),
+        ),
+        (
+            "candidate_blocks",
+            lambda: kb.candidate_blocks(score, bound, 8, 2048),
+            lambda: ref.candidate_blocks(score, bound, 8, 2048),
+            lambda: torch.equal(
+                kb.candidate_blocks(score, bound, 8, 2048),
+                ref.candidate_blocks(score, bound, 8, 2048),
+            ),
+        ),
+    ):
+        nbytes = score.numel() * 4 + (rows * K * 8 if name == "topk_ids" else rows * n)
+        r = _row(
+            name,
+            f"T={rows} N={n} k={K if name == 'topk_ids' else '2048 x 8'}",
+            _bench(fn),
+            nbytes,
+            0,
+            ceil,
+        )
+        r["check"] = {"exact_vs_torch": bool(check())}
+        r["peer"], r["peer_ms"] = "torch_backend", _bench(peer)
+        out.append(r)
+    return out
+
+
+# -- scatters -----------------------------------------------------------------------------------
+def scatter_rows(rows, ceil, kb, ref):
+    """Ring write, main-plane store, index-key store, the compressor tails and the cursor for
+    ``rows`` rows (a decode batch, or a prefill chunk's rows)."""
+    from v41plan.model import quant as Q
+
+    g = torch.Generator(device=DEV).manual_seed(4)
+    dev = DEV
+    out = []
+    slots = SIZES["decode_rows"]
+    i = torch.arange(rows, device=dev)
+    n_pages = max(2, rows // RPP + 1)
+    page = torch.randperm(n_pages, generator=g, device=dev)[i // RPP % n_pages]
+    row = i % RPP
+    keep = torch.ones(rows, dtype=torch.bool, device=dev)
+    x = Q.fake_fp8(torch.randn(rows, D, generator=g, device=dev)).to(torch.bfloat16)
+    lat = Q.fake_fp4_e4m3(torch.randn(rows, D, generator=g, device=dev), 16).to(torch.bfloat16)
+    key = torch.randn(rows, INDEX_D, generator=g, device=dev)
+    cases = []
+    for fmt in ("bf16", "fp8"):
+        width, dt = (D, torch.bfloat16) if fmt == "bf16" else (D + D // 32, torch.uint8)
+        ring = [torch.zeros(slots + 1, W, width, dtype=dt, device=dev) for _ in range(2)]
+        slot = i % slots
+        pos = i // slots  # distinct (slot, ring row) up to 64 x 128 rows
+        wf = torch.zeros(rows, dtype=torch.long, device=dev)
+        n_w = min(rows, slots * W)
+        nbytes = rows * D * 2 + n_w * width * ring[0].element_size()
+        cases.append(
+            (
+                "ring_write",
+                f"T={rows} ring={fmt}",
+                (lambda r=ring[0], s=slot, p=pos, w=wf: kb.ring_write(r, x, s, p, w, slots)),
+                (lambda r=ring[1], s=slot, p=pos, w=wf: ref.ring_write(r, x, s, p, w, slots)),
+                (lambda r=ring: torch.equal(r[0], r[1])),
+                nbytes,
+            )
+        )
+    for fmt in ("bf16", "fp4"):
+        width, dt = (D, torch.bfloat16) if fmt == "bf16" else (D // 2 + D // 16, torch.uint8)
+        pl = [torch.zeros(n_pages + 1, RPP, width, dtype=dt, device=dev) for _ in range(2)]
+        nbytes = rows * D * 2 + rows * width * pl[0].element_size()
+        cases.append(
+            (
+                "main_scatter",
+                f"T={rows} main={fmt}",
+                (lambda p=pl[0]: kb.main_scatter(p, lat, page, row, keep, n_pages)),
+                (lambda p=pl[1]: ref.main_scatter(p, lat, page, row, keep, n_pages)),
+                (lambda p=pl: torch.equal(p[0], p[1])),
+                nbytes,
+            )
+        )
+    for fmt in ("fp8", "fp4"):
+        if fmt == "fp8":
+            k8, s8 = Q.quant_fp8_rows(key)
+            pl = [
+                (torch.zeros(n_pages + 1, RPP, INDEX_D + 4, dtype=torch.uint8, device=dev),)
+                for _ in range(2)
+            ]
+            kk, ks, rb = k8, s8, INDEX_D + 4
+        else:
+            kk, ks, rb = Q.fake_fp4(key, 32), None, INDEX_D // 2 + INDEX_D // 32
+            pl = [
+                (
+                    torch.zeros(n_pages + 1, RPP, INDEX_D // 2, dtype=torch.uint8, device=dev),
+                    torch.zeros(n_pages + 1, RPP, INDEX_D // 32, dtype=torch.uint8, device=dev),
+                )
+                for _ in range(2)
+            ]
+        nbytes = rows * INDEX_D * 4 + rows * rb
+        cases.append(
+            (
+                "index_key_store",
+                f"T={rows} index={fmt}",
+                (
+                    lambda p=pl[0], kk=kk, ks=ks: kb.index_key_store(
+                        p, kk, ks, page, row, keep, n_pages
+                    )
+                ),
+                (
+                    lambda p=pl[1], kk=kk, ks=ks: ref.index_key_store(
+                        p, kk, ks, page, row, keep, n_pages
+                    )
+                ),
+                (lambda p=pl: all(torch.equal(a, b) for a, b in zip(*p))),
+                nbytes,
+            )
+        )
+    v = torch.randn(rows, D, generator=g, device=dev)
+    sc = torch.randn(rows, D, generator=g, device=dev)
+    slot = i * slots // rows
+    pos = i % max(1, rows // slots)
+    first = pos == 0
+    last = pos == pos.max()
+    tails = [
+        (torch.zeros(slots + 1, D, device=dev), torch.zeros(slots + 1, D, device=dev))
+        for _ in range(2)
+    ]
+    got = {}
+
+    def comp(kbk, tv, ts, key):
+        got[key] = kbk.compress_groups(v, sc, pos, slot, first, last, tv, ts, slots)
+
+    cases.append(
+        (
+            "compress_groups",
+            f"T={rows} d={D} fp32 tails",
+            (lambda: comp(kb, *tails[0], "t")),
+            (lambda: comp(ref, *tails[1], "r")),
+            (
+                lambda: (
+                    torch.equal(got["t"][0], got["r"][0]) and torch.equal(tails[0][0], tails[1][0])
+                )
+            ),
+            rows * D * 4 * 2 + rows * 2 * D * 4 * 2,
+        )
+    )
+    for name, shape, fn, peer, check, nbytes in cases:
+        ms = _bench(fn)
+        peer_ms = _bench(peer)
+        r = _row(name, shape, ms, nbytes, 0, ceil)
+        r["check"] = {"exact_vs_torch": bool(check())}
+        r["peer"], r["peer_ms"] = "torch_backend", peer_ms
+        out.append(r)
+    return out
+
+
+# -- rows ---------------------------------------------------------------------------------------
+def _row(kernel, shape, ms, nbytes, flops, ceil) -> dict:
+    t_bytes = nbytes / ceil["copy_bytes_per_s"] * 1e3
+    t_flops = flops / ceil["bf16_flop_per_s"] * 1e3
+    floor = max(t_bytes, t_flops)
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "ms": ms,
+        "floor_ms": floor,
+        "of_floor": floor / ms if ms else None,
+        "bound": "bytes" if t_bytes >= t_flops else "flops",
+        "bytes": int(nbytes),
+        "flops": int(flops),
+        "peer": None,
+        "peer_ms": None,
+    }
+
+
+def main(argv=None) -> int:
+    """Run the rows in order of interest within the budget; print and write the report."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_kernels.json)")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="skip rows past this time")
+    ap.add_argument("--only", default=None, help="run the rows whose name contains this")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (interpreter)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        _smoke()
+    elif not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA device (or --smoke)")
+        return 2
+    import triton
+
+    from v41plan.runtime.kernels.torch_ref import TorchBackend
+    from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+    if DEV == "cpu":
+        from v41plan.runtime.kernels.triton_common import patch_interpreter
+
+        patch_interpreter()
+
+    t0 = time.perf_counter()
+    ceil = (
+        measure_ceilings() if DEV == "cuda" else {"copy_bytes_per_s": 1e11, "bf16_flop_per_s": 1e12}
+    )
+    kb, ref = TritonBackend(), TorchBackend()
+    attn_peers = ("flex_block_mask", "sdpa_math", "torch_backend")
+    if DEV == "cpu":
+        attn_peers = ("sdpa_math", "torch_backend")
+    ctx, long_ctx, pre = SIZES["context"], SIZES["long_context"], SIZES["prefill_rows"]
+    plan = [
+        (
+            "attention decode flash bf16",
+            lambda: attention_rows("flash", False, "bf16", attn_peers, ceil, kb, ref),
+        ),
+        (
+            "attention decode medium bf16",
+            lambda: attention_rows("medium", False, "bf16", attn_peers, ceil, kb, ref),
+        ),
+        (
+            "scorer decode medium fp8 8K",
+            lambda: scorer_rows("medium", False, "fp8", ctx, ceil, kb, ref),
+        ),
+        (
+            "scorer decode medium fp8 64K",
+            lambda: scorer_rows("medium", False, "fp8", long_ctx, ceil, kb, ref),
+        ),
+        (
+            "attention prefill flash bf16",
+            lambda: attention_rows("flash", True, "bf16", ("sdpa_math",), ceil, kb, ref),
+        ),
+        (
+            "scorer prefill medium fp8 8K",
+            lambda: scorer_rows("medium", True, "fp8", pre, ceil, kb, ref),
+        ),
+        (
+            "attention decode flash fp4",
+            lambda: attention_rows("flash", False, "fp4", ("torch_backend",), ceil, kb, ref),
+        ),
+        (
+            "attention prefill medium bf16",
+            lambda: attention_rows("medium", True, "bf16", ("torch_backend",), ceil, kb, ref),
+        ),
+        (
+            "scorer decode flash fp8 8K",
+            lambda: scorer_rows("flash", False, "fp8", ctx, ceil, kb, ref),
+        ),
+        (
+            "scorer decode medium fp4 8K",
+            lambda: scorer_rows("medium", False, "fp4", ctx, ceil, kb, ref),
+        ),
+        ("select 32K", lambda: select_rows(long_ctx // 2, ceil, kb, ref)),
+        ("scatters decode", lambda: scatter_rows(SIZES["decode_rows"], ceil, kb, ref)),
+        ("scatters prefill", lambda: scatter_rows(pre, ceil, kb, ref)),
+        (
+            "attention decode sweep flash",
+            lambda: attention_sweep(
+                "flash",
+                [
+                    {"HB": 64, "SPLITS": 1},
+                    {"HB": 64, "SPLITS": 2, "BN": 16},
+                    {"HB": 32, "SPLITS": 1, "num_warps": 8},
+                ],
+                ceil,
+                kb,
+                ref,
+            ),
+        ),
+        (
+            "attention decode sweep medium",
+            lambda: attention_sweep(
+                "medium",
+                [
+                    {"SPLITS": 1},
+                    {"SPLITS": 4, "BN": 16},
+                    {"SPLITS": 8, "BN": 16},
+                ],
+                ceil,
+                kb,
+                ref,
+            ),
+        ),
+    ]
+    rows, skipped = [], []
+    for name, fn in plan:
+        if args.only and args.only not in name:
+            continue
+        if time.perf_counter() - t0 > args.budget_s:
+            skipped.append(name)
+            continue
+        try:
+            rows += fn()
+        except Exception as e:  # noqa: BLE001 - report the row and keep going
+            rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:400]})
+            traceback.print_exc(limit=3)
+        torch.cuda.empty_cache()
+    report = {
+        "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": _commit(),
+        "ceilings": ceil,
+        "rows": rows,
+        "skipped": skipped,
+        "fallbacks": sorted(kb.fallbacks),
+        "wall_s": time.perf_counter() - t0,
+    }
+    print(
+        f"{report['device']}  copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s  "
+        f"bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s  commit {report['commit']}"
+    )
+    print(
+        f"{'kernel':<18} {'ms':>9} {'floor':>9} {'of_floor':>8} {'peer':>16} {'peer_ms':>9}  shape"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:<18} ERROR {r['error'][:120]}")
+            continue
+        pm = f"{r['peer_ms']:9.4f}" if r.get("peer_ms") is not None else f"{'-':>9}"
+        print(
+            f"{r['kernel']:<18} {r['ms']:9.4f} {r['floor_ms']:9.4f} {r['of_floor']:8.2f} "
+            f"{r.get('peer')!s:>16} {pm}  {r['shape']}"
+        )
+    if skipped:
+        print("skipped (budget):", ", ".join(skipped))
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT") else None
+    )
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1, default=str))
+        print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

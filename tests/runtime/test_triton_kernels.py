@@ -1,0 +1,441 @@
+"""The Triton backend's kernels under ``TRITON_INTERPRET=1`` on CPU, against ``TorchBackend``.
+
+Scatters and packing must write the reference's bytes; the top-k of a score matrix must pick
+the reference's ids (ties to the smaller position); the scorer's scores match to fp32 rounding
+(and exactly where every sum is exact, so its top-k does too); attention matches within the
+stated float32 tolerance. Tiny shapes: the interpreter runs every program in numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_PREV = os.environ.get("TRITON_INTERPRET")
+
+
+def _interpret(on: bool) -> None:
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif _PREV is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV
+
+
+# The flag is read when a kernel is decorated (at import) and by triton at launch time: it is
+# set here for the imports and, by the fixture below, while this module's tests run.
+_interpret(True)
+try:
+    triton = pytest.importorskip("triton", reason="triton is not installed")
+    from v41plan.runtime.kernels import triton_common
+
+    if not triton_common.interpreted(triton_common.rint):  # imported earlier without it
+        for name in ("common", "scatter", "scorer", "attention", "backend"):
+            mod = sys.modules.get(f"v41plan.runtime.kernels.triton_{name}")
+            if mod is not None:
+                importlib.reload(mod)
+    from v41plan.runtime.kernels.triton_backend import TritonBackend
+finally:
+    _interpret(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    from triton.runtime import interpreter
+
+    _interpret(True)
+    real = triton_common.patch_interpreter()
+    yield
+    interpreter._patch_lang = real
+    _interpret(False)
+
+
+from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.model import quant as Q
+from v41plan.runtime.kernels.torch_ref import TorchBackend
+from v41plan.runtime.pools import Pools
+
+PAIRS = [("bf16", "fp8"), ("bf16", "fp4"), ("fp4", "fp8"), ("fp4", "fp4")]
+REF = TorchBackend()
+NEG = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def tiny(specs_dir):
+    return load_cache_spec_unchecked(str(specs_dir / "tiny.yaml"))
+
+
+def _tk(**attrs) -> TritonBackend:
+    kb = TritonBackend(num_sms=2)
+    for k, v in attrs.items():
+        setattr(kb, k, v)
+    return kb
+
+
+def _planes(p: Pools, owner: int):
+    return (p.index[owner],) if owner in p.index else (p.index_values[owner], p.index_scales[owner])
+
+
+def _twin_pools(tiny, pair, **kw):
+    """Two identical pools, their bytes random (so a write of the wrong byte shows)."""
+    a = Pools(tiny.geometry(*pair), **kw)
+    g = torch.Generator().manual_seed(7)
+    a.backing.copy_(torch.randint(0, 256, a.backing.shape, generator=g, dtype=torch.uint8))
+    b = Pools(tiny.geometry(*pair), **kw)
+    b.backing.copy_(a.backing)
+    return a, b
+
+
+def _hard_rows(n: int, d: int, seed: int) -> torch.Tensor:
+    """Rows that exercise the rounding: wide magnitudes, exact zeros and negative zeros, values
+    half-way between grid points, a row of one value."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.pow(2.0, torch.randint(-12, 8, (n, 1), generator=g))
+    x[0, :8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.5, 448.0, 1e-30, -3.0])
+    x[1] = 448.0 * 2.0**-4  # scale 2**-4 exactly
+    x[1, 1::2] = torch.arange(d // 2) * 2.0**-4 * 1.0625  # 17/16: half-way between E4M3 codes
+    x[2] = 6.0
+    x[2, 1:16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25] + [-5.0] * 7)
+    return x
+
+
+# -- scatters -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pair", PAIRS)
+def test_scatters_write_the_reference_bytes(tiny, pair):
+    pr, pt = _twin_pools(tiny, pair, num_pages=4, num_slots=3)
+    kb = _tk()
+    n = 19
+    slot = torch.tensor([2] * 4 + [0] * 12 + [1] + [-1, -1])
+    pos = torch.tensor(list(range(5, 9)) + list(range(12)) + [11, 0, 0])
+    write_from = torch.tensor([5] * 4 + [10] * 12 + [11] + [0, 0])
+    x = _hard_rows(n, 64, 1)
+    for b, p in ((REF, pr), (kb, pt)):
+        b.ring_write(p.ring(3), x, slot, pos, write_from, p.sink_slot)
+    assert torch.equal(pr.backing, pt.backing), "ring_write"
+
+    table = torch.tensor([[3, 1, -1], [0, 2, -1]])
+    batch = torch.tensor([0] * 9 + [1] * 8 + [-1, 0])
+    crow = torch.tensor(list(range(9)) + list(range(10, 18)) + [0, 40])
+    lat = _hard_rows(n, 64, 2)
+    if pair[0] == "fp4":
+        lat[3:] = Q.fake_fp4_e4m3(lat[3:], 16)
+    keep = batch >= 0
+    keep[5] = False
+    for b, p in ((REF, pr), (kb, pt)):
+        addr = p.row_address(8, table, batch, crow)
+        b.main_scatter(p.main[8], lat, addr.page, addr.row, keep, p.sink_page)
+    assert torch.equal(pr.backing, pt.backing), "main_scatter"
+
+    key = _hard_rows(n, 32, 3)
+    scale = None
+    if pair[1] == "fp8":
+        key, scale = Q.quant_fp8_rows(key)
+    for b, p in ((REF, pr), (kb, pt)):
+        addr = p.row_address(8, table, batch, crow)
+        b.index_key_store(_planes(p, 8), key, scale, addr.page, addr.row, keep, p.sink_page)
+    assert torch.equal(pr.backing, pt.backing), "index_key_store"
+
+    vals = torch.tensor([[12, 3, -1, 7], [5, 1, 2, 3], [9, 9, 9, 9]])
+    cur_slot = torch.tensor([1, -1, 0])
+    for b, p in ((REF, pr), (kb, pt)):
+        b.cursor_write(p.cursor, cur_slot, vals, p.sink_slot)
+    assert torch.equal(pr.backing, pt.backing), "cursor_write"
+
+
+def test_bf16_inputs_store_the_same_bytes(tiny):
+    pr, pt = _twin_pools(tiny, ("bf16", "fp8"), num_pages=2, num_slots=2)
+    x = _hard_rows(6, 64, 4).to(torch.bfloat16)
+    slot, pos = torch.tensor([0, 0, 1, 1, -1, 0]), torch.tensor([0, 1, 0, 1, 2, 2])
+    zero = torch.zeros(6, dtype=torch.long)
+    for b, p in ((REF, pr), (_tk(), pt)):
+        b.ring_write(p.ring(0), x, slot, pos, zero, p.sink_slot)
+        addr = p.row_address(2, torch.tensor([[1, 0]]), torch.zeros(6, dtype=torch.long), pos)
+        b.main_scatter(p.main[2], x, addr.page, addr.row, slot >= 0, p.sink_page)
+    assert torch.equal(pr.backing, pt.backing)
+
+
+def test_compress_groups_pairs_and_tails_match(tiny):
+    pr, pt = _twin_pools(tiny, ("bf16", "fp8"), num_pages=2, num_slots=3)
+    for p in (pr, pt):  # finite tails (the random bytes may hold NaNs, which never compare)
+        p.tail_values.copy_(torch.arange(p.tail_values.numel()).view_as(p.tail_values) * 0.5)
+        p.tail_scores.copy_(-p.tail_values)
+    # slot 1 starts odd (its first pair reads the tail, its last row opens a new one), slot 0
+    # starts at 0 and ends even, a padding row
+    slot = torch.tensor([1, 1, 1, 1, 0, 0, 0, -1])
+    pos = torch.tensor([3, 4, 5, 6, 0, 1, 2, 0])
+    first = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.bool)
+    last = torch.tensor([0, 0, 0, 1, 0, 0, 1, 1], dtype=torch.bool)
+    v, s = torch.randn(8, 64), torch.randn(8, 64)
+    out = []
+    for b, p in ((REF, pr), (_tk(), pt)):
+        out.append(
+            b.compress_groups(
+                v, s, pos, slot, first, last, p.tail_values[:, 1], p.tail_scores[:, 1], p.sink_slot
+            )
+        )
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert torch.equal(pr.backing, pt.backing)
+    assert torch.equal(pt.tail_values[1, 1], v[3]) and torch.equal(pt.tail_values[0, 1], v[6])
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_every_scatter_skips_sentinels_and_never_writes_the_sink(tiny, pair):
+    p = Pools(tiny.geometry(*pair), num_pages=3, num_slots=2)
+    p.backing.fill_(0xA5)
+    before = p.backing.clone()
+    kb = _tk()
+    n = 6
+    none = torch.full((n,), -1)
+    pos = torch.arange(n)
+    x = torch.randn(n, 64)
+    keep = torch.ones(n, dtype=torch.bool)
+    kb.ring_write(p.ring(0), x, none, pos, torch.zeros(n, dtype=torch.long), p.sink_slot)
+    # a position below its write bound writes nothing either
+    kb.ring_write(p.ring(1), x, torch.zeros(n, dtype=torch.long), pos, pos + 1, p.sink_slot)
+    kb.compress_groups(
+        x, x, pos, none, keep, keep, p.tail_values[:, 0], p.tail_scores[:, 0], p.sink_slot
+    )
+    # rows addressed to a missing page land on the sink page, which no kernel writes
+    addr = p.row_address(8, torch.tensor([[0, 1]]), none, pos)
+    assert addr.page.eq(p.sink_page).all()
+    kb.main_scatter(p.main[8], x, addr.page, addr.row, keep, p.sink_page)
+    kb.main_scatter(p.main[8], x, torch.full((n,), -1), addr.row, keep, p.sink_page)
+    kb.index_key_store(_planes(p, 8), x[:, :32], torch.ones(n, 1), addr.page, addr.row, keep, 3)
+    kb.index_key_store(_planes(p, 8), x[:, :32], torch.ones(n, 1), pos % 2, pos, ~keep, p.sink_page)
+    kb.cursor_write(p.cursor, torch.full((2,), -1), torch.ones(2, 4, dtype=torch.long), 2)
+    assert torch.equal(p.backing, before)
+    assert not kb.fallbacks
+
+
+# -- scorer and select ----------------------------------------------------------------------------
+def _fill_index(p: Pools, owner: int, table, n_rows, keys):
+    """Store each request's keys (``keys[b]`` = (values, scale or None)) through its table."""
+    batch, rows = [], []
+    for b, n in enumerate(n_rows):
+        batch += [b] * n
+        rows += list(range(n))
+    key = torch.cat([k for k, _ in keys])
+    scale = torch.cat([s for _, s in keys]) if keys[0][1] is not None else None
+    addr = p.row_address(owner, table, torch.tensor(batch), torch.tensor(rows))
+    ones = torch.ones(len(batch), dtype=torch.bool)
+    REF.index_key_store(_planes(p, owner), key, scale, addr.page, addr.row, ones, p.sink_page)
+
+
+def _scorer_case(tiny, index_dtype, exact: bool, seed: int):
+    """Pools with two requests' keys and ragged query rows: bounds 0, at and around page edges
+    (16 rows a page), past the last page; a missing page mid-table; a padding row."""
+    g = torch.Generator().manual_seed(seed)
+    p = Pools(tiny.geometry("bf16", index_dtype), num_pages=7, num_slots=1)
+    table = torch.tensor([[4, 0, -1, 2], [5, 1, 6, -1]])
+    n_rows = [64, 40]
+    keys = []
+    for n in n_rows:
+        if exact:
+            if index_dtype == "fp8":  # integer codes, power-of-two scales: every sum exact
+                k = torch.randint(-3, 4, (n, 32), generator=g).float()
+                k[::5] = k[1::5][: len(k[::5])]  # duplicate rows tie exactly
+                keys.append((k, torch.full((n, 1), 0.125)))
+            else:
+                v = torch.tensor(Q.E2M1_VALUES)[torch.randint(0, 5, (n, 32), generator=g)]
+                v[:, 0] = 6.0  # E8M0 scale 1
+                keys.append((v * torch.where(torch.rand(n, 32, generator=g) < 0.5, -1, 1), None))
+        else:
+            k = torch.randn(n, 32, generator=g)
+            k[5:9] = 0.0
+            keys.append(Q.quant_fp8_rows(k) if index_dtype == "fp8" else (Q.fake_fp4(k, 32), None))
+    _fill_index(p, 2, table, n_rows, keys)
+    qb = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, -1])
+    bound = torch.tensor([64, 33, 32, 16, 0, 40, 31, 100, 0])
+    t = len(qb)
+    if exact:
+        if index_dtype == "fp8":  # amax 448 * 2**-4: the fp32 scale is 2**-4 exactly
+            q = torch.randint(-4, 5, (t, 4, 32), generator=g).float()
+            q[..., 0] = 448.0
+            q = q * 2.0**-4
+        else:
+            q = torch.tensor(Q.E2M1_VALUES)[torch.randint(0, 8, (t, 4, 32), generator=g)]
+            q[..., 0] = 6.0
+        w = torch.randint(-2, 3, (t, 4), generator=g).float() * 0.5
+    else:
+        q = torch.randn(t, 4, 32, generator=g)
+        w = torch.randn(t, 4, generator=g)
+    pages = torch.where(qb.unsqueeze(1) >= 0, table[qb.clamp(min=0)], -1)
+    return _planes(p, 2), q, w, bound, pages
+
+
+@pytest.mark.parametrize("index_dtype", ["fp8", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_match_the_reference(tiny, index_dtype, dtype):
+    planes, q, w, bound, pages = _scorer_case(tiny, index_dtype, exact=False, seed=3)
+    q, w = q.to(dtype), w.to(dtype)
+    kb = _tk(score_chunk=32, score_block=16, score_rows=2 if dtype == torch.bfloat16 else 1)
+    ref = REF.scores(planes, q, w, bound, pages)
+    got = kb.scores(planes, q, w, bound, pages)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert torch.equal(got == NEG, ref == NEG)
+    fin = ref > NEG
+    # fp32 sums in another order; in bf16 (fp4) the reference rounds each step to bf16
+    tol = 1e-5 if ref.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[fin].float(), ref[fin].float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "index_dtype, small", [("fp8", True), ("fp4", False)], ids=["fp8-small-tiles", "fp4"]
+)
+def test_score_topk_is_exact_where_the_scores_are(tiny, index_dtype, small):
+    planes, q, w, bound, pages = _scorer_case(tiny, index_dtype, exact=True, seed=4)
+    # small tiles: a row's keys span several programs, tiles and select steps; programs of 4
+    # rows: one of rows of one request (a shared key tile), one of two requests (row by row),
+    # one past the last row
+    kb = _tk(score_chunk=16, score_block=16, select_chunk=16, score_rows=4) if small else _tk()
+    s_ref = REF.scores(planes, q, w, bound, pages)
+    assert torch.equal(kb.scores(planes, q, w, bound, pages), s_ref)
+    for topk in (4, 64):
+        ids = kb.score_topk(planes, q, w, bound, pages, topk, None)
+        assert torch.equal(ids, REF.score_topk(planes, q, w, bound, pages, topk, None))
+    # Reindex: restricted to the candidate rows
+    cand = torch.rand(s_ref.shape, generator=torch.Generator().manual_seed(5)) < 0.4
+    ids = kb.score_topk(planes, q, w, bound, pages, 8, cand)
+    assert torch.equal(ids, REF.score_topk(planes, q, w, bound, pages, 8, cand))
+    got = kb.score_candidates_topk(planes, q, w, bound, pages, 8, 2, 3)
+    ref = REF.score_candidates_topk(planes, q, w, bound, pages, 8, 2, 3)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert not kb.fallbacks
+
+
+def _tied_scores(t: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(-3, 4, (t, n), generator=g).float()
+    s[torch.rand(t, n, generator=g) < 0.2] = NEG
+    s[0] = NEG  # nothing visible
+    s[1, : n // 2] = NEG  # fewer visible than most k
+    s[2] = torch.where(torch.arange(n) % 2 == 0, 0.0, -0.0)  # -0.0 and 0.0 tie
+    s[3, 5] = float("inf")
+    return s
+
+
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk):
+    kb = _tk(select_chunk=chunk)
+    for n, topk, dtype in (
+        (40, 4, torch.float32),
+        (12, 16, torch.float32),
+        (96, 33, torch.bfloat16),
+    ):
+        s = _tied_scores(6, n, n + topk).to(dtype)
+        assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (n, topk)
+
+
+@pytest.mark.parametrize("chunk", [8, 2048])
+def test_candidate_blocks_are_the_references(chunk):
+    kb = _tk(select_chunk=chunk)
+    s = _tied_scores(6, 48, 9)
+    # bounds: the whole table, mid-block, 1, 0, past the table (no block forced), one block
+    bound = torch.tensor([48, 9, 1, 0, 60, 8])
+    s = s.masked_fill(torch.arange(48).unsqueeze(0) >= bound.unsqueeze(1), NEG)
+    for rows, blocks in ((2, 3), (8, 4), (2, 30)):
+        got = kb.candidate_blocks(s, bound, rows, blocks)
+        assert torch.equal(got, REF.candidate_blocks(s, bound, rows, blocks)), (rows, blocks)
+
+
+def test_tensor_parallel_path_scores_then_selects(tiny):
+    from v41plan.runtime.collectives import TPGroup, tp_score_candidates_topk, tp_score_topk
+
+    class Doubling(TPGroup):
+        """Two ranks holding the same heads: the reduction doubles every score."""
+
+        def all_reduce(self, x):
+            return x * 2
+
+    tp = Doubling(0, 2)
+    planes, q, w, bound, pages = _scorer_case(tiny, "fp8", exact=True, seed=6)
+    kb = _tk()
+    ids = tp_score_topk(kb, tp, planes, q, w, bound, pages, 8, None)
+    assert torch.equal(ids, tp_score_topk(REF, tp, planes, q, w, bound, pages, 8, None))
+    got = tp_score_candidates_topk(kb, tp, planes, q, w, bound, pages, 8, 2, 3)
+    ref = tp_score_candidates_topk(REF, tp, planes, q, w, bound, pages, 8, 2, 3)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_float64_falls_back_to_the_reference(tiny):
+    planes, q, w, bound, pages = _scorer_case(tiny, "fp8", exact=False, seed=8)
+    kb = _tk()
+    ids = kb.score_topk(planes, q.double(), w.double(), bound, pages, 4, None)
+    assert torch.equal(ids, REF.score_topk(planes, q.double(), w.double(), bound, pages, 4, None))
+    assert "score_topk" in kb.fallbacks
+
+
+# -- sparse attention -----------------------------------------------------------------------------
+def _attention_case(tiny, kv_dtype: str, window_only: bool, seed: int):
+    """Three requests and padding: slot 1 decodes at 21 (ring holds 14..21, window floor 16),
+    slot 0 prefills 4 rows from 5 (ring below 5), slot 2 a 3-row chunk at 0 with an empty window
+    floor past its rows; the selected ids mix -1 padding, a missing page and the last row."""
+    g = torch.Generator().manual_seed(seed)
+    p = Pools(tiny.geometry(kv_dtype, "fp8"), num_pages=6, num_slots=3)
+    W = 8
+    ring = p.ring(8)
+    hist = Q.fake_fp8(torch.randn(3, 24, 64, generator=g))
+    for s in range(3):
+        n = 24
+        REF.ring_write(
+            ring,
+            hist[s],
+            torch.full((n,), s),
+            torch.arange(n),
+            torch.zeros(n, dtype=torch.long),
+            p.sink_slot,
+        )
+    kv = Q.fake_fp8(torch.randn(10, 64, generator=g))  # this forward's rows
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8])
+    slot = torch.tensor([1, 0, 0, 0, 0, 2, 2, 2, -1])
+    position = torch.tensor([21, 5, 6, 7, 8, 0, 1, 2, 0])
+    window_lo = torch.tensor([16, 0, 0, 0, 0, 0, 0, 3, 0])
+    ring_until = torch.tensor([22, 5, 5, 5, 5, 0, 0, 0, 0])
+    plane = ids = pages = None
+    if not window_only:
+        plane = p.main[2]
+        table = torch.tensor([[3, 0, 5], [1, -1, 4], [2, 4, 0]])
+        lat = Q.fake_fp4_e4m3(torch.randn(48, 64, generator=g), 16)
+        for b in range(3):
+            addr = p.row_address(2, table, torch.full((48,), b), torch.arange(48))
+            REF.main_scatter(plane, lat, addr.page, addr.row, torch.ones(48, dtype=torch.bool), 6)
+        bid = torch.tensor([1, 0, 0, 0, 0, 2, 2, 2, 0])
+        pages = table[bid]
+        pages[-1] = -1
+        ids = torch.randint(0, 48, (9, 12), generator=g)
+        ids[:, -3:] = -1
+        ids[0, :4] = torch.tensor([16, 17, 47, 0])  # page -1 (rows 16..31 of request 1)
+        ids[4] = -1
+    q = torch.randn(9, 4, 64, generator=g)
+    sink = torch.randn(4, generator=g)
+    args = (q, sink, 64**-0.5, ring, kv, rows, slot, position, window_lo, ring_until, W)
+    return args, (plane, ids, pages, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp4"])
+@pytest.mark.parametrize("window_only", [False, True])
+@pytest.mark.parametrize("num_sms", [1, 64])
+def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num_sms):
+    args, sel = _attention_case(tiny, kv_dtype, window_only, seed=10)
+    kb = TritonBackend(num_sms=num_sms)  # 64 SMs: the rows split over keys; 1: one pass
+    out_ref = torch.full_like(args[0], float("nan"))
+    out = torch.full_like(args[0], float("nan"))
+    REF.sparse_attention(*args, *sel, out_ref)
+    kb.sparse_attention(*args, *sel, out)
+    cfg = kb.attention_config(9, 4, 64, 8, 0 if window_only else 12, out.device, out.dtype)
+    splits = cfg["SPLITS"]
+    assert (splits > 1) == (num_sms > 1 and not window_only)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the padding row sees no key
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    assert not kb.fallbacks
+
+
+def test_the_default_backend_is_the_reference_off_cuda():
+    from v41plan.runtime.kernels import default_backend
+
+    assert default_backend("cpu").name == "torch"

@@ -1,0 +1,257 @@
+"""Triton sparse attention: each query row over its window and its selected compressed rows,
+reading the ring and the main plane in place (MQA: one latent is key and value for every head).
+
+Program ``(i, hb, s)`` runs query row ``i``, heads ``[hb * HB, (hb + 1) * HB)`` and split ``s`` of
+its key blocks: ``ceil(W / BN)`` window blocks (ring rows below the row's ``ring_until``, this
+forward's rows above it) then ``ceil(K / BN)`` selected blocks. Each key block is loaded once,
+decoded to the dot's operand type in registers (bf16 ring or E4M3 + E8M0/32; bf16 main rows or
+E2M1 + E4M3/16) and used for both products, for all the program's heads. A block with no valid
+key is skipped. The online softmax starts from the per-head sink (it adds ``exp(sink)`` to the
+denominator only) in the split that holds the first block; with several splits (few rows: the
+flash-decoding split over keys) each split writes its unnormalised partial output and its
+``(max, sum)``, and ``combine_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from v41plan.runtime.kernels.triton_common import (
+    bf16_bits,
+    div_rn,
+    e2m1_value,
+    e4m3_value,
+    e8m0_value,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr, F32_DOT: tl.constexpr):
+    """One key block of the online softmax (base-2 logits ``q . k * scale * log2 e``)."""
+    if DOT_BF16:
+        kd = k.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(kd))
+    else:
+        kd = k
+        s = tl.dot(q, tl.trans(kd), input_precision=F32_DOT)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if DOT_BF16:
+        pv = tl.dot(p.to(tl.bfloat16), kd)
+    else:
+        pv = tl.dot(p, kd, input_precision=F32_DOT)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l, acc
+
+
+@triton.jit
+def sparse_attention_kernel(
+    q_ptr,
+    s_q_row,
+    s_q_head,
+    sink_ptr,
+    out_ptr,
+    s_out_row,
+    s_out_head,
+    ring_ptr,
+    s_ring_slot,
+    s_ring_row,
+    kv_ptr,
+    s_kv_row,
+    rows_ptr,
+    slot_ptr,
+    pos_ptr,
+    window_lo_ptr,
+    ring_until_ptr,
+    plane_ptr,
+    s_plane_page,
+    s_plane_row,
+    ids_ptr,
+    s_ids_row,
+    pages_ptr,
+    s_pages_row,
+    part_o_ptr,
+    part_ml_ptr,
+    qk_scale,
+    H,
+    ring_rows,
+    n_kv_rows,
+    P,
+    RPP,
+    KSEL: tl.constexpr,
+    D: tl.constexpr,
+    HB: tl.constexpr,
+    BN: tl.constexpr,
+    W: tl.constexpr,
+    RING_FP8: tl.constexpr,
+    PLANE_FP4: tl.constexpr,
+    HAS_PLANE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
+    dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
+    ``part_o [Tq, SPLITS, H, D]`` and ``part_ml [Tq, SPLITS, H, 2]`` instead."""
+    i = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    h = hb * HB + tl.arange(0, HB)
+    hm = h < H
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + i * s_q_row + h[:, None] * s_q_head + d[None, :], mask=hm[:, None], other=0.0
+    )
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    row = tl.load(rows_ptr + i)
+    slot = tl.load(slot_ptr + i)
+    pos = tl.load(pos_ptr + i)
+    lo = tl.maximum(tl.maximum(tl.load(window_lo_ptr + i), pos - (W - 1)), 0)
+    ring_until = tl.load(ring_until_ptr + i)
+
+    NWB: tl.constexpr = (W + BN - 1) // BN
+    NSB: tl.constexpr = (KSEL + BN - 1) // BN
+    PER: tl.constexpr = (NWB + NSB + SPLITS - 1) // SPLITS
+    b_lo = sp * PER
+    b_hi = b_lo + PER
+
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+    if sp == 0:
+        m = sink
+        l = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:
+        m = tl.full((HB,), float("-inf"), tl.float32)
+        l = tl.zeros((HB,), dtype=tl.float32)
+    acc = tl.zeros((HB, D), dtype=tl.float32)
+
+    # window blocks from the first holding a visible position (none without a slot)
+    first = pos - (W - 1)
+    w_from = tl.where(slot >= 0, tl.maximum(lo - first, 0) // BN, NWB)
+    for b in range(tl.maximum(b_lo, w_from), tl.minimum(b_hi, NWB)):
+        j = b * BN + tl.arange(0, BN)
+        kp = first + j
+        valid = (j < W) & (kp >= lo)
+        from_ring = kp < ring_until
+        rmask = (valid & from_ring)[:, None]
+        rbase = ring_ptr + slot * s_ring_slot + (kp % ring_rows) * s_ring_row
+        if RING_FP8:
+            codes = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0)
+            sb = tl.load(rbase[:, None] + D + d[None, :] // 32, mask=rmask, other=127)
+            kr = e4m3_value(codes) * e8m0_value(sb)
+        else:
+            kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0)
+        frow = tl.minimum(tl.maximum(row - (pos - kp), 0), n_kv_rows - 1)
+        fmask = (valid & ~from_ring)[:, None]
+        kf = tl.load(kv_ptr + frow[:, None] * s_kv_row + d[None, :], mask=fmask, other=0.0)
+        # to the dot's type at once (exact: every key is on a grid bf16 holds), half the
+        # registers of fp32 for bf16 dots
+        if DOT_BF16:
+            k = tl.where(from_ring[:, None], kr.to(tl.bfloat16), kf.to(tl.bfloat16))
+        else:
+            k = tl.where(from_ring[:, None], kr.to(tl.float32), kf.to(tl.float32))
+        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+
+    if HAS_PLANE:
+        # selected blocks up to the one holding the last id (-1 padding costs nothing)
+        KP2: tl.constexpr = NSB * BN
+        jall = tl.arange(0, KP2)
+        call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
+        n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
+        s_hi = NWB + (n_sel + BN - 1) // BN
+        for b in range(tl.maximum(b_lo, NWB), tl.minimum(b_hi, s_hi)):
+            jj = (b - NWB) * BN + tl.arange(0, BN)
+            c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1)
+            valid = c >= 0
+            cc = tl.maximum(c, 0)
+            col = tl.minimum(cc // RPP, P - 1)
+            page = tl.load(pages_ptr + i * s_pages_row + col, mask=valid, other=-1)
+            valid = valid & (page >= 0)
+            pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
+            vm = valid[:, None]
+            if PLANE_FP4:
+                half = tl.arange(0, D // 2)
+                packed = tl.load(pbase[:, None] + half[None, :], mask=vm, other=0)
+                packed = packed.to(tl.int32)
+                sb = tl.load(pbase[:, None] + D // 2 + half[None, :] // 8, mask=vm, other=0)
+                sc = e4m3_value(sb)
+                # interleaved in fp32: a bf16 interleave fails to compile at 64 heads (sm_90)
+                k = tl.interleave(e2m1_value(packed & 15) * sc, e2m1_value(packed >> 4) * sc)
+                if DOT_BF16:
+                    k = k.to(tl.bfloat16)
+            else:
+                k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0)
+                if not DOT_BF16:
+                    k = k.to(tl.float32)
+            m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+
+    if SPLITS == 1:
+        o = tl.where(l[:, None] > 0, div_rn(acc, tl.where(l > 0, l, 1.0)[:, None]), 0.0)
+        optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + d[None, :]
+        if OUT_BF16:
+            tl.store(optr, bf16_bits(o), mask=hm[:, None])
+        else:
+            tl.store(optr, o, mask=hm[:, None])
+    else:
+        base = (i * SPLITS + sp) * H + h
+        tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=hm[:, None])
+        tl.store(part_ml_ptr + base * 2, m, mask=hm)
+        tl.store(part_ml_ptr + base * 2 + 1, l, mask=hm)
+
+
+@triton.jit
+def combine_kernel(
+    part_o_ptr,
+    part_ml_ptr,
+    out_ptr,
+    s_out_row,
+    s_out_head,
+    H,
+    D: tl.constexpr,
+    DC: tl.constexpr,
+    HB: tl.constexpr,
+    SPLITS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """Merge the splits of query row ``i``: ``sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
+    i = tl.program_id(0)
+    hb = tl.program_id(1)
+    h = hb * HB + tl.arange(0, HB)
+    hm = h < H
+    mx = tl.full((HB,), float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        base = (i * SPLITS + s) * H + h
+        mx = tl.maximum(mx, tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")))
+    mu = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.zeros((HB,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        base = (i * SPLITS + s) * H + h
+        wgt = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")) - mu)
+        den += tl.load(part_ml_ptr + base * 2 + 1, mask=hm, other=0.0) * wgt
+    inv_ok = den > 0
+    den = tl.where(inv_ok, den, 1.0)
+    # the latent in column chunks of DC: an [HB, D] fp32 accumulator spills at 64 heads
+    dc = tl.arange(0, DC)
+    for c0 in tl.static_range(0, D, DC):
+        acc = tl.zeros((HB, DC), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            base = (i * SPLITS + s) * H + h
+            wgt = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")) - mu)
+            pptr = part_o_ptr + base[:, None] * D + c0 + dc[None, :]
+            acc += tl.load(pptr, mask=hm[:, None], other=0.0) * wgt[:, None]
+        o = tl.where(inv_ok[:, None], div_rn(acc, den[:, None]), 0.0)
+        optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + c0 + dc[None, :]
+        if OUT_BF16:
+            tl.store(optr, bf16_bits(o), mask=hm[:, None])
+        else:
+            tl.store(optr, o, mask=hm[:, None])

@@ -1,0 +1,620 @@
+"""``TritonBackend``: the kernel backend's ops as Triton kernels reading the pools in place.
+
+Same signatures and semantics as ``torch_ref.TorchBackend`` (the reference, and the CPU path),
+which this class extends: an op falls back to the torch implementation where its kernel does
+not apply (float64 inputs, the parity mode that the fp32-accumulating kernels do not
+reproduce; tensors neither on CUDA nor under ``TRITON_INTERPRET=1``; a shape a kernel does not
+take, named at each fallback). Under the interpreter the kernels run on CPU tensors, which is
+how the CPU tests compare them with the reference.
+
+What is exact and what is not:
+
+- the scatters (ring, main plane, index keys, tails, cursor) write the reference's bytes, and
+  never write the sink page or slot (the reference writes the sink's own bytes back);
+- the scorer rounds the query as the reference does (``quant_fp8_rows`` / ``fake_fp4``) and
+  computes the products exactly (every operand is on a grid bf16 holds) with fp32 sums in
+  another order, so a score may differ from the reference's in its last bits; the top-k of a
+  given score matrix is exact (ties to the smaller position, ids ascending, -1 padded);
+- sparse attention accumulates in fp32 (bf16 operands for bf16 inputs, fp32 operands for
+  fp32 inputs): against the reference ``|out - ref| <= 1e-5 + 1e-5 |ref|`` in float32 and
+  ``<= 2e-2 + 2e-2 |ref|`` in bfloat16 (the probabilities are rounded to bf16 for the second
+  product, as the published kernels do).
+
+Everything is capturable: shapes are fixed by the arguments, every bound, length and id is
+read on the device, and nothing syncs with the host. ``gather_window``, ``gather_selected`` and
+``copy_image`` stay the torch ones (the fused ``sparse_attention`` replaces the two gathers).
+Under the interpreter, ``triton_common.patch_interpreter()`` must be in place (tensor loop
+bounds; see there). ``scripts/triton_compile_check.py`` compiles every launch for sm_90
+without a GPU and reports registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v41plan.model import quant as Q
+from v41plan.runtime.kernels import triton_attention as A
+from v41plan.runtime.kernels import triton_scatter as S
+from v41plan.runtime.kernels import triton_scorer as SC
+from v41plan.runtime.kernels.torch_ref import TorchBackend, plane_format
+from v41plan.runtime.kernels.triton_common import interpreted, next_pow2
+
+_FLOAT = (torch.float32, torch.bfloat16)
+_INTERPRETED = interpreted(S.ring_write_kernel)
+"""Whether this process decorated the kernels under ``TRITON_INTERPRET=1`` (they then take CPU
+tensors, and only CPU tensors)."""
+
+
+def _bits16(t: torch.Tensor) -> torch.Tensor:
+    """An int16 view of a bf16 tensor (stores write rounded bit patterns)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _vec(t: torch.Tensor) -> torch.Tensor:
+    """A per-row vector as a contiguous tensor (a no-op for the runtime's own vectors)."""
+    return t.contiguous()
+
+
+class TritonBackend(TorchBackend):
+    """Triton kernels over the pools' typed views (see ``backend.KernelBackend``)."""
+
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None):
+        self._num_sms = num_sms
+        self.fallbacks: set[str] = set()
+        """Names of the ops that fell back to the torch implementation at least once."""
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def _runs(self, op: str, *tensors: torch.Tensor | None) -> bool:
+        """Whether ``op``'s kernel runs on these tensors; records a fallback otherwise."""
+        ts = [t for t in tensors if t is not None]
+        if _INTERPRETED:
+            ok = all(t.device.type == "cpu" for t in ts)
+        else:
+            ok = all(t.is_cuda for t in ts)
+        ok = ok and not any(t.dtype == torch.float64 for t in ts)
+        if not ok:
+            self.fallbacks.add(op)
+        return ok
+
+    def num_sms(self, device: torch.device) -> int:
+        """Streaming multiprocessors of ``device`` (132 on the H200; 4 under the interpreter,
+        which keeps the test grids small)."""
+        if self._num_sms is None:
+            if device.type == "cuda":
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms = 4
+        return self._num_sms
+
+    # -- rings ----------------------------------------------------------------------------
+    def ring_write(self, ring, kv, slot, position, write_from, sink_slot):
+        t, d = kv.shape
+        if not self._runs("ring_write", ring, kv) or t == 0:
+            if t:
+                super().ring_write(ring, kv, slot, position, write_from, sink_slot)
+            return
+        fp8 = ring.dtype == torch.uint8
+        dst = ring if fp8 else _bits16(ring)
+        assert ring.stride(2) == 1 and kv.stride(1) == 1
+        S.ring_write_kernel[(t,)](
+            dst,
+            ring.stride(0),
+            ring.stride(1),
+            kv,
+            kv.stride(0),
+            _vec(slot),
+            _vec(position),
+            _vec(write_from),
+            sink_slot,
+            ring.shape[1],
+            D=d,
+            BLOCK_D=next_pow2(d),
+            FP8=fp8,
+        )
+
+    # -- compressor ---------------------------------------------------------------------------
+    def compress_groups(
+        self,
+        values,
+        scores,
+        position,
+        slot,
+        first_row,
+        last_row,
+        tail_values,
+        tail_scores,
+        sink_slot,
+    ):
+        t, d = values.shape
+        same = values.dtype == scores.dtype == tail_values.dtype == torch.float32
+        if not (self._runs("compress_groups", values, tail_values) and same) or t == 0:
+            return super().compress_groups(
+                values,
+                scores,
+                position,
+                slot,
+                first_row,
+                last_row,
+                tail_values,
+                tail_scores,
+                sink_slot,
+            )
+        values, scores = values.contiguous(), scores.contiguous()
+        assert tail_values.stride() == tail_scores.stride() and tail_values.stride(1) == 1
+        pair_v = torch.empty(t, 2, d, dtype=torch.float32, device=values.device)
+        pair_s = torch.empty_like(pair_v)
+        slot = _vec(slot)
+        common = {"D": d, "BLOCK_D": next_pow2(d)}
+        S.compress_pairs_kernel[(t,)](
+            values,
+            scores,
+            values.stride(0),
+            slot,
+            _vec(first_row),
+            tail_values,
+            tail_scores,
+            tail_values.stride(0),
+            pair_v,
+            pair_s,
+            pair_v.stride(0),
+            sink_slot,
+            **common,
+        )
+        S.tail_store_kernel[(t,)](
+            values,
+            scores,
+            values.stride(0),
+            slot,
+            _vec(position),
+            _vec(last_row),
+            tail_values,
+            tail_scores,
+            tail_values.stride(0),
+            sink_slot,
+            **common,
+        )
+        return pair_v, pair_s
+
+    def main_scatter(self, plane, latent, page, row, keep, sink_page):
+        t, d = latent.shape
+        if not self._runs("main_scatter", plane, latent) or t == 0:
+            if t:
+                super().main_scatter(plane, latent, page, row, keep, sink_page)
+            return
+        fp4 = plane.dtype == torch.uint8
+        assert plane.stride(2) == 1 and latent.stride(1) == 1
+        S.main_scatter_kernel[(t,)](
+            plane if fp4 else _bits16(plane),
+            plane.stride(0),
+            plane.stride(1),
+            latent,
+            latent.stride(0),
+            _vec(page),
+            _vec(row),
+            _vec(keep),
+            sink_page,
+            D=d,
+            BLOCK_D=next_pow2(d),
+            FP4=fp4,
+        )
+
+    # -- index plane --------------------------------------------------------------------------
+    def index_key_store(self, planes, key, key_scale, page, row, keep, sink_page):
+        t, d = key.shape
+        fp4 = plane_format(planes) == "fp4"
+        scale = None if fp4 else key_scale
+        if not self._runs("index_key_store", *planes, key, scale) or t == 0:
+            if t:
+                super().index_key_store(planes, key, key_scale, page, row, keep, sink_page)
+            return
+        plane = planes[0]
+        sp = planes[1] if fp4 else planes[0]
+        assert plane.stride(2) == 1 and sp.stride(2) == 1 and key.stride(1) == 1
+        if not fp4:
+            scale = key_scale.reshape(t, -1)
+            # the fp32 row scale sits in each row's last 4 bytes
+            assert (plane.data_ptr() + d) % 4 == 0 and plane.stride(0) % 4 == 0
+            assert plane.stride(1) % 4 == 0
+        S.index_key_store_kernel[(t,)](
+            plane,
+            plane.stride(0),
+            plane.stride(1),
+            sp,
+            sp.stride(0),
+            sp.stride(1),
+            key,
+            key.stride(0),
+            key if fp4 else scale,
+            0 if fp4 else scale.stride(0),
+            _vec(page),
+            _vec(row),
+            _vec(keep),
+            sink_page,
+            D=d,
+            BLOCK_D=next_pow2(d),
+            FP4=fp4,
+        )
+
+    # -- cursor -------------------------------------------------------------------------------
+    def cursor_write(self, cursor, slot, values, sink_slot):
+        b, width = values.shape
+        if not self._runs("cursor_write", cursor, values) or b == 0 or cursor.dtype != torch.int64:
+            if b:
+                super().cursor_write(cursor, slot, values, sink_slot)
+            return
+        assert cursor.stride(1) == 1 and values.stride(1) == 1
+        S.cursor_write_kernel[(b,)](
+            cursor,
+            cursor.stride(0),
+            values,
+            values.stride(0),
+            _vec(slot),
+            sink_slot,
+            WIDTH=width,
+            BLOCK=next_pow2(width),
+        )
+
+    # -- scorer -------------------------------------------------------------------------------
+    score_chunk = 512
+    """Keys one scorer program covers (a row's programs past its bound return at once)."""
+    score_block = 32
+    """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
+    select_chunk = 2048
+    """Elements the select kernel holds per step of a pass."""
+    score_rows: int | None = None
+    """Query rows a scorer program holds (None: by the batch, ``score_tile_rows``)."""
+
+    def score_tile_rows(self, t: int, padded_heads: int) -> int:
+        """Rows a scorer program takes: one in a small batch (decode rows are of different
+        requests), else enough for a 64-row dot (a prefill chunk's rows share their keys)."""
+        if self.score_rows is not None:
+            return self.score_rows
+        return 1 if t < 256 else max(1, 64 // padded_heads)
+
+    def _dot_bf16(self, exact_operands: bool) -> bool:
+        """bf16 dot operands on the GPU when they are exact; fp32 under the interpreter (its bf16
+        dot is not reliable)."""
+        return exact_operands and not _INTERPRETED
+
+    def _score(self, planes, q, weights, bound, pages, candidates, out, fill: bool) -> None:
+        """Launch the scorer: ``out [T, P*rows]`` fp32 up to each row's bound (every column with
+        ``fill``)."""
+        t, h, d = q.shape
+        fp4 = plane_format(planes) == "fp4"
+        key = planes[0]
+        ksc = planes[1] if fp4 else planes[0]
+        rpp, n_pages = key.shape[1], pages.shape[1]
+        n = rpp * n_pages
+        if t == 0 or n == 0:
+            return
+        q, weights, pages = q.contiguous(), weights.contiguous(), pages.contiguous()
+        if candidates is not None:
+            candidates = candidates.contiguous()
+        assert key.stride(2) == 1 and ksc.stride(2) == 1 and out.stride(1) == 1
+        if not fp4:
+            assert key.data_ptr() % 4 == 0 and key.stride(0) % 4 == 0 and key.stride(1) % 4 == 0
+        quant = Q.fake_quant_enabled()
+        cand = candidates if candidates is not None else out
+        chunk = min(self.score_chunk, max(self.score_block, next_pow2(n)))
+        hp = max(16, next_pow2(h))
+        rows = self.score_tile_rows(t, hp)
+        SC.score_kernel[(triton_cdiv(t, rows), triton_cdiv(n, chunk))](
+            q,
+            q.stride(0),
+            q.stride(1),
+            weights,
+            weights.stride(0),
+            _vec(bound),
+            pages,
+            pages.stride(0),
+            cand,
+            cand.stride(0),
+            key,
+            key.stride(0),
+            key.stride(1),
+            ksc,
+            ksc.stride(0),
+            ksc.stride(1),
+            out,
+            out.stride(0),
+            t,
+            h,
+            n_pages,
+            RPP=rpp,
+            ROWS=rows,
+            D=d,
+            HP=hp,
+            BN=self.score_block,
+            CHUNK=chunk,
+            FP4=fp4,
+            HAS_CAND=candidates is not None,
+            FILL=fill,
+            QUANT=quant,
+            ROUND_BF16=fp4 and q.dtype == torch.bfloat16,
+            DOT_BF16=self._dot_bf16(quant or q.dtype == torch.bfloat16),
+        )
+
+    def _select(self, score, bound, k: int, out, block_rows: int = 0) -> None:
+        """Launch the radix select over ``score [T, N]``: ids into ``out [T, k]``, or with
+        ``block_rows`` the chosen blocks' row mask into ``out [T, N]``."""
+        t, n = score.shape
+        if t == 0:
+            return
+        assert score.stride(1) == 1 and out.stride(1) == 1
+        g = max(block_rows, 1)
+        elems = n // g
+        SC.select_kernel[(t,)](
+            score,
+            score.stride(0),
+            _vec(bound) if bound is not None else score,
+            out,
+            out.stride(0),
+            k,
+            n,
+            HAS_BOUND=bound is not None,
+            G=g,
+            BLOCK_MODE=block_rows > 0,
+            CHUNK=min(self.select_chunk, next_pow2(elems)),
+            KP=next_pow2(k),
+        )
+
+    def _scorer_runs(self, op: str, planes, q, pages) -> bool:
+        d = q.shape[-1]
+        ok = q.dtype in _FLOAT and d == next_pow2(d) and d >= 32
+        ok = ok and pages.shape[1] * planes[0].shape[1] > 0
+        if not ok:
+            self.fallbacks.add(op)
+        return ok and self._runs(op, *planes, q, pages)
+
+    def scores(self, planes, q, weights, bound, pages):
+        if not self._scorer_runs("scores", planes, q, pages):
+            return super().scores(planes, q, weights, bound, pages)
+        n = pages.shape[1] * planes[0].shape[1]
+        out = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
+        self._score(planes, q, weights, bound, pages, None, out, fill=True)
+        # the reference returns fp4 scores in the query's dtype (already rounded to it here)
+        return out if plane_format(planes) == "fp8" else out.to(q.dtype)
+
+    def topk_ids(self, score, topk):
+        if score.dtype not in _FLOAT or not self._runs("topk_ids", score):
+            return super().topk_ids(score, topk)
+        out = torch.empty(score.shape[0], topk, dtype=torch.long, device=score.device)
+        self._select(score, None, topk, out)
+        return out
+
+    def score_topk(self, planes, q, weights, bound, pages, topk, candidates):
+        if not self._scorer_runs("score_topk", planes, q, pages):
+            return super().score_topk(planes, q, weights, bound, pages, topk, candidates)
+        t = q.shape[0]
+        n = pages.shape[1] * planes[0].shape[1]
+        work = torch.empty(t, n, dtype=torch.float32, device=q.device)
+        self._score(planes, q, weights, bound, pages, candidates, work, fill=False)
+        ids = torch.empty(t, topk, dtype=torch.long, device=q.device)
+        self._select(work, bound, topk, ids)
+        return ids
+
+    def score_candidates_topk(
+        self, planes, q, weights, bound, pages, topk, block_rows, topk_blocks
+    ):
+        if not (
+            self._scorer_runs("score_candidates_topk", planes, q, pages)
+            and self._blocks_ok(pages.shape[1] * planes[0].shape[1], block_rows)
+        ):
+            return super().score_candidates_topk(
+                planes, q, weights, bound, pages, topk, block_rows, topk_blocks
+            )
+        t = q.shape[0]
+        n = pages.shape[1] * planes[0].shape[1]
+        work = torch.empty(t, n, dtype=torch.float32, device=q.device)
+        self._score(planes, q, weights, bound, pages, None, work, fill=True)
+        ids = torch.empty(t, topk, dtype=torch.long, device=q.device)
+        self._select(work, bound, topk, ids)
+        mask = torch.empty(t, n, dtype=torch.bool, device=q.device)
+        self._select(work, bound, topk_blocks, mask, block_rows)
+        return ids, mask
+
+    def _blocks_ok(self, n: int, block_rows: int) -> bool:
+        ok = block_rows == next_pow2(block_rows) and n % block_rows == 0
+        if not ok:
+            self.fallbacks.add("candidate_blocks")
+        return ok
+
+    def candidate_blocks(self, scores, bound, block_rows, topk_blocks):
+        t, n = scores.shape
+        if not (
+            scores.dtype in _FLOAT
+            and self._blocks_ok(n, block_rows)
+            and self._runs("candidate_blocks", scores)
+        ):
+            return super().candidate_blocks(scores, bound, block_rows, topk_blocks)
+        mask = torch.empty(t, n, dtype=torch.bool, device=scores.device)
+        self._select(scores, bound, topk_blocks, mask, block_rows)
+        return mask
+
+    # -- attention ----------------------------------------------------------------------------
+    attention_block = 32
+    """Keys per attention tile (16 below head_dim 256)."""
+    head_block_max = 64
+    """Most heads one attention program holds (more heads: more programs, the keys read again
+    from L2)."""
+    max_splits = 16
+    """Most key splits of one query row (flash decoding)."""
+    attention_override: dict | None = None
+    """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
+    ``num_stages``): the benchmark's sweep."""
+    f32_dot = "ieee"
+    """fp32 attention's dot precision on the GPU: ``ieee`` (fp32 FMAs, the validation mode's
+    arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
+
+    def attention_config(
+        self,
+        tq: int,
+        h: int,
+        d: int,
+        window: int,
+        k: int,
+        device,
+        dtype=torch.bfloat16,
+        packed: bool = False,
+    ) -> dict:
+        """Tile sizes, head blocks, key splits and launch options for ``tq`` query rows (shapes
+        and formats only: the same shapes always give the same launch, so a capture replays it).
+        ``packed``: FP4 main rows or FP8 ring rows, decoded in registers (smaller key tiles)."""
+        f32 = dtype == torch.float32
+        bn = self.attention_block if d >= 256 and not (f32 or packed) else 16
+        # fp32 operands take twice the registers and shared memory: smaller head blocks
+        hb = max(16, min(next_pow2(h), 16 if f32 else self.head_block_max))
+        n_hb = triton_cdiv(h, hb)
+        n_blocks = triton_cdiv(window, bn) + triton_cdiv(k, bn)
+        programs = tq * n_hb
+        # few rows: split the keys until one wave fills the device (each split adds an fp32
+        # partial output, as large as H keys, so no more than that)
+        sms = self.num_sms(device)
+        splits = 1
+        if programs < sms:
+            splits = max(1, min(self.max_splits, n_blocks, triton_cdiv(sms, programs)))
+        cfg = {
+            "BN": bn,
+            "HB": hb,
+            "n_hb": n_hb,
+            "SPLITS": splits,
+            "num_warps": 8 if hb * d >= 32 * 512 else 4,
+            "num_stages": 1 if f32 else 2,
+            "F32_DOT": self.f32_dot,
+        }
+        cfg.update(self.attention_override or {})
+        cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
+        return cfg
+
+    def sparse_attention(
+        self,
+        q,
+        sink,
+        scale,
+        ring,
+        kv,
+        rows,
+        slot,
+        position,
+        window_lo,
+        ring_until,
+        window,
+        plane,
+        ids,
+        pages,
+        rows_per_page,
+        out,
+    ):
+        tq, h, d = q.shape
+        ok = q.dtype in _FLOAT and kv.dtype == q.dtype == out.dtype and d == next_pow2(d)
+        ok = ok and d >= 16 and ring.stride(2) == 1 and kv.stride(1) == 1 and q.stride(2) == 1
+        ok = ok and out.stride(2) == 1 and (plane is None or plane.stride(2) == 1)
+        if not ok:
+            self.fallbacks.add("sparse_attention")
+        if not (ok and self._runs("sparse_attention", q, kv, ring, plane, out)) or tq == 0:
+            if tq:
+                super().sparse_attention(
+                    q,
+                    sink,
+                    scale,
+                    ring,
+                    kv,
+                    rows,
+                    slot,
+                    position,
+                    window_lo,
+                    ring_until,
+                    window,
+                    plane,
+                    ids,
+                    pages,
+                    rows_per_page,
+                    out,
+                )
+            return
+        has_plane = plane is not None
+        ksel = ids.shape[1] if has_plane else 0
+        packed = ring.dtype == torch.uint8 or (has_plane and plane.dtype == torch.uint8)
+        cfg = self.attention_config(tq, h, d, window, ksel, q.device, q.dtype, packed)
+        splits = cfg["SPLITS"]
+        grid = (tq, cfg["n_hb"], splits)
+        part_o = part_ml = out
+        if splits > 1:
+            part_o = torch.empty(tq, splits, h, d, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(tq, splits, h, 2, dtype=torch.float32, device=q.device)
+        out_bf16 = out.dtype == torch.bfloat16
+        dst = _bits16(out)
+        rows = _vec(rows)
+        pl = plane if has_plane else ring
+        idt = ids.contiguous() if has_plane else rows
+        pgt = pages.contiguous() if has_plane else rows.view(-1, 1)
+        A.sparse_attention_kernel[grid](
+            q,
+            q.stride(0),
+            q.stride(1),
+            sink,
+            dst,
+            out.stride(0),
+            out.stride(1),
+            ring,
+            ring.stride(0),
+            ring.stride(1),
+            kv,
+            kv.stride(0),
+            rows,
+            _vec(slot),
+            _vec(position),
+            _vec(window_lo),
+            _vec(ring_until),
+            pl,
+            pl.stride(0),
+            pl.stride(1),
+            idt,
+            idt.stride(0),
+            pgt,
+            pgt.stride(0),
+            part_o,
+            part_ml,
+            float(scale) * A.LOG2E,
+            h,
+            ring.shape[1],
+            kv.shape[0],
+            pgt.shape[1],
+            rows_per_page,
+            ksel,
+            D=d,
+            HB=cfg["HB"],
+            BN=cfg["BN"],
+            W=window,
+            RING_FP8=ring.dtype == torch.uint8,
+            PLANE_FP4=has_plane and plane.dtype == torch.uint8,
+            HAS_PLANE=has_plane,
+            SPLITS=splits,
+            OUT_BF16=out_bf16,
+            DOT_BF16=q.dtype == torch.bfloat16 and not _INTERPRETED,
+            F32_DOT=cfg["F32_DOT"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+        if splits > 1:
+            A.combine_kernel[(tq, cfg["n_hb"])](
+                part_o,
+                part_ml,
+                dst,
+                out.stride(0),
+                out.stride(1),
+                h,
+                D=d,
+                DC=min(d, 128),
+                HB=cfg["HB"],
+                SPLITS=splits,
+                OUT_BF16=out_bf16,
+                num_warps=cfg["num_warps"],
+            )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of two non-negative ints."""
+    return -(-a // b)

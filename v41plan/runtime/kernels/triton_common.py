@@ -1,0 +1,220 @@
+"""Triton device helpers shared by the kernels: exact minifloat rounding and the storage codes.
+
+Every rounding here is integer and compare arithmetic on fp32 bit patterns, never a hardware
+conversion or a reciprocal: the results are the bits ``v41plan.model.quant`` and the codecs of
+``torch_ref`` produce, on the GPU and under ``TRITON_INTERPRET=1`` alike (the interpreter
+truncates fp32 -> bf16, and a fast fp32 division is not correctly rounded). Divisions that must
+be correctly rounded go through ``tl.math.div_rn``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FP8_AMAX_FLOOR = 1e-4
+FP4_E8M0_AMAX_FLOOR = 6.0 * 2.0**-126
+FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
+LOG2E = 1.4426950408889634
+
+
+def interpreted(kernel) -> bool:
+    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it then runs on CPU
+    tensors through the interpreter)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (at least 1)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def patch_interpreter():
+    """Make the kernels run under ``TRITON_INTERPRET=1`` (the CPU tests, ``bench_kernels.py
+    --smoke``); returns the interpreter function to put back (``interpreter._patch_lang``).
+
+    Two changes to triton 3.6's interpreter:
+
+    - A tensor used as an int (a loop bound read on the device) converts through
+      ``int(ndarray)``, which numpy >= 2.3 refuses for its one-element arrays: take the element.
+    - It re-patches every builtin (``inspect.getmembers`` over the language modules) at each
+      call of a device function, ``tl.sum`` and ``tl.max`` included, which is most of the
+      interpreted run time. Within a launch the modules stay patched, so a nested call only
+      needs the language modules the launch has not patched yet.
+    """
+    import inspect
+
+    from triton.runtime import interpreter
+
+    real = interpreter._patch_lang
+    patched: list[set[int]] = []
+
+    class LaunchScope:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def restore(self):
+            patched.clear()
+            self.inner.restore()
+
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patch(fn):
+        scope = real(fn)
+        scope.set_attr(tl.core.tensor, "__index__", index)
+        return scope
+
+    def patch_lang(fn):
+        mods = {
+            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+        }
+        if patched and mods <= patched[0]:
+            return interpreter._LangPatchScope()
+        if patched:
+            patched[0] |= mods
+            return patch(fn)
+        patched.append(mods)
+        return LaunchScope(patch(fn))
+
+    interpreter._patch_lang = patch_lang
+    return real
+
+
+@triton.jit
+def bits_of(x):
+    """The int32 bit pattern of fp32 ``x``."""
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def pow2(e):
+    """``2**e`` as fp32 for int32 ``e`` in ``[-126, 127]`` (built from the exponent field)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent_of(a):
+    """``floor(log2(a))`` of a normal non-negative fp32 ``a``; -127 for zero and subnormals."""
+    return ((bits_of(a) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def rint(x):
+    """Round to the nearest integer, ties to even (exact for ``|x| < 2**23``)."""
+    f = tl.floor(x)
+    r = x - f
+    odd = (f.to(tl.int32) & 1) == 1
+    up = (r > 0.5) | ((r == 0.5) & odd)
+    return f + up.to(tl.float32)
+
+
+@triton.jit
+def round_minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, MAXV: tl.constexpr):
+    """``quant._round_minifloat`` in fp32: nearest, ties to even, saturating at ``MAXV``; the
+    sign of ``y`` is kept (a negative value rounding to zero gives -0.0)."""
+    neg = bits_of(y) < 0
+    a = tl.minimum(tl.abs(y), MAXV)
+    e = tl.maximum(exponent_of(a), MIN_EXP)
+    step = e - MANT
+    q = tl.minimum(rint(a * pow2(-step)) * pow2(step), MAXV)
+    # a product, not ``-q``: triton negates as ``0 - q``, which loses the sign of zero
+    return tl.where(neg, q * -1.0, q)
+
+
+@triton.jit
+def round_e4m3(y):
+    """Round to the E4M3 (fn) grid (``quant.round_e4m3``)."""
+    return round_minifloat(y, 3, -6, 448.0)
+
+
+@triton.jit
+def round_e2m1(y):
+    """Round to the E2M1 grid (``quant.round_e2m1``)."""
+    return round_minifloat(y, 1, 0, 6.0)
+
+
+@triton.jit
+def e4m3_code(q):
+    """The E4M3 (fn) byte (int32 0..255) of a value already on the grid."""
+    a = tl.abs(q)
+    e = exponent_of(a)
+    normal = ((e + 7) << 3) | ((bits_of(a) >> 20) & 7)
+    sub = (a * 512.0).to(tl.int32)
+    return tl.where(e >= -6, normal, sub) | ((bits_of(q) >> 24) & 0x80)
+
+
+@triton.jit
+def e2m1_code(q):
+    """The E2M1 nibble (int32 0..15, bit 3 the sign) of a value already on the grid."""
+    a = tl.abs(q)
+    e = exponent_of(a)
+    normal = ((e + 1) << 1) | ((bits_of(a) >> 22) & 1)
+    sub = (a * 2.0).to(tl.int32)
+    return tl.where(e >= 0, normal, sub) | ((bits_of(q) >> 28) & 0x8)
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of E2M1 nibbles ``code`` (int32 0..15)."""
+    mag = code & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    v = tl.where(mag >= 2, normal.to(tl.float32, bitcast=True), mag.to(tl.float32) * 0.5)
+    return tl.where((code & 8) != 0, v * -1.0, v)
+
+
+@triton.jit
+def e4m3_value(byte):
+    """fp32 value of E4M3 (fn) bytes (uint8)."""
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_value(byte):
+    """fp32 power of two of E8M0 bytes (exponent field only)."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2ceil_exponent(a):
+    """The fp32 exponent field of ``quant.pow2ceil(a)`` (positive normal ``a``)."""
+    b = bits_of(a)
+    return ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def bf16_bits(x):
+    """Round fp32 ``x`` to bf16, nearest even, as int16 bits (what ``x.to(torch.bfloat16)``
+    stores for finite ``x``)."""
+    b = bits_of(x)
+    r = b + 0x7FFF + ((b >> 16) & 1)
+    return (r >> 16).to(tl.int16)
+
+
+@triton.jit
+def bf16_round(x):
+    """fp32 ``x`` rounded to the nearest bf16 value, kept in fp32."""
+    return (bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ordered_key(x):
+    """int32 keys ordered as the fp32 values ``x``: the bit pattern, with the magnitude bits of
+    a negative value flipped (-0.0 taken as +0.0; -inf maps to ``NEG_INF_KEY``, NaNs with the
+    sign bit below it). Flipping the sign bit too gives the unsigned order of the radix digits."""
+    b = bits_of(tl.where(x == 0.0, 0.0, x))
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+NEG_INF_KEY = tl.constexpr(-2139095041)
+"""``ordered_key(-inf)``: a key at or below it is not a candidate."""
+
+
+@triton.jit
+def div_rn(a, b):
+    """Correctly rounded fp32 ``a / b`` (the reference's IEEE division)."""
+    return tl.math.div_rn(a, b)

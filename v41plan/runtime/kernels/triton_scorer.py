@@ -1,0 +1,340 @@
+"""Triton index scorer (one kernel per plane format) and the top-k / candidate-block select.
+
+``score_kernel``: program ``(t, c)`` scores keys ``[c * CHUNK, (c + 1) * CHUNK)`` of query row
+``t`` and returns at once when that range starts past the row's bound, so the work follows each
+row's own context, never the block-table width. It rounds the query itself (E4M3 per (row, head)
+with an fp32 scale for the fp8 plane, E2M1 with E8M0 per 32 lanes for the fp4 plane) and reads
+the key rows in place through the row's page list. Every operand of the dot lies on a grid bf16
+holds exactly, so the products are exact and the sums fp32.
+
+``select_kernel``: per row, a most-significant-digit radix select (four 8-bit passes of
+histograms over order-preserving uint32 keys) finds the k-th largest score; a last pass in
+position order takes everything above it and the ties at it from the smallest position up, so
+the output comes out ascending without a sort. Invalid entries (``-inf``) never count. In block
+mode an element is the max of ``G`` consecutive scores (the candidate source's blocks, the block
+of the newest visible row forced to ``+inf``) and the output is the row mask of the chosen
+blocks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from v41plan.runtime.kernels.triton_common import (
+    NEG_INF_KEY,
+    bf16_round,
+    div_rn,
+    e2m1_value,
+    e4m3_value,
+    e8m0_value,
+    pow2,
+    pow2ceil_exponent,
+    round_e2m1,
+    round_e4m3,
+)
+
+
+@triton.jit
+def _round_query(q, w, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, QUANT: tl.constexpr):
+    """Query rows ``q [M, D]`` (one per (row, head)) on the plane's grid, and the per-head factor
+    of the score."""
+    if FP4:
+        if QUANT:
+            qb = tl.reshape(q, (M, D // 32, 32))
+            amax = tl.max(tl.abs(qb), axis=2)
+            e = pow2ceil_exponent(div_rn(tl.maximum(amax, 6.0 * 2.0**-126), 6.0))
+            qb = round_e2m1(qb * pow2(127 - e)[:, :, None]) * pow2(e - 127)[:, :, None]
+            q = tl.reshape(qb, (M, D))
+        qw = w
+    else:
+        if QUANT:
+            amax = tl.max(tl.abs(q), axis=1)
+            sc = div_rn(tl.maximum(amax, 1e-4), 448.0)
+            q = round_e4m3(div_rn(q, sc[:, None]))
+            qw = w * sc
+        else:
+            qw = w
+    return q, qw
+
+
+@triton.jit
+def _score_tile(
+    t0,
+    c,
+    T,
+    q_ptr,
+    s_q_row,
+    s_q_head,
+    w_ptr,
+    s_w_row,
+    bound_ptr,
+    pages_ptr,
+    s_pages_row,
+    cand_ptr,
+    s_cand_row,
+    key_ptr,
+    s_key_page,
+    s_key_row,
+    ksc_ptr,
+    s_ksc_page,
+    s_ksc_row,
+    out_ptr,
+    s_out_row,
+    H,
+    P,
+    RPP: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FP4: tl.constexpr,
+    HAS_CAND: tl.constexpr,
+    FILL: tl.constexpr,
+    QUANT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    """Scores of rows ``[t0, t0 + ROWS)`` over keys ``[c * CHUNK, (c + 1) * CHUNK)``, every
+    row reading row ``t0``'s pages (the caller checked they are the same): one dot of
+    ``ROWS * HP`` query rows per key tile."""
+    M: tl.constexpr = ROWS * HP
+    r = tl.arange(0, ROWS)
+    trow = t0 + r
+    rm = trow < T
+    n_cols = P * RPP
+    bound = tl.minimum(tl.load(bound_ptr + trow, mask=rm, other=0), n_cols)
+    start = c * CHUNK
+    if FILL:
+        limit = n_cols
+    else:
+        limit = tl.max(bound, axis=0)
+    if start < limit:
+        h = tl.arange(0, HP)
+        d = tl.arange(0, D)
+        qm = rm[:, None, None] & (h < H)[None, :, None]
+        qptr = q_ptr + trow[:, None, None] * s_q_row + h[None, :, None] * s_q_head
+        q = tl.load(qptr + d[None, None, :], mask=qm, other=0.0).to(tl.float32)
+        wm = rm[:, None] & (h < H)[None, :]
+        w = tl.load(w_ptr + trow[:, None] * s_w_row + h[None, :], mask=wm, other=0.0)
+        q, qw = _round_query(
+            tl.reshape(q, (M, D)), tl.reshape(w.to(tl.float32), (M,)), M, D, FP4, QUANT
+        )
+        if DOT_BF16:
+            qd = q.to(tl.bfloat16)
+        else:
+            qd = q
+        end = tl.minimum(start + CHUNK, limit)
+        for j0 in range(start, end, BN):
+            n = j0 + tl.arange(0, BN)
+            inb = n < end
+            page = tl.load(pages_ptr + t0 * s_pages_row + n // RPP, mask=inb, other=-1)
+            kvalid = inb & (page >= 0)
+            row = n % RPP
+            kbase = key_ptr + page * s_key_page + row * s_key_row
+            if FP4:
+                half = tl.arange(0, D // 2)
+                packed = tl.load(kbase[:, None] + half[None, :], mask=kvalid[:, None], other=0)
+                packed = packed.to(tl.int32)
+                k = tl.interleave(e2m1_value(packed & 15), e2m1_value(packed >> 4))
+                sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
+                sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
+                k = k * e8m0_value(sb)
+            else:
+                codes = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
+                # E4M3 straight to the dot's type (exact either way)
+                if DOT_BF16:
+                    k = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                else:
+                    k = e4m3_value(codes)
+                kptr = (kbase + D).to(tl.pointer_type(tl.float32))
+                ks = tl.load(kptr, mask=kvalid, other=0.0)
+            if DOT_BF16:
+                logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
+            else:
+                logits = tl.dot(qd, tl.trans(k), input_precision="ieee")
+            if FP4:
+                if ROUND_BF16:
+                    logits = bf16_round(logits)
+                    part = bf16_round(tl.maximum(logits, 0.0) * qw[:, None])
+                else:
+                    part = tl.maximum(logits, 0.0) * qw[:, None]
+            else:
+                part = tl.maximum(logits * ks[None, :], 0.0) * qw[:, None]
+            sc = tl.sum(tl.reshape(part, (ROWS, HP, BN)), axis=1)
+            if ROUND_BF16:
+                sc = bf16_round(sc)
+            valid = kvalid[None, :] & (n[None, :] < bound[:, None]) & rm[:, None]
+            if HAS_CAND:
+                cptr = cand_ptr + trow[:, None] * s_cand_row + n[None, :]
+                valid = valid & (tl.load(cptr, mask=valid, other=0) != 0)
+            sc = tl.where(valid, sc, float("-inf"))
+            optr = out_ptr + trow[:, None] * s_out_row + n[None, :]
+            tl.store(optr, sc, mask=rm[:, None] & inb[None, :])
+
+
+@triton.jit
+def score_kernel(
+    q_ptr,
+    s_q_row,
+    s_q_head,
+    w_ptr,
+    s_w_row,
+    bound_ptr,
+    pages_ptr,
+    s_pages_row,
+    cand_ptr,
+    s_cand_row,
+    key_ptr,
+    s_key_page,
+    s_key_row,
+    ksc_ptr,
+    s_ksc_page,
+    s_ksc_row,
+    out_ptr,
+    s_out_row,
+    T,
+    H,
+    P,
+    RPP: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FP4: tl.constexpr,
+    HAS_CAND: tl.constexpr,
+    FILL: tl.constexpr,
+    QUANT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
+    for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
+    the candidates). ``FILL`` writes every column up to ``P * RPP`` (the materialized score
+    matrix), else only up to the bound. fp8 plane: ``key_ptr`` the E4M3 codes, the fp32 row
+    scale at byte ``D`` of the row; fp4: ``key_ptr`` the packed E2M1 values, ``ksc_ptr`` the E8M0
+    scales plane. With ``ROWS > 1`` rows that read the same pages in this range (a prefill
+    chunk's rows) share each key tile; rows of different requests are scored one by one."""
+    t0 = tl.program_id(0) * ROWS
+    c = tl.program_id(1)
+    args = (q_ptr, s_q_row, s_q_head, w_ptr, s_w_row, bound_ptr, pages_ptr, s_pages_row)
+    args2 = (cand_ptr, s_cand_row, key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row)
+    if ROWS == 1:
+        _score_tile(
+            t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
+            RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+        )  # fmt: skip
+    else:
+        NCOL: tl.constexpr = (CHUNK + RPP - 1) // RPP
+        r = tl.arange(0, ROWS)
+        cols = (c * CHUNK) // RPP + tl.arange(0, NCOL)
+        m = ((t0 + r) < T)[:, None] & (cols < P)[None, :]
+        p0 = tl.load(pages_ptr + t0 * s_pages_row + cols, mask=cols < P, other=-1)
+        pr = tl.load(pages_ptr + (t0 + r)[:, None] * s_pages_row + cols[None, :], mask=m, other=-1)
+        differ = tl.sum(tl.sum((m & (pr != p0[None, :])).to(tl.int32), axis=1), axis=0)
+        if differ == 0:
+            _score_tile(
+                t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
+                RPP, ROWS, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+            )  # fmt: skip
+        else:
+            for i in tl.static_range(ROWS):
+                _score_tile(
+                    t0 + i, c, T, *args, *args2, out_ptr, s_out_row, H, P,
+                    RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+                )  # fmt: skip
+
+
+@triton.jit
+def select_kernel(
+    score_ptr,
+    s_score_row,
+    bound_ptr,
+    out_ptr,
+    s_out_row,
+    K,
+    N,
+    HAS_BOUND: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_MODE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    KP: tl.constexpr,
+):
+    """Top-``K`` of row ``t``'s elements, ties to the smaller element. Ids mode: element ids
+    ascending into ``out [T, K]`` (int64), -1 padded. Block mode (``G`` scores an element): the
+    bool row mask ``out [T, N]`` of the chosen blocks' rows below the bound.
+
+    Passes 0..3 pick the k-th largest key a digit at a time; pass 4 writes the selection."""
+    t = tl.program_id(0)
+    row_ptr = score_ptr + t * s_score_row
+    if HAS_BOUND:
+        bound = tl.load(bound_ptr + t)
+    else:
+        bound = N + tl.zeros((), dtype=tl.int64)
+    if BLOCK_MODE:
+        # the bound as given: one past the table forces no block (as the reference)
+        n_elem = N // G
+        newest = tl.where(bound > 0, (bound - 1) // G, -1)
+    else:
+        n_elem = tl.minimum(bound, N)
+        newest = -1
+    bins = tl.arange(0, 256)
+    # the selected key's bits so far, in the key's own (signed) layout
+    prefix = tl.zeros((), dtype=tl.int32)
+    rem = tl.zeros((), dtype=tl.int32)
+    taken = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
+    for p in tl.static_range(5):
+        shift = 24 - 8 * p
+        hist = tl.zeros((256,), dtype=tl.int32)
+        for e0 in range(0, n_elem, CHUNK):
+            e = e0 + tl.arange(0, CHUNK)
+            inb = e < n_elem
+            if BLOCK_MODE:
+                g = tl.arange(0, G)
+                rows = e[:, None] * G + g[None, :]
+                v = tl.load(row_ptr + rows, mask=inb[:, None], other=float("-inf"))
+                v = tl.max(v.to(tl.float32), axis=1)
+                v = tl.where(e == newest, float("inf"), v)
+            else:
+                v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
+            # ordered_key, inline (a helper call per step is slow under the interpreter)
+            b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+            key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+            valid = inb & (key > NEG_INF_KEY)
+            if p < 4:
+                if p > 0:
+                    valid = valid & ((key & -(1 << (shift + 8))) == prefix)
+                digit = (key >> shift) & 255
+                if p == 0:  # unsigned digit order: the sign bit flipped
+                    digit = digit ^ 128
+                hist += tl.histogram(digit, 256, mask=valid)
+            else:
+                eq = (valid & (key == prefix)).to(tl.int32)
+                tie_rank = ties + tl.cumsum(eq, axis=0) - eq
+                sel = valid & ((key > prefix) | ((eq != 0) & (tie_rank < rem)))
+                si = sel.to(tl.int32)
+                if BLOCK_MODE:
+                    keep = sel[:, None] & (rows < bound)
+                    tl.store(out_ptr + t * s_out_row + rows, keep, mask=inb[:, None])
+                else:
+                    idx = taken + tl.cumsum(si, axis=0) - si
+                    tl.store(out_ptr + t * s_out_row + idx, e.to(tl.int64), mask=sel)
+                taken += tl.sum(si, axis=0)
+                ties += tl.sum(eq, axis=0)
+        if p < 4:
+            total = tl.sum(hist, axis=0)
+            if p == 0:
+                rem = tl.minimum(total, K)
+            at_least = total - tl.cumsum(hist, axis=0) + hist
+            dstar = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
+            rem -= tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
+            if p == 0:
+                dstar = dstar ^ 128
+            prefix = prefix | (dstar << shift)
+    if not BLOCK_MODE:
+        j = tl.arange(0, KP)
+        fill = tl.full((KP,), -1, tl.int64)
+        tl.store(out_ptr + t * s_out_row + j, fill, mask=(j >= taken) & (j < K))
