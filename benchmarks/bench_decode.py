@@ -38,6 +38,66 @@ from medium_model import (
 )
 
 
+def _backend(name: str):
+    from v41plan.runtime.kernels.torch_ref import TorchBackend
+
+    if name == "triton":
+        from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    return TorchBackend()
+
+
+def engine_host_ms(spec, checkpoint, bs: int, context: int, steps: int, backend: str) -> dict:
+    """Engine-driven FULL-graph decode steps at ``bs`` running requests: the wall time of
+    ``schedule`` + ``execute`` (plan, prepare, one replay, readback) + ``postprocess``, and the
+    time of ``prepare`` inside it."""
+    import statistics
+    import time
+
+    from v41plan.serving.engine import LLM
+    from v41plan.serving.sampling import SamplingParams
+
+    llm = LLM(
+        spec, checkpoint, enforce_eager=False, cudagraph_mode="FULL", device="cuda",
+        dtype="bfloat16", max_num_seqs=bs, max_num_batched_tokens=max(bs * context, 4096),
+        max_model_len=context + steps + 64, kernel_backend=backend,
+    )  # fmt: skip
+    model = llm.runner.model
+    prep = []
+    real = model.prepare
+
+    def timed_prepare(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            prep.append(time.perf_counter() - t0)
+
+    model.prepare = timed_prepare
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for i in range(bs):
+        llm.add_request([(13 * i + k) % 250 for k in range(context)], params)
+    while llm.scheduler.waiting or any(s.is_prefilling for s in llm.scheduler.running):
+        llm.step()
+    sched, walls = llm.scheduler, []
+    prep.clear()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        sched.postprocess(batch, llm.runner.execute(batch))
+        walls.append(time.perf_counter() - t0)
+        assert batch.phase == "decode" and len(batch.requests) == bs
+    stats = llm.runner.graph_stats()["stats"]
+    return {
+        "step_ms": statistics.median(walls) * 1e3,
+        "prepare_us": statistics.median(prep) * 1e6,
+        "graph_steps": stats.get("graph_steps", 0),
+        "eager_decode_steps": stats.get("eager_decode_steps", 0),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -50,6 +110,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
+    ap.add_argument(
+        "--engine-steps",
+        type=int,
+        default=10,
+        help="engine-driven FULL-graph decode steps timed for host_ms (0: skip)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -82,6 +149,7 @@ def main(argv=None) -> int:
         dtype=torch.bfloat16,
         device="cuda",
         cfg=cfg,
+        backend=_backend(args.kernel_backend),
     )
     row_bytes = pool_row_bytes(m.geometry)
     runner = CudaGraphs(
@@ -175,12 +243,27 @@ def main(argv=None) -> int:
             }
         )
 
+    if args.engine_steps:
+        del runner, m
+        torch.cuda.empty_cache()
+        for r in rows:
+            eng = engine_host_ms(
+                spec, args.checkpoint, r["batch"], args.context, args.engine_steps,
+                args.kernel_backend,
+            )  # fmt: skip
+            r["engine_step_ms"] = eng["step_ms"]
+            r["host_ms"] = eng["step_ms"] - r["replay_ms"]
+            r["plan_prepare_us"] = eng["prepare_us"]
+            r["engine_graph_steps"] = eng["graph_steps"]
+            r["engine_eager_decode_steps"] = eng["eager_decode_steps"]
+            torch.cuda.empty_cache()
     report = {
         "provenance": provenance(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "spec": spec.name,
         "dtype": "bfloat16",
+        "kernel_backend": args.kernel_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
         "ceilings": ceil,
@@ -200,6 +283,14 @@ def main(argv=None) -> int:
             f"{r['floor_bf16_ms']:>8.3f} {r['bound']:>6} "
             f"{r['of_floor']:>9.4f} {r['of_floor_bf16']:>8.4f} {r['tokens_equal']}"
         )
+    if args.engine_steps:
+        print(f"{'bs':>4} {'engine step ms':>15} {'host ms':>8} {'prepare us':>11} graph/eager")
+        for r in rows:
+            print(
+                f"{r['batch']:>4} {r['engine_step_ms']:>15.2f} {r['host_ms']:>8.2f} "
+                f"{r['plan_prepare_us']:>11.0f} {r['engine_graph_steps']}/"
+                f"{r['engine_eager_decode_steps']}"
+            )
     out = args.out or (
         os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None
     )

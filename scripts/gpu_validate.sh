@@ -3,7 +3,8 @@
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
 # provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
-#   STEPS="tests tiny40 ckpt decode prefill medium" TRANSFER=both scripts/gpu_validate.sh
+#   STEPS="tests tiny40 ckpt decode prefill medium kernels dense gemm sampler scorer" \
+#     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests 30 s, tiny40 both transfers about 230 s, ckpt 20 s,
 # decode 60 s, prefill 150 s, medium (float64) about 240 s per transfer); split it, e.g.
@@ -45,4 +46,9 @@ run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --ou
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
     --dtype float64 --transfer "$TRANSFER" --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
+run_step kernels 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json"
+run_step dense 120 python3 benchmarks/bench_dense_kernels.py --out "$OUT/bench_dense_kernels.json"
+run_step gemm 200 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --out "$OUT/bench_gemm_moe.json"
+run_step sampler 120 python3 benchmarks/bench_sampler.py --out "$OUT/bench_sampler.json"
+run_step scorer 120 python3 benchmarks/bench_scorer.py --spec medium --device cuda --out "$OUT/bench_scorer.json"
 exit $status

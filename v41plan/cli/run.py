@@ -129,6 +129,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--dtype", default="float32", choices=DTYPES, help="executor dtype")
     e.add_argument(
+        "--kernel-backend",
+        default="torch",
+        choices=["torch", "triton"],
+        help="pool-touching kernels: the torch reference or Triton (CUDA)",
+    )
+    e.add_argument(
         "--engine-seed",
         type=int,
         default=0,
@@ -391,6 +397,7 @@ def build_engine(args: argparse.Namespace, world_size: int, spec=None):
         "dtype": args.dtype,
         "seed": args.engine_seed,
         "random_weights_seed": args.random_weights_seed,
+        "kernel_backend": args.kernel_backend,
     }
     try:
         return LLM(spec, args.checkpoint, world_size=world_size, **options)

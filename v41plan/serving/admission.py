@@ -46,6 +46,9 @@ class EngineOptions:
     random_weights_seed: int = 0
     """Seed of the spec's random weights, built in memory when no checkpoint is given (the
     same seed ``v41plan init-checkpoint --seed`` writes to disk)."""
+    kernel_backend: str = "torch"
+    """The pool-touching kernels: ``torch`` (the reference, and the only CPU path) or
+    ``triton`` (CUDA; float64 steps fall back to the torch ops)."""
 
 
 # Options refused whatever their value, unless equal to the value shown (the "off" value).
@@ -63,6 +66,7 @@ _REFUSED: dict[str, tuple[object, str]] = {
     "multimodal_speculation": (False, "multimodal speculation is not supported; accepted: False"),
 }
 CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
+KERNEL_BACKENDS = ("torch", "triton")
 KV_TRANSFER_CONNECTORS = ("lmcache_mp",)
 
 
@@ -219,6 +223,12 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         raise _fail("num_pages", o.num_pages, "accepted: an integer >= 1, or None (sized)")
     if o.dtype not in ("float32", "float64", "bfloat16"):
         raise _fail("dtype", o.dtype, "accepted: float32, float64, bfloat16")
+    if o.kernel_backend not in KERNEL_BACKENDS:
+        raise _fail("kernel_backend", o.kernel_backend, f"accepted: {', '.join(KERNEL_BACKENDS)}")
+    if o.kernel_backend == "triton" and o.device == "cpu":
+        raise _fail(
+            "kernel_backend", "triton", "the Triton kernels need CUDA; accepted on cpu: torch"
+        )
     num_pages = o.num_pages or o.max_num_seqs * (-(-max_len // page) + 1) + 16
     return EngineOptions(
         **{

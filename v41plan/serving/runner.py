@@ -73,6 +73,7 @@ class PagedRunner:
             max_bs=options.max_num_seqs,
             table_width=-(-options.max_model_len // P) + 1,
             dtype=dtype, device=device, cfg=ckpt.config, tp=self.tp,
+            backend=_backend(options.kernel_backend, device),
         )  # fmt: skip
         from v41plan.runtime.graphs import build_cuda_graphs
 
@@ -189,6 +190,17 @@ class PagedRunner:
         done.record()
         done.synchronize()  # the results are the step's only readback
         return {k: v.clone() for k, v in host.items()}
+
+
+def _backend(name: str, device: torch.device):
+    """The kernel backend an engine option names (admission checked it)."""
+    if name == "triton" and device.type == "cuda":
+        from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    from v41plan.runtime.kernels.torch_ref import TorchBackend
+
+    return TorchBackend()
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

@@ -663,6 +663,12 @@ def _parser() -> argparse.ArgumentParser:
         help="default: cuda when available, else cpu",
     )
     ap.add_argument(
+        "--kernel-backend",
+        choices=["torch", "triton"],
+        default="torch",
+        help="pool-touching kernels (triton: CUDA; float64 steps fall back to torch)",
+    )
+    ap.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
@@ -752,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_pages": 4 * 24 + 64,
         "dtype": args.dtype,
         "device": args.device,
+        "kernel_backend": args.kernel_backend,
     }
     from v41plan.serving.admission import ConfigError, check_options
 
@@ -777,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
         "dtype": args.dtype,
+        "kernel_backend": args.kernel_backend,
         "transfers": {},
     }
     passed = True
