@@ -206,11 +206,15 @@ def main(argv=None) -> int:
         )
         plan = plan_step(step, spec)
         tok = np.array([ids[i][args.context] for i in range(bs)])
-        snap = m.pools.backing.clone()  # both paths run the step from the same pool state
+        # both paths run the step from the same pool state: the device bytes and the host
+        # mirror of the cursors, which prepare reads instead of the device
+        snap, mirror = m.pools.backing.clone(), m.pools.cursor_host.copy()
         want = m.forward(plan, tok).logits.float()
         m.pools.backing.copy_(snap)
+        m.pools.cursor_host[:] = mirror
         got = runner.run(m.prepare(plan, tok)).logits.float()
         m.pools.backing.copy_(snap)
+        m.pools.cursor_host[:] = mirror
         del snap
         same = bool(torch.equal(want.argmax(-1), got.argmax(-1)))
         max_diff = (want - got).abs().max().item()

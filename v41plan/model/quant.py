@@ -80,6 +80,14 @@ def _round_minifloat(y: torch.Tensor, mant_bits: int, min_exp: int, max_val: flo
     return torch.ldexp(q, step_exp).clamp(-max_val, max_val)
 
 
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bfloat16 the same way on every device: float64 through float32 first.
+
+    The CPU's float64 -> bf16 cast rounds through float32; CUDA's rounds once. Fixing the
+    path keeps bf16 pool bytes identical across devices."""
+    return (x.to(torch.float32) if x.dtype == torch.float64 else x).to(torch.bfloat16)
+
+
 def round_e4m3(y: torch.Tensor) -> torch.Tensor:
     """Round to the E4M3 (fn) grid: round-to-nearest-even, saturating at +-448."""
     return _round_minifloat(y, 3, -6, E4M3_MAX)

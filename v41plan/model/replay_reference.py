@@ -73,6 +73,7 @@ from v41plan.model.quant import (
     fake_fp8,
     fake_quant,
     fake_quant_enabled,
+    to_bf16,
 )
 from v41plan.model.reference import ReferenceModel
 
@@ -170,7 +171,7 @@ class DenseRequest:
         if self.kv_fmt is None:
             return kv
         if self.kv_fmt == "bf16":
-            return kv.to(torch.bfloat16).to(kv.dtype)
+            return to_bf16(kv).to(kv.dtype)
         with fake_quant(True):
             return fake_fp8(kv, 32)
 
@@ -178,7 +179,7 @@ class DenseRequest:
         if self.kv_fmt is None:
             return comp
         if self.kv_fmt == "bf16":
-            return comp.to(torch.bfloat16).to(comp.dtype)
+            return to_bf16(comp).to(comp.dtype)
         with fake_quant(True):
             return fake_fp4_e4m3(comp, 16)
 

@@ -139,7 +139,7 @@ class TorchBackend:
         if ring.dtype == torch.uint8:
             data = encode_fp8_e8m0(kv, 32)
         else:
-            data = kv.to(ring.dtype)
+            data = Q.to_bf16(kv)
         _put_rows(ring, (slot, position.clamp(min=0) % rows), data, keep, (sink_slot, 0))
 
     def ring_values(self, ring_rows: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -193,7 +193,7 @@ class TorchBackend:
         if plane.dtype == torch.uint8:
             data = encode_fp4_e4m3_scales(latent, 16)
         else:
-            data = latent.to(plane.dtype)
+            data = Q.to_bf16(latent)
         _put_rows(plane, (page, row), data, keep, (sink_page, 0))
 
     def main_values(self, rows: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:

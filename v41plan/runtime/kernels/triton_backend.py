@@ -462,7 +462,10 @@ class TritonBackend(TorchBackend):
         """Tile sizes, head blocks, key splits and launch options for ``tq`` query rows (shapes
         and formats only: the same shapes always give the same launch, so a capture replays it).
         ``packed``: FP4 main rows or FP8 ring rows, decoded in registers (smaller key tiles)."""
-        f32 = dtype == torch.float32
+        # bf16 dot operands for bf16 queries over bf16 keys only: with packed keys (decoded in
+        # registers) the bf16 form disagreed with the reference on the H200, the fp32 form agrees
+        dot_bf16 = dtype == torch.bfloat16 and not packed
+        f32 = not dot_bf16  # fp32 dot operands
         bn = self.attention_block if d >= 256 and not (f32 or packed) else 16
         # fp32 operands take twice the registers and shared memory: smaller head blocks
         hb = max(16, min(next_pow2(h), 16 if f32 else self.head_block_max))
@@ -483,6 +486,7 @@ class TritonBackend(TorchBackend):
             "num_warps": 8 if hb * d >= 32 * 512 else 4,
             "num_stages": 1 if f32 else 2,
             "F32_DOT": self.f32_dot,
+            "DOT_BF16": dot_bf16,
         }
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
@@ -593,7 +597,7 @@ class TritonBackend(TorchBackend):
             HAS_PLANE=has_plane,
             SPLITS=splits,
             OUT_BF16=out_bf16,
-            DOT_BF16=q.dtype == torch.bfloat16 and not _INTERPRETED,
+            DOT_BF16=cfg["DOT_BF16"] and not _INTERPRETED,
             F32_DOT=cfg["F32_DOT"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],

@@ -22,7 +22,7 @@ QUANT_BLOCK = 32
 
 # float32 rounding constant: (v + 1.5 * 2**23) - 1.5 * 2**23 rounds |v| < 2**22 to the nearest
 # integer, ties to even, in the hardware's own rounding mode
-_RNE_MAGIC = 12582912.0
+_RNE_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
