@@ -316,11 +316,14 @@ def main(argv=None) -> int:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:500]
                     torch.cuda.synchronize()
 
+    from v41plan.validation.provenance import provenance
+
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": _commit(args.commit),
+        "provenance": provenance(),
         "copy_bytes_per_s": bw,
         "dtype": "bfloat16 streams, float32 mHC parameters",
         "hidden": cfg.hidden_size,

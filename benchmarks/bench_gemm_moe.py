@@ -367,11 +367,14 @@ def main(argv=None) -> int:
         "bf16_flop_per_s": bf16_matmul_flop_per_s(),
         "fp8_flop_per_s": fp8_rowwise_flop_per_s(),
     }
+    from v41plan.validation.provenance import provenance
+
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": _commit(),
+        "provenance": provenance(),
         "spec": args.spec,
         "ceilings": ceil,
     }

@@ -696,11 +696,14 @@ def main(argv=None) -> int:
             rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:400]})
             traceback.print_exc(limit=3)
         torch.cuda.empty_cache()
+    from v41plan.validation.provenance import provenance
+
     report = {
         "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": _commit(),
+        "provenance": provenance(),
         "ceilings": ceil,
         "rows": rows,
         "skipped": skipped,

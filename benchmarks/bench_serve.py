@@ -239,10 +239,13 @@ def main(argv=None) -> int:
     h = after.get("v41plan:prefix_cache_hits_total", 0) - before.get(
         "v41plan:prefix_cache_hits_total", 0
     )
+    from v41plan.validation.provenance import provenance
+
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "commit": _commit(),
+        "provenance": provenance(),
         "spec": llm.spec.name,
         "checkpoint": args.checkpoint,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

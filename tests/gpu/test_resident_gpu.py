@@ -37,8 +37,12 @@ def _report():
     for k, v in MEASURED.items():
         print(f"{k}: {v}")
     if os.environ.get("OUT"):
+        from v41plan.validation.provenance import provenance
+
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "provenance": provenance(), **MEASURED}  # fmt: skip
         with open(os.path.join(os.environ["OUT"], "resident_gpu.json"), "w") as f:
-            json.dump(MEASURED, f, indent=1)
+            json.dump(report, f, indent=1)
 
 
 def _rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
