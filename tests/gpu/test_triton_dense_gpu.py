@@ -116,14 +116,13 @@ def _rowmax(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).amax(-1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N", [1, 16, 64, 300, 2048])
-def test_mhc_site_within_the_stated_bound(N, dtype):
-    # 1 and 16 tokens: one per program (per-lane products); more: the tf32x3 tl.dot form
+def _assert_site_within_bound(X, pre_in, p, w, out, dtype) -> None:
+    """``out = (pre, post, C, x)`` of a site over ``X`` within the stated bounds of the float64
+    reference (mix GEMM terms for the prediction; the collapse terms for ``x``)."""
     _, _, ref, td = _mods()
     D, hc, iters = _medium()
-    X, pre_in, p, w, _ = _site_inputs(N, D, hc, dtype, seed=N)
-    pre, post, C, x = td.mhc_site(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+    N = X.shape[0]
+    pre, post, C, x = out
     X64 = X.double()
     want = ref.mhc_site(X64, pre_in.double(), _p64(p), w.double(), hc, iters, HC_EPS, NORM_EPS)
     f = X64.reshape(N, -1)
@@ -138,10 +137,23 @@ def test_mhc_site_within_the_stated_bound(N, dtype):
     rx = torch.rsqrt(terms.sum(1).pow(2).mean(-1, keepdim=True) + NORM_EPS)
     bound = 8 * U * rx * w.double().abs() * terms.abs().sum(1) + (D / 2 + 8) * U * want[3].abs()
     if dtype == torch.bfloat16:
-        # fp32 arithmetic rounded once to bf16: the fp32 bound (relative to the terms, since the
-        # sum may cancel) plus the output's rounding
-        bound = bound + _ulp_bf16(want[3])
-    assert ((x.double() - want[3]).abs() <= bound).all()
+        # as the model rounds (hc_collapse and rms_norm return the stream dtype), three bf16
+        # roundings of relative size 2**-8 at most: the collapse (it scales x directly), the
+        # collapse again inside the sum of squares (rsqrt halves its 2**-7), and the output
+        bound = bound + 3.1 * 2.0**-8 * (want[3].abs() + bound)
+    err = (x.double() - want[3]).abs()
+    assert (err <= bound).all(), f"x: worst error / bound {float((err / bound).max()):.3f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 16, 64, 300, 2048])
+def test_mhc_site_within_the_stated_bound(N, dtype):
+    # 1 and 16 tokens: one per program (per-lane products); more: the tf32x3 tl.dot form
+    _, _, _, td = _mods()
+    D, hc, iters = _medium()
+    X, pre_in, p, w, _ = _site_inputs(N, D, hc, dtype, seed=N)
+    out = td.mhc_site(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+    _assert_site_within_bound(X, pre_in, p, w, out, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -163,9 +175,10 @@ def test_fused_epilogue_and_expand(N, dtype):
         bound = bound + _ulp_bf16(want)  # fp32 arithmetic, one rounding to bf16
     assert ((got.double() - want).abs() <= bound).all()
     fused = td.mhc_expand_site(y, X, post, C, pre, p, w, hc, iters, HC_EPS, NORM_EPS)
-    step = (got, *td.mhc_site(got, pre, p, w, hc, iters, HC_EPS, NORM_EPS))
-    for a, b in zip(fused, step, strict=True):
-        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    # the fused expand is the plain one (the same fp32 expression, one rounding) and its site
+    # is within the site's bounds over the streams it produced
+    assert ((fused[0].double() - want).abs() <= bound).all()
+    _assert_site_within_bound(fused[0], pre, p, w, fused[1:], dtype)
     ffn = td.mhc_expand_site_fp8(y, X, post, C, pre, p, w, hc, iters, HC_EPS, NORM_EPS)
     for a, b in zip(ffn[:5], fused, strict=True):
         assert torch.equal(_bits(a), _bits(b))

@@ -169,8 +169,16 @@ def e2m1_value(code):
 
 @triton.jit
 def e4m3_value(byte):
-    """fp32 value of E4M3 (fn) bytes (uint8)."""
-    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """fp32 value of E4M3 (fn) bytes (uint8), from their bit fields: exact, and never the
+    hardware ``fp8e4nv`` conversion (its result fed to a bf16 dot disagreed with this decode on
+    the H200)."""
+    b = byte.to(tl.int32) & 0xFF
+    mag = b & 0x7F
+    e = mag >> 3
+    normal = ((e + 120) << 23) | ((mag & 7) << 20)
+    v = tl.where(e > 0, normal.to(tl.float32, bitcast=True), (mag & 7).to(tl.float32) * 2.0**-9)
+    v = tl.where(mag == 0x7F, float("nan"), v)
+    return tl.where((b & 0x80) != 0, v * -1.0, v)
 
 
 @triton.jit
