@@ -110,24 +110,30 @@ def probe_scorer() -> dict:
 
 def probe_attention() -> dict:
     """The GPU test's sparse attention over packed keys (FP8 ring, FP4 main) with bf16 dot
-    operands forced, against the torch reference."""
+    operands forced, against the torch reference: the window alone (ring), then with the
+    selected rows (plane)."""
     from tests.gpu import test_triton_backend_gpu as T
     from v41plan.runtime.kernels.triton_backend import TritonBackend
 
     out = {}
-    TritonBackend.attention_override = {"DOT_BF16": True}
-    try:
-        for name in T.SPECS:
-            for rows in (4, 40):
-                key = f"{name} fp4 bf16 rows={rows}"
-                try:
-                    T.test_sparse_attention_within_tolerance(name, "fp4", torch.bfloat16, rows)
-                    out[key] = "pass"
-                except AssertionError as e:
-                    out[key] = str(e).splitlines()[:4]
-                print(f"attention bf16 dots over packed keys {key}: {out[key]}")
-    finally:
-        TritonBackend.attention_override = None
+    ref, tri = T._backends()
+    for name in T.SPECS:
+        for rows in (4, 40):
+            args, sel = T._attention_case(name, "fp4", torch.bfloat16, t=rows)
+            for part, s in (("window", (None, None, None, sel[3])), ("window+plane", sel)):
+                res = {}
+                for dots in (False, True):
+                    tri.attention_override = {"DOT_BF16": dots}
+                    want = torch.full_like(args[0], float("nan"))
+                    got = torch.full_like(args[0], float("nan"))
+                    ref.sparse_attention(*args, *s, want)
+                    tri.sparse_attention(*args, *s, got)
+                    err = (got.float() - want.float()).abs()
+                    res["bf16 dots" if dots else "fp32 dots"] = float(err.nan_to_num(1e9).max())
+                key = f"{name} rows={rows} {part}"
+                out[key] = res
+                print(f"attention packed keys {key}: max abs err {res}")
+    TritonBackend.attention_override = None
     return out
 
 

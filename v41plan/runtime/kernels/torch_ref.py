@@ -38,7 +38,7 @@ def encode_fp4_e4m3_scales(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     when their block's E4M3 scale is a normal number (amax >= 6 * 2**-6); a subnormal scale is
     re-derived from the rounded values and can differ (a known gap, see tests/model)."""
     xb = _blocks(_wide(x), block)
-    s = Q.round_e4m3(_amax(xb, Q.FP4_E4M3_AMAX_FLOOR) / Q.E2M1_MAX)
+    s = Q.round_e4m3(Q.div_rn(_amax(xb, Q.FP4_E4M3_AMAX_FLOOR), Q.E2M1_MAX))
     codes = Q.round_e2m1(xb / s).flatten(-2)
     return torch.cat((Q.pack_e2m1(codes), Q.e4m3_encode(s.squeeze(-1)).view(torch.uint8)), dim=-1)
 
@@ -56,7 +56,7 @@ def encode_fp4_e8m0(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, tor
     """Index-key FP4 (``quant.fake_fp4``'s grid): ``(packed E2M1 [..., d/2], E8M0 bytes [...,
     d/32])``."""
     xb = _blocks(_wide(x), block)
-    s = Q.pow2ceil(_amax(xb, Q.FP4_E8M0_AMAX_FLOOR) / Q.E2M1_MAX)
+    s = Q.pow2ceil(Q.div_rn(_amax(xb, Q.FP4_E8M0_AMAX_FLOOR), Q.E2M1_MAX))
     codes = Q.round_e2m1(xb / s).flatten(-2)
     return Q.pack_e2m1(codes), Q.e8m0_encode(s.squeeze(-1)).view(torch.uint8)
 
@@ -72,7 +72,7 @@ def decode_fp4_e8m0(
 def encode_fp8_e8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Ring row bytes under FP4 main (``quant.fake_fp8``'s grid): E4M3 values then E8M0 scales."""
     xb = _blocks(_wide(x), block)
-    s = Q.pow2ceil(_amax(xb, Q.FP8_AMAX_FLOOR) / Q.E4M3_MAX)
+    s = Q.pow2ceil(Q.div_rn(_amax(xb, Q.FP8_AMAX_FLOOR), Q.E4M3_MAX))
     q = Q.round_e4m3(xb / s).flatten(-2)
     return torch.cat(
         (Q.e4m3_encode(q).view(torch.uint8), Q.e8m0_encode(s.squeeze(-1)).view(torch.uint8)), -1
@@ -89,7 +89,7 @@ def decode_fp8_e8m0(row: torch.Tensor, d: int, dtype: torch.dtype, block: int = 
 def encode_fp8_row(x: torch.Tensor) -> torch.Tensor:
     """FP8 index-plane row bytes: E4M3 codes then the fp32 row scale (``quant.quant_fp8_rows``)."""
     xf = _wide(x)
-    scale = _amax(xf, Q.FP8_AMAX_FLOOR) / Q.E4M3_MAX
+    scale = Q.div_rn(_amax(xf, Q.FP8_AMAX_FLOOR), Q.E4M3_MAX)
     codes = Q.round_e4m3(xf / scale)
     return torch.cat((Q.e4m3_encode(codes).view(torch.uint8), scale.view(torch.uint8)), -1)
 
