@@ -180,13 +180,13 @@ def sparse_attention_kernel(
             pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
             vm = valid[:, None]
             if PLANE_FP4:
-                half = tl.arange(0, D // 2)
-                packed = tl.load(pbase[:, None] + half[None, :], mask=vm, other=0)
-                packed = packed.to(tl.int32)
-                sb = tl.load(pbase[:, None] + D // 2 + half[None, :] // 8, mask=vm, other=0)
-                sc = e4m3_value(sb)
-                # interleaved in fp32: a bf16 interleave fails to compile at 64 heads (sm_90)
-                k = tl.interleave(e2m1_value(packed & 15) * sc, e2m1_value(packed >> 4) * sc)
+                # each lane reads its own byte (two lanes share one: a broadcast) and picks its
+                # nibble, so the keys keep the plain [BN, D] layout: an interleave of the two
+                # nibble halves fed to bf16 dots gave wrong sums on the H200 (sm_90)
+                byte = tl.load(pbase[:, None] + d[None, :] // 2, mask=vm, other=0).to(tl.int32)
+                nib = (byte >> ((d[None, :] & 1) * 4)) & 15
+                sb = tl.load(pbase[:, None] + D // 2 + d[None, :] // 16, mask=vm, other=0)
+                k = e2m1_value(nib) * e4m3_value(sb)
                 if DOT_BF16:
                     k = k.to(tl.bfloat16)
             else:

@@ -462,9 +462,9 @@ class TritonBackend(TorchBackend):
         """Tile sizes, head blocks, key splits and launch options for ``tq`` query rows (shapes
         and formats only: the same shapes always give the same launch, so a capture replays it).
         ``packed``: FP4 main rows or FP8 ring rows, decoded in registers (smaller key tiles)."""
-        # bf16 dot operands for bf16 queries over bf16 keys only: with packed keys (decoded in
-        # registers) the bf16 form disagreed with the reference on the H200, the fp32 form agrees
-        dot_bf16 = dtype == torch.bfloat16 and not packed
+        # bf16 dot operands for bf16 queries (every key, packed ones decoded, is on a grid bf16
+        # holds exactly); fp32 ones for fp32 queries
+        dot_bf16 = dtype == torch.bfloat16
         f32 = not dot_bf16  # fp32 dot operands
         bn = self.attention_block if d >= 256 and not (f32 or packed) else 16
         # fp32 operands take twice the registers and shared memory: smaller head blocks
