@@ -20,7 +20,8 @@ Per row: ``kernels``, the GPU kernels one call launches (``torch.profiler``); ``
 per call inside a CUDA graph of 20 calls (events around its replay); ``eager_ms``, device time
 per call of 20 back-to-back eager calls (launch gaps included); ``floor_ms``, the op's bytes
 (inputs read once, outputs written once, at their dtypes) over the copy bandwidth measured in
-this run, and ``of_floor = ms / floor_ms``; ``max_abs_diff`` / ``bit_identical`` against the
+this run, and ``of_floor = floor_ms / ms`` (1 at the floor; the report of c3c745c recorded its
+inverse, ``ms / floor_ms``, under the same name); ``max_abs_diff`` / ``bit_identical`` against the
 eager composition (the parity the compiled and fused paths keep). A row that fails records its
 error and the run goes on; ``--budget-s`` bounds the whole run (rows past it are recorded as
 skipped, compiled rows first). Writes JSON to ``--out`` (default ``$OUT/bench_dense_kernels.json``
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
                     row["eager_ms"] = _eager_ms(fn, inputs)
                     row["bytes"] = int(nbytes(N))
                     row["floor_ms"] = row["bytes"] / bw * 1e3
-                    row["of_floor"] = row["ms"] / row["floor_ms"]
+                    row["of_floor"] = row["floor_ms"] / row["ms"]
                 except Exception as exc:  # noqa: BLE001 - a failing row is reported, the run goes on
                     row["error"] = f"{type(exc).__name__}: {exc}"[:500]
                     torch.cuda.synchronize()
@@ -344,7 +345,7 @@ def main(argv=None) -> int:
         parity = "identical" if r["bit_identical"] else f"max diff {r['max_abs_diff']:.2e}"
         print(
             f"{r['op']:>13} {r['tokens']:>6} {r['variant']:>24} {r['kernels']!s:>7} "
-            f"{r['ms']:>8.4f} {r['eager_ms']:>8.4f} {r['floor_ms']:>8.4f} {r['of_floor']:>8.1f} "
+            f"{r['ms']:>8.4f} {r['eager_ms']:>8.4f} {r['floor_ms']:>8.4f} {r['of_floor']:>8.4f} "
             f"{parity}"
         )
     print(f"wall {report['wall_s']:.0f} s")

@@ -7,11 +7,11 @@ are freed) with the allocator's history on, and prints every segment each captur
 its pool id, size and the stack of the allocation that created it. ``CudaGraphs._prime``
 exists because of what the first capture shows.
 
-Seen on the H200 (torch 2.11, ``reports/gpu/capture_probe.log``): the first capture makes a 2 MiB
-default-pool segment in ``CUDAGeneratorState::register_graph`` (called by ``capture_begin``), and
-the cuBLAS workspace and the output go into the graph pool. The second makes nothing. The third
-fails: torch's allocator asserts when a private pool is used again after all its graphs were freed
-while the probe still held their outputs.
+Seen on the H200 (torch 2.11, ``reports/gpu/archive/capture_probe.log``): the first capture
+makes a 2 MiB default-pool segment in ``CUDAGeneratorState::register_graph`` (called by
+``capture_begin``), and the cuBLAS workspace and the output go into the graph pool. The second
+makes nothing. The third fails: torch's allocator asserts when a private pool is used again
+after all its graphs were freed while the probe still held their outputs.
 """
 
 from __future__ import annotations

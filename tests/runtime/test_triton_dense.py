@@ -46,6 +46,22 @@ def _interpreter_for_this_module_only():
         os.environ["TRITON_INTERPRET"] = _PREVIOUS
 
 
+SHIPPED_SITE_CONFIGS = list(td.SITE_CONFIGS)
+# the interpreter is slow: a 16-token switch to the tl.dot form puts both forms within small test
+# shapes (the shipped switch, at 1024 tokens, is checked on its own below)
+SMALL_SITE_CONFIGS = [(16, td.SITE_CONFIGS[0][1]), (1 << 62, td.SITE_CONFIGS[-1][1])]
+
+
+@pytest.fixture(autouse=True)
+def _both_site_forms_in_small_shapes(monkeypatch):
+    monkeypatch.setattr(td, "SITE_CONFIGS", SMALL_SITE_CONFIGS)
+
+
+def test_shipped_site_configs():
+    assert SHIPPED_SITE_CONFIGS[0] == (1024, ("products", 1, 128, 4))
+    assert SHIPPED_SITE_CONFIGS[-1][1][0] == "tf32x3" and SHIPPED_SITE_CONFIGS[-1][0] >= 1 << 40
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bit patterns (so -0.0 differs from 0.0)."""
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
