@@ -273,14 +273,14 @@ class LLM:
             nonlocal done_before
             now = time.perf_counter()
             for s in seqs:
-                if s.output_ids and s.seq_id not in first:
+                if s.num_output_tokens and s.seq_id not in first:
                     first[s.seq_id] = now
                 if s.is_finished and s.seq_id not in last:
                     last[s.seq_id] = now
             if bar is None:
                 return
             done = sum(
-                len(s.output_ids) if not s.is_finished else s.params.max_tokens
+                s.num_output_tokens if not s.is_finished else s.params.max_tokens
                 for s in seqs
                 if s.error is None
             )
@@ -327,7 +327,7 @@ class LLM:
 
 def _timing(seq: Sequence, t0: float, first: float | None, last: float | None) -> dict:
     """``ttft_s``, ``e2e_s`` and ``decode_tokens_per_s`` of one request of ``generate``."""
-    n = len(seq.output_ids)
+    n = seq.num_output_tokens
     decode = None
     if first is not None and last is not None and n > 1 and last > first:
         decode = (n - 1) / (last - first)

@@ -467,7 +467,7 @@ class Scheduler:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens:
+        if seq.num_output_tokens >= p.max_tokens:
             return "length"
         if seq.num_tokens >= self.config.max_model_len:
             return "length"

@@ -67,8 +67,13 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        """Generated tokens."""
+        """Generated tokens (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated (without copying them, for per-step checks)."""
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_prefilling(self) -> bool:
