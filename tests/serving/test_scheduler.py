@@ -557,3 +557,11 @@ def test_hashes_chain_and_publish_after_forward():
     assert llm.block_manager.lookup(ha) == []  # allocated, not yet written: not published
     llm.scheduler.postprocess(batch, llm.runner.execute(batch))
     assert llm.block_manager.lookup(ha) == [seq.block_table[0]]  # block 0 written, published
+
+
+def test_generated_token_count_is_the_output_length():
+    seq = Sequence(0, prompt(7), 7, GREEDY)
+    assert seq.num_output_tokens == len(seq.output_ids) == 0
+    seq.token_ids += [3, 4, 5]
+    assert seq.num_output_tokens == len(seq.output_ids) == 3
+    assert seq.output_ids == [3, 4, 5]
