@@ -251,20 +251,8 @@ def hash_ids_batch(
     first. Returns the row ids ``[T, n_engram_layers, cols]`` and the advanced histories
     ``[n, max_ngram - 1]``; equal to calling ``hash_ids`` / ``advance_history`` per request.
     """
-    c = np.asarray(cids, dtype=np.int64)
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    hist = np.asarray(histories, dtype=np.int64)
-    n, h = hist.shape[0], layout.history_len
-    total = int(cu[n]) if n else 0
-    lens = cu[1 : n + 1] - cu[:n]
-    req = np.repeat(np.arange(n), lens)
-    # each request's history (oldest first) then its rows, end to end: row j sits at
-    # j + (req + 1) * h, its k-th predecessor k places before
-    ext = np.empty(total + n * h, dtype=np.int64)
-    at = np.arange(total) + (req + 1) * h
-    ext[at] = c[:total]
-    hist_at = (cu[:n] + np.arange(n) * h)[:, None] + np.arange(h)[None, :]
-    ext[hist_at] = hist[:, ::-1]
+    ext, at, cu, hist = _extended(layout, cids, cu_seqlens, histories)
+    h, total = layout.history_len, at.shape[0]
     blocked = np.zeros(total, dtype=bool)
     terms = []
     for k in range(layout.max_ngram):
@@ -280,9 +268,40 @@ def hash_ids_batch(
             roll = roll ^ prods[m - 1]
             cols = slice((m - 2) * layout.n_heads, (m - 1) * layout.n_heads)
             out[:, li, cols] = roll[:, None] % layout.primes[li, cols] + layout.offsets[li, cols]
+    return out, _advanced(ext, cu, hist, h)
+
+
+def _extended(layout: EngramLayout, cids, cu_seqlens, histories):
+    """Each request's history (oldest first) then its rows, end to end: ``(ext, at, cu, hist)``
+    with row ``j`` of request ``i`` at ``ext[at[j]]``, ``at[j] = j + (i + 1) * h``, and its k-th
+    predecessor k places before."""
+    c = np.asarray(cids, dtype=np.int64)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    hist = np.asarray(histories, dtype=np.int64)
+    n, h = hist.shape[0], layout.history_len
+    total = int(cu[n]) if n else 0
+    lens = cu[1 : n + 1] - cu[:n]
+    req = np.repeat(np.arange(n), lens)
+    ext = np.empty(total + n * h, dtype=np.int64)
+    at = np.arange(total) + (req + 1) * h
+    ext[at] = c[:total]
+    hist_at = (cu[:n] + np.arange(n) * h)[:, None] + np.arange(h)[None, :]
+    ext[hist_at] = hist[:, ::-1]
+    return ext, at, cu, hist
+
+
+def _advanced(ext: np.ndarray, cu: np.ndarray, hist: np.ndarray, h: int) -> np.ndarray:
+    n = hist.shape[0]
     end = cu[1 : n + 1] + (np.arange(n) + 1) * h
-    new_hist = ext[end[:, None] - 1 - np.arange(h)[None, :]] if n else hist.copy()
-    return out, new_hist
+    return ext[end[:, None] - 1 - np.arange(h)[None, :]] if n else hist.copy()
+
+
+def advance_histories(
+    layout: EngramLayout, cids: np.ndarray, cu_seqlens: np.ndarray, histories: np.ndarray
+) -> np.ndarray:
+    """The advanced histories of ``hash_ids_batch`` alone (no row ids): ``[n, max_ngram - 1]``."""
+    ext, _at, cu, hist = _extended(layout, cids, cu_seqlens, histories)
+    return _advanced(ext, cu, hist, layout.history_len)
 
 
 def advance_history(
@@ -407,6 +426,13 @@ class EngramHost:
         with history ``histories[i]``): row ids ``[T, n_layers, cols]``, advanced histories."""
         c = self.token_map[np.asarray(token_ids, dtype=np.int64)]
         return hash_ids_batch(self.layout, c, cu_seqlens, histories)
+
+    def advance_batch(
+        self, token_ids: np.ndarray, cu_seqlens: np.ndarray, histories: np.ndarray
+    ) -> np.ndarray:
+        """The advanced histories of ``prepare_batch`` without its row ids."""
+        c = self.token_map[np.asarray(token_ids, dtype=np.int64)]
+        return advance_histories(self.layout, c, cu_seqlens, histories)
 
     def gather(self, layer_index: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the rows of Engram layer ``layer_index`` (position in ``engram_layer_ids``)."""

@@ -53,6 +53,7 @@ from v41plan.model.layers import (
 )
 from v41plan.model.quant import dequant_fp8_blocks
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
+from v41plan.runtime.engram_device import DEVICE_TABLE_BYTES, DeviceEngram, table_bytes
 from v41plan.runtime.kernels.torch_ref import TorchBackend
 from v41plan.runtime.pools import Pools
 from v41plan.runtime.sampler import SamplerInputs, SamplerOutput, sample_tokens
@@ -234,6 +235,11 @@ class StepInputs:
     engram_codes: tuple[torch.Tensor, ...]
     """Per Engram layer ``[t, cols, width]`` E4M3 bytes of every row's table rows."""
     engram_scales: tuple[torch.Tensor, ...]
+    engram_row0: torch.Tensor | None = None
+    """With the Engram lookup on the device: ``[b]`` each request's first row."""
+    engram_history: torch.Tensor | None = None
+    """With the Engram lookup on the device: ``[b, max_ngram - 1]`` each request's compressed
+    ids before its first row, newest first."""
     all_row_logits: bool = False
     undefined_rows: torch.Tensor | None = None
     """``[t]`` bool: rows whose logits are undefined under decoder replay (NaN)."""
@@ -335,6 +341,7 @@ class RuntimeModel:
         cfg: ModelConfig | None = None,
         backend=None,
         tp: TPGroup = SINGLE,
+        engram_on_device: bool | None = None,
     ):
         check_formats(kv_cache_dtype, index_cache_dtype)
         self.spec = cache_spec
@@ -376,6 +383,16 @@ class RuntimeModel:
             if info.engram:
                 self.engram_layers[info.index] = EngramLayer(cfg, w, p, dtype)
         self._engram_shapes = self._engram_table_shapes()
+        if engram_on_device is None:  # tables that fit go to the device
+            engram_on_device = bool(self._engram_shapes) and (
+                table_bytes(engram) <= DEVICE_TABLE_BYTES
+            )
+        self.engram_device = (
+            DeviceEngram(engram, self.device) if engram_on_device and self._engram_shapes else None
+        )
+        """The Engram lookup on the device (row ids hashed and table rows gathered inside
+        ``run()``); None: the host half stages every row's table rows in ``prepare``."""
+        self._engram_ids: torch.Tensor | None = None
         self._arange = torch.arange(max(max_tokens, max_bs), device=self.device)
         self.workspace = {
             "decode": Workspace(self.device, self._decode_capacity(), growable=False),
@@ -514,9 +531,12 @@ class RuntimeModel:
         items += [(f"stage{i}", i64, (n,)) for i, n in enumerate(stage_sets)]
         for r in sorted(ratios):
             items += [(f"c{r}_idx", i64, (3, t)), (f"c{r}_flags", bl, (2, t))]
-        for li, (cols, width) in enumerate(self._engram_shapes):
-            items += [(f"eg{li}_codes", u8, (t, cols, width))]
-            items += [(f"eg{li}_scales", u8, (t, cols, width // 32))]
+        if self.engram_device is not None:
+            items += [("eg_row0", i64, (b,)), ("eg_history", i64, (b, h))]
+        else:
+            for li, (cols, width) in enumerate(self._engram_shapes):
+                items += [(f"eg{li}_codes", u8, (t, cols, width))]
+                items += [(f"eg{li}_scales", u8, (t, cols, width // 32))]
         if undefined:
             items.append(("undefined", bl, (t,)))
         if sampling:
@@ -662,7 +682,8 @@ class RuntimeModel:
                 )
                 for r in {info.ratio for info in self.cfg.layers if info.ratio > 0}
             }  # fmt: skip
-        n_e = len(self._engram_shapes)
+        n_e = 0 if self.engram_device is not None else len(self._engram_shapes)
+        on_dev = self.engram_device is not None
         sampler = None
         if sampling is not None:
             f, i = dv["s_f32"], dv["s_i64"]
@@ -685,6 +706,8 @@ class RuntimeModel:
             compress=compress,
             engram_codes=tuple(dv[f"eg{li}_codes"] for li in range(n_e)),
             engram_scales=tuple(dv[f"eg{li}_scales"] for li in range(n_e)),
+            engram_row0=dv["eg_row0"] if on_dev else None,
+            engram_history=dv["eg_history"] if on_dev else None,
             all_row_logits=all_row_logits,
             undefined_rows=dv["undefined"] if undefined else None,
             sampler=sampler,
@@ -710,10 +733,17 @@ class RuntimeModel:
         own = plan.history_from_plan[:n]
         if own.any():  # plan: oldest first; cursor: newest first
             hist[own] = plan.history_ids[:n][own][:, ::-1]
-        rows_real, new_hist = self.engram.prepare_batch(ids_full[: cu[n]], cu, hist)
+        if self.engram_device is not None:  # run() hashes and gathers; the cursor only here
+            new_hist = self.engram.advance_batch(ids_full[: cu[n]], cu, hist)
+            hv["eg_row0"][:n] = cu[:n]
+            hv["eg_history"][:n] = hist
+        else:
+            rows_real, new_hist = self.engram.prepare_batch(ids_full[: cu[n]], cu, hist)
         cursors[:n, 0] = plan.forward_end[:n]
         cursors[:n, 1:] = new_hist
         mirror[slots] = cursors[:n]  # what run() commits to the device
+        if self.engram_device is not None:
+            return
         rows = np.zeros((t,) + rows_real.shape[1:], dtype=np.int64)
         rows[: cu[n]] = rows_real
         if not self._engram_shapes:
@@ -763,6 +793,11 @@ class RuntimeModel:
         X = X[:, None, :].expand(si.t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(si.t, cfg.hc_mult, dtype=self.acc, device=self.device)
         pre[:, 0] = 1
+        if self.engram_device is not None and si.engram_row0 is not None:
+            # kept for the layers (a PIECEWISE replay of this piece writes the same tensor)
+            self._engram_ids = self.engram_device.row_ids(
+                si.token_ids, si.batch_ids, si.engram_row0, si.engram_history
+            )
         return X, pre
 
     def frame(self, si: StepInputs, st: StageInputs, X, pre) -> Frame:
@@ -813,11 +848,14 @@ class RuntimeModel:
             loc = torch.full((n,), -1, dtype=torch.long, device=self.device)
             loc[need] = self._arange[:n_need]
             l_rw, l_cp, l_at, l_ff = (None if s is None else loc[s] for s in (rw, cp, at, ff))
-        if info.engram and si.engram_codes:
+        if info.engram and (si.engram_codes or si.engram_row0 is not None):
             li = cfg.engram_layer_ids.index(L)
             flat = need if fr.full else _take(fr.rows, need)
-            codes = _take(si.engram_codes[li], flat).view(torch.float8_e4m3fn)
-            scales = _take(si.engram_scales[li], flat).view(torch.float8_e8m0fnu)
+            if si.engram_row0 is not None:
+                codes, scales = self.engram_device.gather(li, _take(self._engram_ids[:, li], flat))
+            else:
+                codes, scales = _take(si.engram_codes[li], flat), _take(si.engram_scales[li], flat)
+            codes, scales = codes.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
             emb = dequant_fp8_blocks(codes, scales, self.dtype)
             new = self.engram_layers[L](_take(fr.X, need), emb)
             if need is None:
