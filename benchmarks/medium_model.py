@@ -20,7 +20,7 @@ layer from the step plan's row sets (decoder replay cuts them):
   ring-write rows, the compressor and index-key weights on the compress rows, the FFN on the FFN
   rows; routed experts only for the experts the layer's FFN rows can touch (expected distinct
   experts of ``rows * top_k`` uniform picks, at most all); the embedding rows of the batch and
-  the whole LM head. Engram tables are read on the host and not counted.
+  the whole LM head. Engram table rows (about 13 KB a token on medium) are not counted.
 - Pool bytes (decode): per attention row its window rows (at the ring's row size) and, on
   compressed layers, its selected main rows (at the main plane's row size), plus the index rows
   its scorer reads (every visible compressed row of the owner's plane).
