@@ -16,8 +16,6 @@ bf16 weights and the bf16 rate, as the runtime holds them today) and as ``floor 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from medium_model import (
     time_device,
     time_host,
 )
+from report_io import write_report
 
 
 def _backend(name: str):
@@ -295,12 +294,7 @@ def main(argv=None) -> int:
                 f"{r['plan_prepare_us']:>11.0f} {r['engine_graph_steps']}/"
                 f"{r['engine_eager_decode_steps']}"
             )
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None
-    )
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out, "bench_decode.json")
     return 0
 
 

@@ -31,8 +31,6 @@ when ``$OUT`` is set).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import copy_bandwidth_bytes_per_s
+from report_io import write_report
 
 CALLS_PER_GRAPH = 20
 REPLAYS = 10
@@ -349,14 +348,7 @@ def main(argv=None) -> int:
             f"{parity}"
         )
     print(f"wall {report['wall_s']:.0f} s")
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_dense_kernels.json")
-        if os.environ.get("OUT")
-        else None
-    )
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out, "bench_dense_kernels.json")
     return 0
 
 

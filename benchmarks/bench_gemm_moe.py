@@ -29,7 +29,6 @@ about 1), most of it Triton compiles.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import bf16_matmul_flop_per_s, copy_bandwidth_bytes_per_s
+from report_io import write_report
 
 TARGET_MS = 60.0
 """Rough device time per measurement repetition."""
@@ -413,12 +413,7 @@ def main(argv=None) -> int:
         if "peers_ms" in r:
             print(f"{'':44} peers: {r['peers_ms']}")
     print(f"wall {report['wall_s']:.0f} s")
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_gemm_moe.json") if os.environ.get("OUT") else None
-    )
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out, "bench_gemm_moe.json")
     return 0
 
 

@@ -24,7 +24,6 @@ default ``$OUT/bench_kernels.json`` when ``$OUT`` is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import measure_ceilings
+from report_io import write_report
 
 D, W, K, RPP, PAGE, INDEX_D = 512, 128, 512, 64, 128, 128
 """Latent width, window, top-k, compressed rows a PAGE (ratio 2 at PAGE 128), PAGE tokens, index
@@ -728,12 +728,7 @@ def main(argv=None) -> int:
         )
     if skipped:
         print("skipped (budget):", ", ".join(skipped))
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT") else None
-    )
-    if out:
-        Path(out).write_text(json.dumps(report, indent=1, default=str))
-        print("wrote", out)
+    write_report(report, args.out, "bench_kernels.json")
     return 0
 
 

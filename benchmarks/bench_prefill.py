@@ -14,8 +14,6 @@ JSON, with the tree's provenance, to ``--out`` (``$OUT/bench_prefill.json`` on t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import ceilings_line, measure_ceilings
 from medium_model import load_spec, load_weights, pool_row_bytes, step_floor, time_host
+from report_io import write_report
 
 
 def main(argv=None) -> int:
@@ -139,12 +138,7 @@ def main(argv=None) -> int:
             f"{r['bound']:>6} {r['of_floor']:>8.4f} {r['of_floor_bf16']:>8.4f}"
         )
     print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_prefill.json") if os.environ.get("OUT") else None
-    )
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out, "bench_prefill.json")
     return 0
 
 

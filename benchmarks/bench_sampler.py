@@ -14,8 +14,6 @@ next to its floor: the logits' bytes read once at the copy bandwidth measured in
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import copy_bandwidth_bytes_per_s
 from medium_model import time_device
+from report_io import write_report
 
 MODES = ("greedy", "sampled", "full", "full+top20", "full+pen")
 
@@ -117,12 +116,7 @@ def main(argv=None) -> int:
         "copy_bytes_per_s": copy_bps,
         "rows": rows,
     }
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_sampler.json") if "OUT" in os.environ else None
-    )
-    if out:
-        Path(out).write_text(json.dumps(report, indent=1))
-        print(f"wrote {out}")
+    write_report(report, args.out, "bench_sampler.json")
     return 0
 
 

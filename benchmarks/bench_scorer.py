@@ -17,14 +17,15 @@ captured decode graph reads with the torch backend). Prints the ratio of the wid
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report_io import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'equal' if r['ids_equal'] else 'DIFFER'}")  # fmt: skip
     print(f"narrowed time, widest / narrowest max_model_len: {ratio_narrowed:.2f} "
           f"({'within' if abs(ratio_narrowed - 1) <= 0.10 else 'outside'} 10%)")  # fmt: skip
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_scorer.json") if os.environ.get("OUT") else None
-    )
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out, "bench_scorer.json")
     return 0
 
 

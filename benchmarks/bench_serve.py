@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import re
 import subprocess
@@ -59,6 +58,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report_io import write_report
 
 
 def _commit() -> str:
@@ -282,13 +284,7 @@ def main(argv=None) -> int:
     print(f"bench_serve: {report['spec']} on {report['device']}, rate {args.rate}/s")
     for name, value in rows:
         print(f"  {name:24s} {value}")
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "bench_serve.json") if "OUT" in os.environ else None
-    )
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_report(report, args.out, "bench_serve.json")
     return 0 if ok else 1
 
 

@@ -15,8 +15,6 @@ and writes JSON to ``--out``. The ceiling is 1 ms per step at 256 requests.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +22,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report_io import write_report
 
 CEILING_MS = 1.0
 
@@ -137,14 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['part']:12} {r['ms']:8.3f}")
     print(f"{'step':12} {step_ms:8.3f}   ceiling {CEILING_MS} ms "
           f"{'ok' if step_ms <= CEILING_MS else 'OVER'}")  # fmt: skip
-    out_path = args.out or (
-        os.path.join(os.environ["OUT"], "bench_serving_host.json")
-        if os.environ.get("OUT")
-        else None
-    )
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out, "bench_serving_host.json")
     return 0
 
 
