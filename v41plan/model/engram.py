@@ -222,15 +222,20 @@ def hash_ids(
     hist = empty_history(layout) if history is None else np.asarray(history, dtype=np.int64)
     h = layout.history_len
     ext = np.concatenate([hist[::-1], c])
-    s = c.shape[0]
-    blocked = np.zeros(s, dtype=bool)
+    return _hash_rows(layout, ext, np.arange(c.shape[0]) + h)
+
+
+def _hash_rows(layout: EngramLayout, ext: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Row ids ``[len(at), n_layers, cols]`` of the ids at ``ext[at]``, each with its
+    predecessors just before it in ``ext``."""
+    blocked = np.zeros(at.shape[0], dtype=bool)
     terms = []
     for k in range(layout.max_ngram):
-        src = ext[h - k : h - k + s]
+        src = ext[at - k]
         blocked = blocked | (src == DEAD)
         terms.append(np.where(blocked, layout.pad_id, src))
     n_layers = len(layout.layer_ids)
-    out = np.zeros((s, n_layers, layout.primes.shape[1]), dtype=np.int64)
+    out = np.zeros((at.shape[0], n_layers, layout.primes.shape[1]), dtype=np.int64)
     for li in range(n_layers):
         prods = [t * layout.multipliers[li, k] for k, t in enumerate(terms)]
         roll = prods[0]
@@ -252,23 +257,7 @@ def hash_ids_batch(
     ``[n, max_ngram - 1]``; equal to calling ``hash_ids`` / ``advance_history`` per request.
     """
     ext, at, cu, hist = _extended(layout, cids, cu_seqlens, histories)
-    h, total = layout.history_len, at.shape[0]
-    blocked = np.zeros(total, dtype=bool)
-    terms = []
-    for k in range(layout.max_ngram):
-        src = ext[at - k]
-        blocked = blocked | (src == DEAD)
-        terms.append(np.where(blocked, layout.pad_id, src))
-    n_layers = len(layout.layer_ids)
-    out = np.zeros((total, n_layers, layout.primes.shape[1]), dtype=np.int64)
-    for li in range(n_layers):
-        prods = [t * layout.multipliers[li, k] for k, t in enumerate(terms)]
-        roll = prods[0]
-        for m in range(2, layout.max_ngram + 1):
-            roll = roll ^ prods[m - 1]
-            cols = slice((m - 2) * layout.n_heads, (m - 1) * layout.n_heads)
-            out[:, li, cols] = roll[:, None] % layout.primes[li, cols] + layout.offsets[li, cols]
-    return out, _advanced(ext, cu, hist, h)
+    return _hash_rows(layout, ext, at), _advanced(ext, cu, hist, layout.history_len)
 
 
 def _extended(layout: EngramLayout, cids, cu_seqlens, histories):

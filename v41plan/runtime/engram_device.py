@@ -69,14 +69,15 @@ class DeviceEngram:
         real = batch_ids >= 0
         b = batch_ids.clamp(min=0)
         cids = self.token_map[token_ids.clamp(min=0)]
-        offset = torch.arange(t, device=token_ids.device) - row0[b]  # the row within its request
+        rows = torch.arange(t, device=token_ids.device)
+        offset = rows - row0[b]  # the row within its request
         blocked = torch.zeros(t, dtype=torch.bool, device=token_ids.device)
         terms = []
         for k in range(self.max_ngram):
             if k == 0:
                 src = cids
             else:
-                own = cids[(torch.arange(t, device=cids.device) - k).clamp(min=0)]
+                own = cids[(rows - k).clamp(min=0)]
                 back = history[b, (k - 1 - offset).clamp(min=0, max=h - 1)]
                 src = torch.where(offset >= k, own, back)
             blocked = blocked | (src == DEAD)
