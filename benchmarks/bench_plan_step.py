@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+from report_io import write_report
 
 from v41plan.planner.step import RequestInput, StepArrays, StepInput, plan_step
 
@@ -166,6 +168,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default=str(ROOT / "specs" / "deepseek_v41_flash.yaml"))
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument(
+        "--out", default=None, help="JSON report path (default: $OUT/bench_plan_step.json)"
+    )
     args = ap.parse_args()
     spec = load_spec(args.spec)
     dec, pre = decode_step(spec), prefill_step(spec)
@@ -194,6 +199,26 @@ def main() -> int:
     for name, us, ceiling in rows:
         mark = "" if ceiling is None else ("  ok" if us <= ceiling else "  OVER")
         print(f"{name:34} {us:10.1f} {'' if ceiling is None else ceiling:>11}{mark}")
+    import platform
+
+    from v41plan.validation.provenance import provenance
+
+    report = {
+        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "spec": spec.name,
+        "iters": args.iters,
+        "rows": [
+            {
+                "step": name,
+                "median_us": us,
+                "ceiling_us": ceiling,
+                "of_ceiling": None if ceiling is None else ceiling / us,
+            }
+            for name, us, ceiling in rows
+        ],
+        "provenance": provenance(),
+    }
+    write_report(report, args.out, "bench_plan_step.json")
     return 0
 
 
