@@ -168,6 +168,49 @@ def test_triton_w4a8_equals_the_torch_grouped_moe(tiny):
     assert _rel(p_got.cpu(), p_ref) <= 1e-5
 
 
+def test_forced_decision_check_accepts_the_kernel_and_catches_planted_faults(tiny):
+    """The check the GPU runs on the FP8-dot kernel (``tests/runtime/moe_forced.py``): here, in
+    float32 dots, it accepts the kernel; a lane moved two E4M3 steps, a scale doubled, a
+    perturbed ``w2`` row or a perturbed sum each fail it."""
+    from tests.runtime.moe_forced import forced_decision_report
+    from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8_stages, moe_combine
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    cfg, _w64, res = tiny
+    w1, w3, w2 = (res[f"{LAYER}.ffn.experts.{n}"].to(DEV) for n in ("w1", "w3", "w2"))
+    n, k = 12, cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(n, cfg.hidden_size, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(w1.shape[0], generator=g)[:k] for _ in range(n)]).to(DEV)
+    wts = torch.rand(n, k, generator=g).to(DEV)
+    xq, xs = act_quant_fp8(x)
+    lim = 10.0
+    st = grouped_moe_w4a8_stages(xq, xs, ids, wts, w1, w3, w2, 0, lim, torch.float32, "fp32")
+    out = moe_combine(st.y_rows, st.rows.pos, k)
+    acc = cfg.hidden_size * 2.0**-24
+
+    def report(stages, combined):
+        return forced_decision_report(xq, xs, ids, wts, w1, w3, w2, lim, stages, combined, acc)
+
+    r = report(st, out)
+    assert (r["bad_lanes"], r["bad_scales"]) == (0, 0), r
+    assert r["y_rows error/bound"] <= 1.0 and r["combined error/bound"] <= 1.0, r
+    row = int(st.rows.pos[0])
+    lane = int(st.act[row].view(torch.float8_e4m3fn).float().abs().argmax())
+    act = st.act.clone()
+    act[row, lane] -= 2  # two E4M3 steps toward zero
+    assert report(dataclasses.replace(st, act=act), out)["bad_lanes"] == 1
+    scales = st.act_scales.clone()
+    scales[row, 0] += 1
+    assert report(dataclasses.replace(st, act_scales=scales), out)["bad_scales"] == 1
+    y_rows = st.y_rows.clone()
+    y_rows[row, 0] += 1e-3 * y_rows[row].abs().max()
+    assert report(dataclasses.replace(st, y_rows=y_rows), out)["y_rows error/bound"] > 1.0
+    out2 = out.clone()
+    out2[0, 0] += 1e-3 * out[0].abs().max()
+    assert report(st, out2)["combined error/bound"] > 1.0
+
+
 def test_triton_w4a8_rounds_like_the_bf16_reference(tiny):
     """bf16 compute: the linear outputs and the SwiGLU product round to bf16 in the kernel as
     in ``layers.MoE``: the layer equals the dense bf16 reference to a bf16 step (without those

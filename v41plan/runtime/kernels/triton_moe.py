@@ -297,6 +297,20 @@ def moe_combine(
     return out
 
 
+@dataclass(frozen=True)
+class MoEStages:
+    """The grouped MoE's intermediates, for checks that force its rounding decisions."""
+
+    rows: MoERows
+    """The expert-sorted permutation (``pos`` maps a (token, slot) to its row)."""
+    act: torch.Tensor
+    """``[R, I]`` uint8: the FP8 intermediate's E4M3 bytes."""
+    act_scales: torch.Tensor
+    """``[R, I/32]`` uint8: its E8M0 scale bytes."""
+    y_rows: torch.Tensor
+    """``[R, D]`` in the compute dtype: each row's ``w2`` output."""
+
+
 def grouped_moe_w4a8(
     xq: torch.Tensor,
     xs: torch.Tensor,
@@ -320,6 +334,28 @@ def grouped_moe_w4a8(
     ``w2`` ``[El, D, I]``, this rank's experts from ``expert_first``. ``dtype`` is the compute
     dtype the linear outputs and the SwiGLU product round to (bf16 or float32).
     """
+    st = grouped_moe_w4a8_stages(
+        xq, xs, ids, weights, w1, w3, w2, expert_first, limit, dtype, dot, config
+    )
+    return moe_combine(st.y_rows, st.rows.pos, ids.shape[1], add)
+
+
+def grouped_moe_w4a8_stages(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w1: QuantWeight,
+    w3: QuantWeight,
+    w2: QuantWeight,
+    expert_first: int,
+    limit: float,
+    dtype: torch.dtype,
+    dot: str | None = None,
+    config: MoEConfig | None = None,
+) -> MoEStages:
+    """``grouped_moe_w4a8`` up to (not including) the combine: the two grouped GEMM launches,
+    with their intermediates returned (arguments as there)."""
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_moe_w4a8 computes in bf16 or float32, not {dtype}")
     n, k = ids.shape
@@ -395,4 +431,4 @@ def grouped_moe_w4a8(
             BK=cfg.block_k,
             **common,
         )
-    return moe_combine(y_rows, rows.pos, k, add)
+    return MoEStages(rows, act, acts, y_rows)
