@@ -281,6 +281,69 @@ class Pools:
         state_addr = self.state_region[0] + slot * g.state_bytes + state_off
         return state_addr, unit_addr
 
+    def unit_addresses(self, pages) -> torch.Tensor:
+        """Byte addresses ``[len(pages), page_unit_bytes]`` of PAGE units ``pages``: each unit's
+        main PAGE bytes, then its slice of every index plane (``PlaneInfo.offset`` order), the
+        byte stream a checkpoint image and an offloaded unit share."""
+        g = self.geometry
+        dev = self.backing.device
+        base = torch.zeros(g.page_unit_bytes, dtype=torch.long, device=dev)
+        stride = torch.full((g.page_unit_bytes,), g.page_bytes, dtype=torch.long, device=dev)
+        base[: g.page_bytes] = torch.arange(g.page_bytes, device=dev) + self.page_region[0]
+        for pl in g.planes:
+            if pl.kind == "main":
+                continue
+            seg = slice(pl.offset, pl.offset + pl.bytes_per_page)
+            base[seg] = self._plane_regions[pl.name] + torch.arange(pl.bytes_per_page, device=dev)
+            stride[seg] = pl.bytes_per_page
+        pages = torch.as_tensor(list(pages), dtype=torch.long, device=dev)
+        return base[None, :] + stride[None, :] * pages[:, None]
+
+    def kv_transfer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Each plane of a PAGE unit as a ``[pages, bytes]`` uint8 view of the pool (the sink
+        page excluded), in unit-stream (``StateCopies``) order: ``page`` (main rows), then every
+        index plane by name. Row ``p`` of each, concatenated, is unit ``p``'s byte stream."""
+        n = self.num_pages
+        out = [("page", self.page[:n])]
+        for pl in sorted(
+            (p for p in self.geometry.planes if p.kind != "main"), key=lambda p: p.offset
+        ):
+            base = self._plane_regions[pl.name]
+            view = _typed(
+                self.backing, base, (pl.bytes_per_page,), torch.uint8, n, pl.bytes_per_page
+            )
+            out.append((pl.name, view))
+        return out
+
+    def read_units(self, pages) -> np.ndarray:
+        """``[len(pages), page_unit_bytes]`` uint8 on the host: the units' byte streams."""
+        if not len(pages):
+            return np.zeros((0, self.geometry.page_unit_bytes), dtype=np.uint8)
+        return self.backing[self.unit_addresses(pages)].cpu().numpy()
+
+    def write_units(self, pages, data: np.ndarray, *, image: bool = False) -> None:
+        """Write unit byte streams ``data [len(pages), page_unit_bytes]`` into PAGE units
+        ``pages``. ``image``: the units hold one checkpoint image (in unit order), whose cursor
+        bytes the host mirror learns here, as if a store had put them there."""
+        if not len(pages):
+            return
+        addr = self.unit_addresses(pages)
+        src = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        self.backing[addr.reshape(-1)] = src.reshape(-1).to(self.backing.device)
+        if not image:
+            return
+        g = self.geometry
+        lo = 0
+        for f in g.state_fields:  # the image is the in-checkpoint fields end to end
+            if not f.in_checkpoint:
+                continue
+            if f.name == "cursor":
+                stream = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+                flat = addr.reshape(-1).cpu().numpy()
+                for i in range(lo, lo + self._cursor_bytes):
+                    self._image_bytes[int(flat[i])] = int(stream[i])
+            lo += f.field_bytes
+
     def region_bases(self) -> dict[str, int]:
         """Byte offset in ``backing`` of every region a copy schedule names (``page``, ``state``
         and each index plane by its ``PlaneInfo.name``)."""

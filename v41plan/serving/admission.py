@@ -46,6 +46,9 @@ class EngineOptions:
     random_weights_seed: int = 0
     """Seed of the spec's random weights, built in memory when no checkpoint is given (the
     same seed ``v41plan init-checkpoint --seed`` writes to disk)."""
+    kv_transfer_config: dict | None = None
+    """A KV connector under the device prefix cache: ``{"kv_connector": "local", "bytes": N,
+    "path": DIR}`` or ``{"kv_connector": "lmcache_mp", "host": H, "port": P}`` (None: none)."""
     kernel_backend: str = "torch"
     """The pool-touching kernels: ``torch`` (the reference, and the only CPU path) or
     ``triton`` (CUDA; float64 steps fall back to the torch ops)."""
@@ -67,11 +70,53 @@ _REFUSED: dict[str, tuple[object, str]] = {
 }
 CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
 KERNEL_BACKENDS = ("torch", "triton")
-KV_TRANSFER_CONNECTORS = ("lmcache_mp",)
+KV_TRANSFER_CONNECTORS = ("lmcache_mp", "local")
+_KV_TRANSFER_KEYS = {
+    "local": {"kv_connector": str, "bytes": int, "path": str},
+    "lmcache_mp": {"kv_connector": str, "host": str, "port": int, "timeout_s": (int, float),
+                   "required": bool},
+}  # fmt: skip
 
 
 def _fail(option: str, value: object, accepted: str) -> ConfigError:
     return ConfigError(f"{option}={value!r} is refused: {accepted}")
+
+
+def _check_kv_transfer(config: object, world_size: int) -> dict:
+    """A ``kv_transfer_config`` dict checked key by key (``ConfigError`` otherwise)."""
+    connector = config.get("kv_connector") if isinstance(config, dict) else config
+    if connector not in KV_TRANSFER_CONNECTORS:
+        raise _fail(
+            "kv_transfer_config",
+            connector,
+            f"accepted kv_connector: {', '.join(KV_TRANSFER_CONNECTORS)} (a dict, e.g. "
+            "{'kv_connector': 'local', 'bytes': 1 << 30})",
+        )
+    if not isinstance(config, dict):
+        config = {"kv_connector": connector}
+    allowed = _KV_TRANSFER_KEYS[connector]
+    for key, value in config.items():
+        if key not in allowed:
+            raise _fail(
+                f"kv_transfer_config[{key!r}]", value, f"{connector} takes {', '.join(allowed)}"
+            )
+        want = allowed[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise _fail(f"kv_transfer_config[{key!r}]", value, f"expects {_type_name(want)}")
+    if connector == "local" and config.get("bytes", 1) <= 0:
+        raise _fail("kv_transfer_config['bytes']", config["bytes"], "must be positive")
+    if connector == "lmcache_mp" and world_size > 1:
+        raise _fail(
+            "kv_transfer_config",
+            connector,
+            "lmcache_mp serves world size 1 (tensor-parallel ranks would need one shared lookup "
+            "decision); the local connector runs at any world size",
+        )
+    return dict(config)
+
+
+def _type_name(t) -> str:
+    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
 
 
 def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> EngineOptions:
@@ -84,27 +129,14 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
                 raise _fail(name, value, why)
     kv_transfer = opts.pop("kv_transfer_config", None)
     if kv_transfer is not None:
-        connector = (
-            kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else kv_transfer
-        )
-        if connector not in KV_TRANSFER_CONNECTORS:
-            raise _fail(
-                "kv_transfer_config",
-                connector,
-                f"accepted KV transfer: {', '.join(KV_TRANSFER_CONNECTORS)}",
-            )
-        raise _fail(
-            "kv_transfer_config",
-            connector,
-            "lmcache_mp is admitted by the specification but not implemented by this executor",
-        )
+        kv_transfer = _check_kv_transfer(kv_transfer, world_size)
     speculative = opts.pop("speculative_config", None)
     block_size = opts.pop("block_size", None)
     known = {f.name for f in fields(EngineOptions)}
     unknown = sorted(set(opts) - known)
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
-    o = EngineOptions(**opts)
+    o = EngineOptions(**opts, kv_transfer_config=kv_transfer)
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise _fail("kv_cache_dtype", o.kv_cache_dtype, f"accepted: {', '.join(KV_CACHE_DTYPES)}")
     if o.index_cache_dtype not in INDEX_CACHE_DTYPES:

@@ -205,6 +205,29 @@ class SlotTables:
 
 
 @dataclass(frozen=True)
+class KVSave:
+    """Offer the KV connector what PAGE units ``pages`` hold: one unit per block (``keys[i]``
+    the hash of the block in ``pages[i]``), or one checkpoint image (``image``: its units, key
+    the block it ends at)."""
+
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    """The request's token ids up to the last block saved (token-keyed connectors)."""
+    image: bool = False
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Write connector bytes ``data [len(pages), page_unit_bytes]`` into PAGE units ``pages``
+    (``image``: one checkpoint image, restored by a ``RestoreOp`` of the same batch)."""
+
+    pages: tuple[int, ...]
+    data: np.ndarray
+    image: bool = False
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     """One step: a ragged batch of requests plus the state copies and slot deltas before it."""
 
@@ -223,6 +246,11 @@ class ScheduledBatch:
     """Slots that gained exactly one token and nothing else (the common decode delta), in
     columnar form: ``append_tokens[i]`` is appended to slot ``append_slots[i]``."""
     append_tokens: np.ndarray | None = None
+    kv_saves: tuple[KVSave, ...] = ()
+    """PAGE units and images to hand the KV connector, read from the pools before anything of
+    this batch writes them."""
+    kv_loads: tuple[KVLoad, ...] = ()
+    """Connector bytes to write into fresh PAGE units before the stores, restores and forward."""
 
     @property
     def num_tokens(self) -> int:

@@ -253,18 +253,29 @@ class BlockManager:
         self.stats.stores += len(ops)
         return ops
 
-    def complete_batch(self) -> None:
-        """After a batch ran: its stores are READY and its restores unpinned."""
+    def complete_batch(self) -> list[Image]:
+        """After a batch ran: its stores are READY (returned) and its restores unpinned."""
+        ready = []
         for key in self.inflight:
             im = self.images.get(key)
             if im is not None:
                 im.state = READY
+                ready.append(im)
         self.inflight.clear()
         for key in self.pinned:
             im = self.images.get(key)
             if im is not None:
                 im.pins -= 1
         self.pinned.clear()
+        return ready
+
+    def add_loaded_image(self, key: bytes, position: int) -> Image:
+        """A READY image in fresh units whose bytes a connector load of the next batch writes
+        (before that batch's restores); the caller pins it with ``begin_restore``."""
+        units = [self._take_page() for _ in range(self.units_per_image)]
+        im = Image(key, position, units, READY)
+        self.images[key] = im
+        return im
 
     def _evict_image(self) -> bool:
         for key, im in self.images.items():

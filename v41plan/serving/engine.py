@@ -93,11 +93,17 @@ class LLM:
         self.eos_token_id = mc.get("eos_token_id")
         geom = self.spec.geometry(o.kv_cache_dtype, o.index_cache_dtype)
         self.page_tokens = geom.page_tokens
+        # the KV connector before any weight loads: a server down at start refuses cheaply
+        self.connector = _build_connector(o, geom, world_size)
         if runner_factory is None:
             from v41plan.serving.runner import build_runner
 
             runner_factory = build_runner
         self.runner = runner_factory(self.spec, checkpoint, o)
+        if self.connector is not None:
+            if not hasattr(self.runner, "transfer_kv"):
+                raise ConfigError("kv_transfer_config needs the paged runner (it moves PAGE units)")
+            self.runner.connector = self.connector
         self.tokenizer = (
             tokenizer if tokenizer is not None else _default_tokenizer(self.spec, checkpoint)
         )
@@ -122,6 +128,7 @@ class LLM:
                 enable_prefix_caching=o.enable_prefix_caching,
             ),
             self.block_manager,
+            self.connector,
         )
         self._ids = itertools.count()
         self.batches = 0
@@ -323,6 +330,29 @@ class LLM:
                 **(timing or {}),
             },
         )
+
+
+def _build_connector(o: EngineOptions, geometry, world_size: int):
+    """The KV connector of ``o.kv_transfer_config`` (None without one). A connector that cannot
+    start refuses with ``ConfigError``, or, with ``"required": False``, the engine runs without
+    offload and says so on stderr."""
+    if o.kv_transfer_config is None:
+        return None
+    import sys
+
+    from v41plan.runtime.dist import world_info
+    from v41plan.runtime.kv_connector import ConnectorError, build_connector
+
+    config = o.kv_transfer_config
+    try:
+        conn = build_connector(config, geometry, rank=world_info().rank, world_size=world_size)
+    except ConnectorError as exc:
+        if config.get("required", True):
+            raise ConfigError(f"kv_transfer_config: {exc}") from None
+        print(f"v41plan: {exc}; running without KV offload", file=sys.stderr)
+        return None
+    print(f"v41plan: {conn.describe()}", file=sys.stderr)
+    return conn
 
 
 def _timing(seq: Sequence, t0: float, first: float | None, last: float | None) -> dict:

@@ -88,6 +88,8 @@ class PagedRunner:
         self.tables = SlotTables(options.max_num_seqs, self.model.table_width)
         """Each slot's token ids and block table, kept up to date by the batches' deltas."""
         self._history = history_window(spec.replay.replay_history_tokens, P)
+        self.connector = None
+        """The engine's KV connector (``kv_connector.KVConnector``), when one is configured."""
 
     def graph_stats(self) -> dict:
         """Capture report and replay counters (empty under eager execution)."""
@@ -109,6 +111,8 @@ class PagedRunner:
 
         model = self.model
         self.tables.apply(batch)
+        if batch.kv_saves or batch.kv_loads:
+            self.transfer_kv(batch)
         for op in batch.stores:
             model.copy_image(op.slot, op.units, store=True)
             self.stats["stores"] += 1
@@ -165,6 +169,23 @@ class PagedRunner:
                 if r.all_logits:
                     out.row_logits[r.seq_id] = host["row_logits"][int(cu[i]) : int(cu[i + 1])]
         return out
+
+    def transfer_kv(self, batch: ScheduledBatch) -> None:
+        """The batch's connector offers (read before anything of this batch writes the pools),
+        then its loads into fresh PAGE units. Under tensor parallelism every rank has its own
+        connector (the local tier) holding the same bytes, so every rank decides alike."""
+        pools, conn = self.model.pools, self.connector
+        if conn is None:
+            raise RuntimeError("a batch carries KV transfers but the runner has no connector")
+        for op in batch.kv_saves:
+            data = pools.read_units(op.pages)
+            if op.image:
+                conn.save_image(op.keys[0], op.token_ids, data)
+            else:
+                conn.save_units(op.keys, op.token_ids, data)
+        for op in batch.kv_loads:
+            pools.write_units(op.pages, op.data, image=op.image)
+            self.stats["kv_loaded_units"] += len(op.pages)
 
     def read_back(self, res, want_rows: bool) -> dict[str, torch.Tensor]:
         """The step's one device-to-host transfer: the sampled token ids and their logprobs

@@ -32,8 +32,15 @@ import numpy as np
 import torch
 
 from v41plan.planner.replay import choose_prefill_chunk, grid_back_off
-from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest, SlotDelta
-from v41plan.serving.block_manager import BlockManager
+from v41plan.serving.batch import (
+    KVLoad,
+    KVSave,
+    RunnerOutput,
+    ScheduledBatch,
+    ScheduledRequest,
+    SlotDelta,
+)
+from v41plan.serving.block_manager import READY, BlockManager
 from v41plan.serving.sampling import sample, token_logprobs
 from v41plan.serving.sequence import SeqStatus, Sequence
 
@@ -63,9 +70,16 @@ class SchedulerConfig:
 class Scheduler:
     """Owns the waiting and running queues and turns them into batches."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, connector=None
+    ) -> None:
         self.config = config
         self.bm = block_manager
+        self.connector = connector
+        """A ``kv_connector.KVConnector`` under the device prefix cache, or None."""
+        self._kv_saves: list[KVSave] = []  # offers for the next batch
+        self._kv_loads: list[KVLoad] = []
+        self._image_tokens: dict[bytes, tuple[int, ...]] = {}  # queued images' token ids
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.finished: list[Sequence] = []
@@ -106,6 +120,7 @@ class Scheduler:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:
+        self._drop_prefetch(seq)
         self.bm.free(seq.block_table)
         if seq.slot is not None:
             self.bm.free_slot(seq.slot)
@@ -226,7 +241,7 @@ class Scheduler:
                 restores.append(restore)
             budget -= req.chunk_len
         if not reqs:
-            if self.bm.pending_stores or self._freed:
+            if self.bm.pending_stores or self._freed or self._kv_saves:
                 # Nothing to run, but queued image stores (or freed slots) still need a batch.
                 return self._batch("decode", [], [], [])
             return None
@@ -280,12 +295,15 @@ class Scheduler:
             requests=tuple(reqs),
             stores=tuple(self.bm.take_stores()),
             restores=tuple(restores),
+            kv_saves=tuple(self._kv_saves),
+            kv_loads=tuple(self._kv_loads),
             deltas=deltas,
             freed_slots=tuple(self._freed),
             append_slots=a_slots,
             append_tokens=a_tokens,
         )
         self._freed = []
+        self._kv_saves, self._kv_loads = [], []
         self.events.append(
             {
                 "step": batch.step,
@@ -311,15 +329,24 @@ class Scheduler:
         ) // cfg.page_tokens  # the block holding the last token is never reused
         hashes = seq.hashes(cfg.page_tokens, max_hit_blocks)
         hit_pages: list[int] = []
-        if cfg.enable_prefix_caching and not seq.params.prompt_logprobs:
+        caching = cfg.enable_prefix_caching and not seq.params.prompt_logprobs
+        if caching:
             hit_pages = bm.lookup(hashes)
-        hit_blocks = len(hit_pages)
-        if cfg.transfer == "copy":
+        device_blocks = len(hit_pages)
+        # Blocks ``[device_blocks, hit_blocks)`` and (copy) the image come from the connector.
+        fetch = self._connector_hit(seq, hashes, device_blocks) if caching else None
+        if fetch == "wait":
+            return None
+        hit_blocks, image_from_connector = device_blocks, False
+        if fetch is not None:
+            hit_blocks, image_from_connector = fetch
+        elif cfg.transfer == "copy":
             gated = bm.resumable(hashes, hit_blocks)
             if gated < hit_blocks:
                 bm.stats.hits_gated += 1
             hit_blocks = gated
-            hit_pages = hit_pages[:hit_blocks]
+        hit_pages = hit_pages[: min(hit_blocks, device_blocks)]
+        loaded = hit_blocks - len(hit_pages)
         hit = hit_blocks * cfg.page_tokens
         fresh_start = None
         if hit == 0:
@@ -329,22 +356,37 @@ class Scheduler:
         seq.prefill_end = n
         seq.num_cached_tokens = hit
         span = self._chunk(seq, hit, fresh_start, budget)
-        num_new = self._pages_for(n) - hit_blocks
+        num_new = self._pages_for(n) - len(hit_pages)
         reclaim = sum(1 for p in hit_pages if bm.ref[p] == 0)
         if cfg.transfer == "copy" and hit > 0:
-            im = bm.images[hashes[hit_blocks - 1]]
-            reclaim += len(im.units) if im.pins == 0 else 0
+            if image_from_connector:
+                num_new += bm.units_per_image
+            else:
+                im = bm.images[hashes[hit_blocks - 1]]
+                reclaim += len(im.units) if im.pins == 0 else 0
         if span is None or bm.allocatable_pages() - reclaim < num_new:
             seq.num_cached_tokens = 0
             return None
+        handle = seq.kv_prefetch
         seq.slot = bm.take_slot()
         seq.needs_reset = True  # the runner gets the slot's whole content with this batch
         restore = None
         if cfg.transfer == "copy" and hit > 0:
+            key = hashes[hit_blocks - 1]
+            if image_from_connector:
+                im = bm.add_loaded_image(key, hit)
+                self._kv_loads.append(KVLoad(tuple(im.units), handle.image, image=True))
             # Pin the image before allocating, so allocation cannot evict it.
-            restore = bm.begin_restore(hashes[hit_blocks - 1], seq.slot)
+            restore = bm.begin_restore(key, seq.slot)
             seq.restores += 1
         seq.block_table = bm.allocate(hit_pages, num_new)
+        if loaded:
+            pages = seq.block_table[len(hit_pages) : hit_blocks]
+            self._kv_loads.append(KVLoad(tuple(pages), handle.units[:loaded]))
+            for b, page in enumerate(pages, start=len(hit_pages)):
+                bm.publish(hashes[b], page)
+        self._drop_prefetch(seq)
+        seq.kv_loaded_blocks = loaded
         seq.status = SeqStatus.RUNNING
         seq.fresh_start = fresh_start
         seq.num_published_blocks = hit_blocks
@@ -352,6 +394,67 @@ class Scheduler:
         seq.starts.append(span[0])
         bm.stats.hits_tokens += hit
         return self._request(seq, *span), restore
+
+    def _connector_hit(self, seq: Sequence, hashes: list[bytes], device_blocks: int):
+        """``(hit_blocks, image_from_connector)`` when the connector extends the device hit (its
+        retrieve finished), ``"wait"`` while it runs, None to use the device hit alone."""
+        conn, cfg, bm = self.connector, self.config, self.bm
+        if conn is None:
+            return None
+        handle = seq.kv_prefetch
+        if handle is not None:
+            if not conn.ready(handle):
+                return "wait"
+            if handle.failed is not None or handle.extra.get("first") != device_blocks:
+                # a failed retrieve recomputes; a device hit that moved meanwhile asks again
+                failed = handle.failed is not None
+                self._drop_prefetch(seq)
+                if failed:
+                    return None
+            elif (
+                handle.image is None
+                and cfg.transfer == "copy"
+                and not self._device_image(hashes[handle.extra["hit_blocks"] - 1])
+            ):
+                self._drop_prefetch(seq)  # the device image it counted on was evicted: ask again
+            else:
+                return handle.extra["hit_blocks"], handle.image is not None
+        tokens = seq.token_ids
+        stored = device_blocks + conn.lookup(tokens, hashes[device_blocks:])
+        hit_blocks, image_block = stored, None
+        if cfg.transfer == "copy":
+            hit_blocks = 0
+            for L in range(stored, 0, -1):
+                if self._device_image(hashes[L - 1]):
+                    hit_blocks = L
+                    break
+                if hashes[L - 1] not in bm.images and conn.has_image(tokens, hashes[L - 1]):
+                    hit_blocks, image_block = L, L - 1
+                    break
+            device_gate = bm.resumable(hashes, device_blocks)
+            if hit_blocks <= device_gate:  # the device alone resumes as far
+                return None
+        elif stored <= device_blocks:
+            return None
+        count = max(0, hit_blocks - device_blocks)
+        handle = conn.prefetch(tokens, hashes, device_blocks, count, image_block)
+        handle.extra.update(first=device_blocks, hit_blocks=hit_blocks)
+        seq.kv_prefetch = handle
+        if not conn.ready(handle):
+            return "wait"
+        if handle.failed is not None:
+            self._drop_prefetch(seq)
+            return None
+        return hit_blocks, handle.image is not None
+
+    def _device_image(self, key: bytes) -> bool:
+        im = self.bm.images.get(key)
+        return im is not None and im.state == READY
+
+    def _drop_prefetch(self, seq: Sequence) -> None:
+        if seq.kv_prefetch is not None:
+            self.connector.end_request(seq.kv_prefetch)
+            seq.kv_prefetch = None
 
     def _schedule_decode(self, budget: int) -> tuple[list[ScheduledRequest], list[Sequence]]:
         """One decode row for every running request past its prefill, in queue order; a request
@@ -396,7 +499,10 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput) -> list[Sequence]:
         """Advance cursors, publish blocks, queue images, sample, finish; returns newly finished."""
         cfg, bm = self.config, self.bm
-        bm.complete_batch()
+        for im in bm.complete_batch():
+            tokens = self._image_tokens.pop(im.key, ())
+            if self.connector is not None:
+                self._kv_saves.append(KVSave((im.key,), tuple(im.units), tokens, image=True))
         by_id = {s.seq_id: s for s in self.running}
         done: list[Sequence] = []
         for req in batch.requests:
@@ -412,11 +518,22 @@ class Scheduler:
             full = req.end // cfg.page_tokens
             if full > seq.num_published_blocks:
                 hashes = seq.hashes(cfg.page_tokens, full)
-                for b in range(seq.num_published_blocks, full):
+                first = seq.num_published_blocks
+                for b in range(first, full):
                     bm.publish(hashes[b], seq.block_table[b])
                 seq.num_published_blocks = full
+                if self.connector is not None:
+                    self._kv_saves.append(
+                        KVSave(
+                            tuple(hashes[first:full]),
+                            tuple(seq.block_table[first:full]),
+                            tuple(seq.token_ids[: full * cfg.page_tokens]),
+                        )
+                    )
             if cfg.transfer == "copy" and req.end % cfg.page_tokens == 0 and req.end > 0:
-                bm.begin_store(seq.hashes(cfg.page_tokens, full)[full - 1], seq.slot, req.end)
+                key = seq.hashes(cfg.page_tokens, full)[full - 1]
+                if bm.begin_store(key, seq.slot, req.end) and self.connector is not None:
+                    self._image_tokens[key] = tuple(seq.token_ids[: req.end])
         final = {r.seq_id for r in batch.requests if r.is_final_chunk}
         for seq in list(self.running):
             # Cancellation first: a middle chunk or a deferred step has no sampled row.

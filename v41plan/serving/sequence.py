@@ -56,6 +56,10 @@ class Sequence:
     """Token ids of this request the runner's slot tables hold (``batch.SlotDelta``)."""
     synced_blocks: int = 0
     """Block-table entries the runner's slot tables hold."""
+    kv_prefetch: object | None = None
+    """A KV connector retrieve this admission waits on (``kv_connector.Prefetch``)."""
+    kv_loaded_blocks: int = 0
+    """Blocks the last admission took from the KV connector (the rest came from the device)."""
     needs_reset: bool = False
     """The request took its slot since the last batch: the runner gets the slot's whole content."""
     _hashes: list[bytes] = field(default_factory=list)
