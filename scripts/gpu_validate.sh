@@ -3,7 +3,7 @@
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
 # provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
-#   STEPS="tests tiny40 ckpt decode prefill medium kernels dense gemm sampler scorer" \
+#   STEPS="tests tiny40 ckpt decode prefill medium kernels dense gemm sampler serve scorer" \
 #     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests about 190 s, kernels 70 s, tiny40 both transfers about 230 s, ckpt 20 s,
@@ -39,16 +39,24 @@ run_step() {  # name, time limit in seconds, command...
 echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee -a "$LOG"
 
 run_step tests 260 python3 -m pytest tests/gpu -q -p no:cacheprovider
+# one report per transfer when TRANSFER names one (medium's two transfers need two device calls)
+SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
-    --transfer "$TRANSFER" --output "$OUT/validate_tiny40_graph.json"
+    --transfer "$TRANSFER" --output "$OUT/validate_tiny40_graph$SUFFIX.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
 run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
-    --dtype float64 --transfer "$TRANSFER" --checkpoint "$CKPT" --output "$OUT/validate_medium_graph.json"
+    --dtype float64 --transfer "$TRANSFER" --checkpoint "$CKPT" --output "$OUT/validate_medium_graph$SUFFIX.json"
 run_step kernels 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json"
 run_step dense 120 python3 benchmarks/bench_dense_kernels.py --out "$OUT/bench_dense_kernels.json"
 run_step gemm 200 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --out "$OUT/bench_gemm_moe.json"
 run_step sampler 120 python3 benchmarks/bench_sampler.py --out "$OUT/bench_sampler.json"
+# the OpenAI server under load; FastAPI, uvicorn and pydantic travel as wheels in .whl (carry it;
+# benchmarks/bench_serve.py says how to fetch them)
+run_step serve 240 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PYTHONPATH python3 benchmarks/bench_serve.py \
+    --spec medium --checkpoint "$0" --device cuda --rate 4 --num-requests 100 --duration-s 30 \
+    --out "$1/bench_serve.json"' "$CKPT" "$OUT"
 run_step scorer 120 python3 benchmarks/bench_scorer.py --spec medium --device cuda --out "$OUT/bench_scorer.json"
 exit $status

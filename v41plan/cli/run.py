@@ -36,6 +36,19 @@ _SAMPLING_FLAGS = {
 _ENGINE_FLAGS = {"seed": "--engine-seed", "enforce_eager": "--no-enforce-eager"}
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object argument (argparse turns the ValueError into a one-line usage error)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expects a JSON object")
+    return value
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's options: the spec, the checkpoint and every engine flag (``run`` and
     ``serve`` share them)."""
@@ -133,6 +146,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="torch",
         choices=["torch", "triton"],
         help="pool-touching kernels: the torch reference or Triton (CUDA)",
+    )
+    e.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        default=None,
+        help='a KV connector under the prefix cache, as JSON: \'{"kv_connector": "local", '
+        '"bytes": 1073741824, "path": "/tmp/kv"}\' or \'{"kv_connector": "lmcache_mp", "host": '
+        '"127.0.0.1", "port": 5555}\' (default: none)',
     )
     e.add_argument(
         "--engine-seed",
@@ -399,6 +420,8 @@ def build_engine(args: argparse.Namespace, world_size: int, spec=None):
         "random_weights_seed": args.random_weights_seed,
         "kernel_backend": args.kernel_backend,
     }
+    if args.kv_transfer_config is not None:
+        options["kv_transfer_config"] = args.kv_transfer_config
     try:
         return LLM(spec, args.checkpoint, world_size=world_size, **options)
     except ConfigError as exc:
