@@ -54,7 +54,7 @@ def test_local_tier_round_trip_and_lookup(tmp_path):
     data = np.random.default_rng(0).integers(0, 256, (4, GEOM.page_unit_bytes), dtype=np.uint8)
     c.save_units(keys[:3], [], data[:3])
     assert c.lookup([], keys) == 3
-    assert c.lookup([], keys[1:]) == 2
+    assert c.lookup([], keys, 1) == 2
     h = c.prefetch([], keys, 1, 2, None)
     assert h.done and h.failed is None and np.array_equal(h.units, data[1:3])
     img = data[:2] if GEOM.units_per_image == 2 else data[: GEOM.units_per_image]
@@ -90,7 +90,7 @@ def test_local_tier_memory_bound_evicts_oldest():
     c = _local(bytes=3 * GEOM.page_unit_bytes)
     keys = [bytes([i]) * 32 for i in range(5)]
     c.save_units(keys, [], np.zeros((5, GEOM.page_unit_bytes), np.uint8))
-    assert c.stats.evicted == 2 and c.lookup([], keys) == 0 and c.lookup([], keys[2:]) == 3
+    assert c.stats.evicted == 2 and c.lookup([], keys) == 0 and c.lookup([], keys, 2) == 3
 
 
 def test_bad_connector_options_are_refused_before_load(tmp_path):
@@ -175,3 +175,91 @@ def test_a_corrupt_tier_entry_recomputes(transfer):
     if transfer == "copy":  # recomputed from the device hit's image or from 0: exact
         assert again.outputs[0].token_ids == cold.outputs[0].token_ids
     assert again.finished and again.error is None
+
+
+# --- a real LMCache MP server ----------------------------------------------------------------
+
+
+def _has_lmcache() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("lmcache") is not None
+
+
+needs_lmcache = pytest.mark.skipif(
+    not _has_lmcache(), reason="the optional lmcache client is not installed (pip install lmcache)"
+)
+
+
+@pytest.fixture(scope="module")
+def lmcache_server():
+    from v41plan.runtime.kv_lmcache import lmcache_server
+
+    with lmcache_server(GEOM.page_tokens, l1_gb=0.25) as server:
+        yield server
+
+
+@needs_lmcache
+@pytest.mark.parametrize("transfer", ["copy", "replay"])
+def test_lmcache_tier_gives_back_the_evicted_prefix(lmcache_server, transfer):
+    """The local-tier scenario on a real LMCache MP server: every retrieved plane byte-equal to
+    what was saved, tokens as from a device hit (copy: the cold run's)."""
+    host, port, _proc = lmcache_server
+    opts = _opts(transfer)
+    ref = LLM(TINY, **opts)
+    page = ref.page_tokens
+    shared, others = _prompts(3, page)
+    shared = shared[:-3] + [9, 8, 7 + (transfer == "copy")]  # each case its own suffix
+    cold = ref.generate([shared], GREEDY)[0]
+    warm = ref.generate([shared], GREEDY)[0]
+    tier = {"kv_connector": "lmcache_mp", "host": host, "port": port, "timeout_s": 5.0}
+    llm = LLM(TINY, kv_transfer_config=tier, **opts)
+    try:
+        llm.generate([shared], GREEDY)
+        keys = chain_hashes(shared, page, 6)
+        bm, pools = llm.block_manager, llm.runner.model.pools
+        saved = pools.read_units([bm.hash_to_page[k] for k in keys])
+        for o in others:
+            llm.generate([o], GREEDY)
+        assert len(bm.lookup(keys)) < 6
+        again = llm.generate([shared], GREEDY)[0]
+        assert again.stats["hits"][-1] == 6 * page, again.stats
+        got = pools.read_units([bm.hash_to_page[k] for k in keys])
+        assert np.array_equal(got, saved), "a retrieved plane differs from what was saved"
+        assert llm.connector.stats.loaded_units > 0
+        assert again.outputs[0].token_ids == warm.outputs[0].token_ids
+        if transfer == "copy":
+            assert llm.connector.stats.loaded_images >= 1
+            assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    finally:
+        llm.connector.close()
+
+
+@needs_lmcache
+def test_lmcache_server_down_at_start_and_killed_mid_run(tmp_path):
+    from v41plan.runtime.kv_lmcache import lmcache_server
+
+    opts = _opts("copy")
+    dead = {"kv_connector": "lmcache_mp", "port": 1, "timeout_s": 1.0}
+    with pytest.raises(ConfigError, match="no LMCache server answered"):
+        LLM(TINY, runner_factory=lambda *a: pytest.fail("loaded"), kv_transfer_config=dead,
+            **opts)  # fmt: skip
+    llm = LLM(TINY, kv_transfer_config=dict(dead, required=False), **opts)
+    assert llm.connector is None  # ran without offload, and said so
+    page = llm.page_tokens
+    shared, others = _prompts(3, page)
+    cold = llm.generate([shared], GREEDY)[0]
+    with lmcache_server(page, l1_gb=0.25) as (host, port, proc):
+        tier = {"kv_connector": "lmcache_mp", "host": host, "port": port, "timeout_s": 1.0}
+        llm = LLM(TINY, kv_transfer_config=tier, **opts)
+        llm.generate([shared], GREEDY)
+        for o in others:
+            llm.generate([o], GREEDY)
+        proc.kill()
+        proc.wait(10)
+        again = llm.generate([shared], GREEDY)[0]  # recomputes: nothing hangs
+        after = llm.generate([others[0]], GREEDY)[0]  # saves while the server is gone
+        llm.connector.close()
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert after.finished and after.error is None
+    assert llm.connector.stats.loaded_units == 0

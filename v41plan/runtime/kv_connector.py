@@ -88,8 +88,9 @@ class KVConnector:
         self.stats = ConnectorStats()
 
     # scheduler side ------------------------------------------------------------------------
-    def lookup(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of ``hashes`` (blocks of ``token_ids``) are stored."""
+    def lookup(self, token_ids: Sequence[int], hashes: Sequence[bytes], first: int = 0) -> int:
+        """How many consecutive blocks from block ``first`` are stored (``hashes``: the hashes
+        of the full blocks of ``token_ids`` that may be reused)."""
         raise NotImplementedError
 
     def has_image(self, token_ids: Sequence[int], key: bytes) -> bool:
@@ -225,10 +226,10 @@ class LocalConnector(KVConnector):
             return None, "checksum or size mismatch"
         return data, None
 
-    def lookup(self, token_ids, hashes) -> int:
+    def lookup(self, token_ids, hashes, first: int = 0) -> int:
         self.stats.lookups += 1
         n = 0
-        for h in hashes:
+        for h in hashes[first:]:
             if not self._has(self._key("unit", h)):
                 break
             n += 1
@@ -281,7 +282,14 @@ class LocalConnector(KVConnector):
         return f"local KV tier: {self.capacity_bytes} bytes of host memory{where}"
 
 
-def build_connector(config: dict, geometry, *, rank: int = 0, world_size: int = 1) -> KVConnector:
+def unit_planes(geometry) -> tuple[tuple[str, int], ...]:
+    """``(name, bytes)`` of each plane of a PAGE unit in its byte stream's order: the main PAGE,
+    then every index plane (``Pools.kv_transfer_tensors`` gives the matching pool views)."""
+    index = sorted((p for p in geometry.planes if p.kind != "main"), key=lambda p: p.offset)
+    return (("page", geometry.page_bytes),) + tuple((p.name, p.bytes_per_page) for p in index)
+
+
+def build_connector(config: dict, geometry) -> KVConnector:
     """The connector ``kv_transfer_config`` names, for a pool of ``geometry``."""
     kind = config.get("kv_connector")
     args = (geometry.layout_id, geometry.page_unit_bytes, geometry.units_per_image)
@@ -297,8 +305,7 @@ def build_connector(config: dict, geometry, *, rank: int = 0, world_size: int = 
             host=config.get("host", "127.0.0.1"),
             port=int(config.get("port", 5555)),
             page_tokens=geometry.page_tokens,
+            plane_bytes=tuple(n for _name, n in unit_planes(geometry)),
             timeout_s=float(config.get("timeout_s", 5.0)),
-            rank=rank,
-            world_size=world_size,
         )
     raise ConnectorError(f"kv_connector={kind!r}; accepted: {', '.join(KV_CONNECTORS)}")

@@ -94,16 +94,16 @@ class LLM:
         geom = self.spec.geometry(o.kv_cache_dtype, o.index_cache_dtype)
         self.page_tokens = geom.page_tokens
         # the KV connector before any weight loads: a server down at start refuses cheaply
-        self.connector = _build_connector(o, geom, world_size)
+        self.connector = _build_connector(o, geom)
         if runner_factory is None:
             from v41plan.serving.runner import build_runner
 
             runner_factory = build_runner
         self.runner = runner_factory(self.spec, checkpoint, o)
-        if self.connector is not None:
-            if not hasattr(self.runner, "transfer_kv"):
-                raise ConfigError("kv_transfer_config needs the paged runner (it moves PAGE units)")
-            self.runner.connector = self.connector
+        if hasattr(self.runner, "transfer_kv"):
+            self.runner.connector = self.connector  # a shared runner serves this engine now
+        elif self.connector is not None:
+            raise ConfigError("kv_transfer_config needs the paged runner (it moves PAGE units)")
         self.tokenizer = (
             tokenizer if tokenizer is not None else _default_tokenizer(self.spec, checkpoint)
         )
@@ -198,6 +198,8 @@ class LLM:
         """Schedule and run one batch; returns the requests it finished."""
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.scheduler.kv_waiting():
+                time.sleep(0.0005)  # a KV connector retrieve runs: poll it again soon
             return []
         output = self.runner.execute(batch)
         self.batches += 1
@@ -216,7 +218,7 @@ class LLM:
             self.step()
             if on_step is not None:
                 on_step()
-            if self.scheduler.step_count == before:
+            if self.scheduler.step_count == before and not self.scheduler.kv_waiting():
                 raise RuntimeError("scheduler made no progress with requests still queued")
         raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
 
@@ -332,7 +334,7 @@ class LLM:
         )
 
 
-def _build_connector(o: EngineOptions, geometry, world_size: int):
+def _build_connector(o: EngineOptions, geometry):
     """The KV connector of ``o.kv_transfer_config`` (None without one). A connector that cannot
     start refuses with ``ConfigError``, or, with ``"required": False``, the engine runs without
     offload and says so on stderr."""
@@ -340,12 +342,11 @@ def _build_connector(o: EngineOptions, geometry, world_size: int):
         return None
     import sys
 
-    from v41plan.runtime.dist import world_info
     from v41plan.runtime.kv_connector import ConnectorError, build_connector
 
     config = o.kv_transfer_config
     try:
-        conn = build_connector(config, geometry, rank=world_info().rank, world_size=world_size)
+        conn = build_connector(config, geometry)
     except ConnectorError as exc:
         if config.get("required", True):
             raise ConfigError(f"kv_transfer_config: {exc}") from None

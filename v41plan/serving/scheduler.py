@@ -99,6 +99,11 @@ class Scheduler:
         if not seq.is_finished:
             seq.aborted = True
 
+    def kv_waiting(self) -> bool:
+        """A waiting request's KV connector retrieve is still running (a step may then have
+        nothing to run and still make progress later)."""
+        return any(s.kv_prefetch is not None for s in self.waiting)
+
     def is_finished(self) -> bool:
         """No request waiting or running."""
         return not self.waiting and not self.running
@@ -360,7 +365,7 @@ class Scheduler:
         reclaim = sum(1 for p in hit_pages if bm.ref[p] == 0)
         if cfg.transfer == "copy" and hit > 0:
             if image_from_connector:
-                num_new += bm.units_per_image
+                reclaim += bm.units_per_image  # the image's fresh units
             else:
                 im = bm.images[hashes[hit_blocks - 1]]
                 reclaim += len(im.units) if im.pins == 0 else 0
@@ -420,7 +425,7 @@ class Scheduler:
             else:
                 return handle.extra["hit_blocks"], handle.image is not None
         tokens = seq.token_ids
-        stored = device_blocks + conn.lookup(tokens, hashes[device_blocks:])
+        stored = device_blocks + conn.lookup(tokens, hashes, device_blocks)
         hit_blocks, image_block = stored, None
         if cfg.transfer == "copy":
             hit_blocks = 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from v41plan.runtime.dist import all_equal, init_distributed, shutdown
+from v41plan.serving.block_manager import chain_hashes
 from v41plan.serving.engine import LLM, resolve_spec
 from v41plan.serving.sampling import SamplingParams
 from v41plan.validation.provenance import provenance
@@ -338,6 +339,32 @@ def scenarios(v: Validator, tok) -> dict[str, dict]:
             "dropped_images": dropped,
             "hits": s.hits,
             "replay_rows": s.replay_rows,
+            "tokens": r.tokens,
+        }
+
+    @case("kv_offload")
+    def _():
+        # A device pool small enough that other prompts evict the prefix; the local KV tier
+        # gives it back, and the request resumes as from a device hit.
+        tier = {"kv_connector": "local", "bytes": 1 << 30}
+        pages = (len(unique) + PARAMS.max_tokens) // P + 3  # one request of the turnover fits
+        llm = v.engine(**chunked, num_pages=pages, kv_transfer_config=tier)
+        v.drive(llm, [base], case="kv_offload_warmup")
+        for p in (other, unique, cancelled):  # none shares the prefix
+            v.drive(llm, [p], case="kv_offload_turnover")
+        hashes = chain_hashes(base, P, (len(base) - 1) // P)
+        on_device = len(llm.block_manager.lookup(hashes))
+        check(on_device < len(hashes), "the turnover left the whole prefix on the device")
+        r = v.drive(llm, [base], case="kv_offload")
+        s = r.seqs[0]
+        check(s.kv_loaded_blocks > 0, f"nothing came back from the KV tier ({llm.connector.stats})")
+        check(s.hits[-1] > on_device * P, f"hit {s.hits} not past the device's {on_device} blocks")
+        ref = v.resumed_reference(base, r, 0, **chunked)
+        check(r.tokens[0] == ref, f"offloaded resume {r.tokens[0]} != its reference {ref}")
+        return {
+            "device_blocks": on_device,
+            "loaded_blocks": s.kv_loaded_blocks,
+            "hits": s.hits,
             "tokens": r.tokens,
         }
 
