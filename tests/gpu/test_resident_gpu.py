@@ -26,6 +26,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 DOTS = ("fp32", "bf16", "fp8")
 U_ACC = {"fp32": 2.0**-24, "bf16": 2.0**-24, "fp8": 2.0**-13}
+U_MOE_FP8 = 2.0**-11
+"""The FP8 tensor cores' dot error relative to ``sum |a_i b_i|`` in the grouped MoE's
+forced-decision check. Measured on the H200 at a02bfb2 (``reports/gpu/resident_gpu.json``): up
+to ``1.59 * 2**-13`` in the ``w2`` GEMM (K = 256 over FP4 weights, whose many small products
+leave a few large ones to set each block's alignment), so ``2**-13`` was not a bound; ``2**-11``
+leaves 2.5x. The W8A8 test's ``K * 2**-13`` form is looser still."""
 LAYER_REL = 1e-2
 MARGIN = 1e-3
 MEASURED: dict = {}
@@ -122,7 +128,7 @@ def test_grouped_w4a8_equals_the_torch_grouped_moe(dot):
     ref = grouped_moe_torch(fake_fp8(x, 32), ids, wts, *deq, 0, 10.0, impl="gather")
     err = _rel_fro(got, ref)
     MEASURED[f"grouped w4a8 {dot} rel"] = err
-    acc = U_ACC[dot] if dot == "fp8" else D * U_ACC[dot]
+    acc = U_MOE_FP8 if dot == "fp8" else D * U_ACC[dot]
     report = forced_decision_report(xq, xs, ids, wts, w1, w3, w2, 10.0, st, got, acc)
     MEASURED[f"grouped w4a8 {dot} forced"] = report
     assert_forced_decisions(report)
