@@ -307,5 +307,6 @@ def build_connector(config: dict, geometry) -> KVConnector:
             page_tokens=geometry.page_tokens,
             plane_bytes=tuple(n for _name, n in unit_planes(geometry)),
             timeout_s=float(config.get("timeout_s", 5.0)),
+            staging_bytes=int(config.get("staging_bytes", 256 << 20)),
         )
     raise ConnectorError(f"kv_connector={kind!r}; accepted: {', '.join(KV_CONNECTORS)}")

@@ -41,7 +41,9 @@ from v41plan.runtime.kv_connector import ConnectorError, KVConnector, Prefetch, 
 
 LMCACHE_VERSION = "0.5.6"
 META_BYTES = 32  # 16 of checksum, 16 of layout digest
-STAGING_BLOCKS = 256
+STAGING_BYTES = 256 << 20
+"""Host staging registered with the server (per connector); a retrieve larger than half of it
+runs as several."""
 
 
 def _quiet_env() -> None:
@@ -87,7 +89,9 @@ class _Namespace:
     """One LMCache model name: a scheduler adapter (lookups), a worker adapter (transfers) and
     registered host staging planes of ``widths`` bytes per token."""
 
-    def __init__(self, lm, url: str, name: str, page_tokens: int, plane_bytes, timeout_s: float):
+    def __init__(
+        self, lm, url: str, name: str, page_tokens: int, plane_bytes, timeout_s: float, blocks: int
+    ):
         import torch
 
         self.lm, self.P, self.timeout_s = lm, page_tokens, timeout_s
@@ -113,7 +117,7 @@ class _Namespace:
         )  # fmt: skip
         self.plane_bytes = list(plane_bytes) + [META_BYTES]
         self.planes = {
-            f"plane{i}": torch.zeros(STAGING_BLOCKS + 1, page_tokens, -(-n // page_tokens),
+            f"plane{i}": torch.zeros(blocks + 1, page_tokens, -(-n // page_tokens),
                                      dtype=torch.uint8)
             for i, n in enumerate(self.plane_bytes)
         }  # fmt: skip
@@ -126,8 +130,9 @@ class _Namespace:
         ]
         self.worker.register_kv_caches(self.planes, engine_group_infos=groups)
         # registration moved the storage into shared memory: only these views see it
-        self.views = [p.view(STAGING_BLOCKS + 1, -1) for p in self.planes.values()]
-        self.free = list(range(1, STAGING_BLOCKS + 1))
+        self.views = [p.view(blocks + 1, -1) for p in self.planes.values()]
+        self.free = list(range(1, blocks + 1))
+        self.blocks = blocks
         self.lock = threading.Lock()
 
     def event(self):
@@ -249,6 +254,7 @@ class LMCacheConnector(KVConnector):
         page_tokens: int,
         plane_bytes: tuple[int, ...],
         timeout_s: float = 5.0,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         super().__init__(layout_id, unit_bytes, units_per_image)
         if sum(plane_bytes) != unit_bytes:
@@ -258,9 +264,11 @@ class LMCacheConnector(KVConnector):
         self.P = page_tokens
         self.timeout_s = timeout_s
         self.digest = hashlib.sha256(layout_id.encode()).digest()[:16]
+        blocks = max(4 * units_per_image, staging_bytes // (unit_bytes + META_BYTES))
         self.units = _Namespace(
-            lm, self.url, f"v41plan/{layout_id}", page_tokens, plane_bytes, timeout_s
+            lm, self.url, f"v41plan/{layout_id}", page_tokens, plane_bytes, timeout_s, blocks
         )
+        self.max_retrieve = blocks // 2
         self.images = self.units  # one registration: images live in their own key space
         self._stores: list[tuple[object, list[int], _Namespace]] = []
 
@@ -322,17 +330,31 @@ class LMCacheConnector(KVConnector):
     def prefetch(self, token_ids, hashes, first, count, image_block) -> Prefetch:
         handle = Prefetch(tuple(hashes[first : first + count]),
                           None if image_block is None else hashes[image_block])  # fmt: skip
+        self._reap(wait=True)  # finished stores give their staging back first
         jobs = []
-        if count:
-            tokens = list(token_ids[: (first + count) * self.P])
-            jobs.append(self._retrieve(self.units, tokens, first, count))
+        for lo in range(first, first + count, self.max_retrieve):
+            n = min(self.max_retrieve, first + count - lo)
+            jobs.append(self._retrieve(self.units, list(token_ids[: (lo + n) * self.P]), lo, n))
+            if jobs[-1] is None:
+                break
         if image_block is not None:
             tokens = self._image_tokens(hashes[image_block])
             jobs.append(self._retrieve(self.images, tokens, 0, self.units_per_image))
         handle.extra["jobs"] = jobs
         if any(j is None for j in jobs):
+            self._drop_jobs([j for j in jobs if j is not None])
             return self._fail(handle, "the server has not got it (or did not answer)")
         return handle
+
+    def _drop_jobs(self, jobs) -> None:
+        """Release retrieves that will not be read (their blocks once the server is done)."""
+        deadline = time.perf_counter() + self.timeout_s
+        for j in jobs:
+            while not j["fut"].query() and time.perf_counter() < deadline:
+                time.sleep(0.001)
+            if j["fut"].query():
+                j["ns"].give_blocks(j["blocks"])
+            j["ns"].release(j["rid"], j["tokens"], 0)
 
     def _retrieve(self, ns: _Namespace, tokens, first: int, count: int):
         matched, rid = ns.lookup(tokens)
@@ -391,14 +413,12 @@ class LMCacheConnector(KVConnector):
         if why is not None:
             self._fail(handle, why)
             return True
-        k = 0
-        if handle.keys:
-            handle.units = out[0]
-            k = 1
-            self.stats.loaded_units += len(handle.keys)
         if handle.image_key is not None:
-            handle.image = out[k].reshape(self.units_per_image, self.unit_bytes)
+            handle.image = out.pop().reshape(self.units_per_image, self.unit_bytes)
             self.stats.loaded_images += 1
+        if handle.keys:
+            handle.units = np.concatenate(out)
+            self.stats.loaded_units += len(handle.keys)
         if handle.units is None:
             handle.units = np.zeros((0, self.unit_bytes), dtype=np.uint8)
         handle.done = True
@@ -413,10 +433,16 @@ class LMCacheConnector(KVConnector):
     # ---- runner side -----------------------------------------------------------------------
     def save_units(self, keys, token_ids, data) -> None:
         first = len(token_ids) // self.P - len(keys)
-        if self._store(self.units, token_ids, first, np.asarray(data)):
-            self.stats.saved_units += len(keys)
-        else:
-            self.stats.dropped_saves += 1
+        data = np.asarray(data)
+        for lo in range(0, len(keys), self.max_retrieve):  # pieces the staging can hold
+            n = min(self.max_retrieve, len(keys) - lo)
+            tokens = token_ids[: (first + lo + n) * self.P]
+            if not self._store(self.units, tokens, first + lo, data[lo : lo + n]):
+                self._reap(wait=True)  # staging full: wait for the stores in flight, once
+                if not self._store(self.units, tokens, first + lo, data[lo : lo + n]):
+                    self.stats.dropped_saves += 1
+                    return  # the later blocks would not be reachable by a lookup anyway
+            self.stats.saved_units += n
 
     def save_image(self, key, token_ids, data) -> None:
         self._reap(wait=True)  # the units this image depends on are confirmed first

@@ -74,7 +74,7 @@ KV_TRANSFER_CONNECTORS = ("lmcache_mp", "local")
 _KV_TRANSFER_KEYS = {
     "local": {"kv_connector": str, "bytes": int, "path": str},
     "lmcache_mp": {"kv_connector": str, "host": str, "port": int, "timeout_s": (int, float),
-                   "required": bool},
+                   "required": bool, "staging_bytes": int},
 }  # fmt: skip
 
 

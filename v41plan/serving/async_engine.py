@@ -331,6 +331,9 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.perf_counter()) + 1.0)
+        close = getattr(self.llm, "close", None)  # the KV connector's pending stores
+        if close is not None:
+            close()
 
     def num_active(self) -> int:
         """Requests submitted and not finished."""

@@ -205,6 +205,12 @@ class LLM:
         self.batches += 1
         return self.scheduler.postprocess(batch, output)
 
+    def close(self) -> None:
+        """Release the KV connector (pending stores confirmed, bounded by its timeout); the
+        engine itself holds nothing else to release."""
+        if self.connector is not None:
+            self.connector.close()
+
     def has_unfinished(self) -> bool:
         """Requests waiting or running."""
         return not self.scheduler.is_finished()

@@ -828,7 +828,9 @@ def main(argv: list[str] | None = None) -> int:
                 world_size=info.world_size,
                 **base_options,
             )  # refuses a bad configuration before building the runner
+            t_build = time.perf_counter()
             runner = build_runner(spec, args.checkpoint, probe.options)
+            timing = {"build_s": time.perf_counter() - t_build}
             v = Validator(
                 spec,
                 args.checkpoint,
@@ -836,7 +838,9 @@ def main(argv: list[str] | None = None) -> int:
                 dict(base_options, world_size=info.world_size),
                 runner,
             )
+            t0 = time.perf_counter()
             results = scenarios(v, probe)
+            timing["scenarios_s"] = time.perf_counter() - t0
             tokens = {k: r.get("tokens") for k, r in results.items()}
             ranks_agree = all_equal(tokens)
             results["ranks_agree"] = {"passed": ranks_agree}
@@ -846,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
                 from v41plan.runtime.graphs import graph_validation
 
                 eager_base = dict(base_options, enforce_eager=True, cudagraph_mode="NONE")
+                t0 = time.perf_counter()
                 eager_runner = build_runner(
                     spec,
                     args.checkpoint,
@@ -858,7 +863,10 @@ def main(argv: list[str] | None = None) -> int:
                     dict(eager_base, world_size=info.world_size),
                     eager_runner,
                 )
+                timing["eager_build_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
                 eager_results = scenarios(ve, probe)
+                timing["eager_scenarios_s"] = time.perf_counter() - t0
                 g = runner.graph_stats() if hasattr(runner, "graph_stats") else {}
                 results["graph_replays"] = graph_validation(results, eager_results, g, v.events)
                 del eager_runner, ve
@@ -872,8 +880,10 @@ def main(argv: list[str] | None = None) -> int:
                 "graphs": runner.graph_stats() if hasattr(runner, "graph_stats") else {},
                 "cases": results,
                 "events": v.events,
+                "timing_s": {k: round(t, 1) for k, t in timing.items()},
             }
             if info.is_main:
+                print(f"[{transfer}] time: " + ", ".join(f"{k} {t:.1f}" for k, t in timing.items()))
                 for name, r in results.items():
                     status = "ok  " if r["passed"] else "FAIL"
                     print(
