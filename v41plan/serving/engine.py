@@ -348,7 +348,8 @@ def _build_connector(o: EngineOptions, geometry):
         return None
     import sys
 
-    from v41plan.runtime.kv_connector import ConnectorError, build_connector
+    from v41plan.runtime.kv_connector import ConnectorError
+    from v41plan.runtime.kv_transfer import build_connector
 
     config = o.kv_transfer_config
     try:
