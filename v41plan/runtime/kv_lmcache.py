@@ -96,12 +96,11 @@ class _Namespace:
 
         self.lm, self.P, self.timeout_s = lm, page_tokens, timeout_s
         _probe(url, timeout_s)
-        self.ctx = lm["zmq"].Context()
+        self.ctx = _context(lm)
         par = lm["Par"](world_size=1, worker_id=0, tp_size=1)
         try:
             self.sched = lm["Sched"](url, self.ctx, name, page_tokens, par, mq_timeout=timeout_s)
         except (TimeoutError, OSError) as exc:
-            _LINGERING.append(self.ctx)  # its sockets live in the adapter's threads: keep it
             raise ConnectorError(f"no LMCache server answered at {url} within {timeout_s:g} s "
                                  f"({type(exc).__name__})") from None  # fmt: skip
         chunk = self.sched.lmcache_tokens_per_chunk
@@ -207,11 +206,19 @@ class _Namespace:
                 done.set()
 
         threading.Thread(target=stop, daemon=True).start()
-        if not done.wait(self.timeout_s):  # a dead server's pending future must not hang us
-            _LINGERING.append(self.ctx)
+        done.wait(self.timeout_s)  # a dead server's pending future must not hang us
 
 
-_LINGERING: list = []  # contexts whose adapters did not shut down (a dead server)
+_CONTEXTS: list = []
+"""Every ZMQ context made here, kept until the interpreter exits: the adapters' threads own
+sockets of them, so a context collected earlier would wait in ``term()`` for sockets nobody
+closes (pyzmq skips that wait only at exit)."""
+
+
+def _context(lm):
+    ctx = lm["zmq"].Context()
+    _CONTEXTS.append(ctx)
+    return ctx
 
 
 def _probe(url: str, timeout_s: float) -> None:
@@ -496,7 +503,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, limit_s: float) -> None:
     lm = _import_lmcache()
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-    ctx = lm["zmq"].Context()
+    ctx = _context(lm)
     client = RequestClientFactory.create(f"tcp://127.0.0.1:{port}", context=ctx)
     t0 = time.perf_counter()
     try:
