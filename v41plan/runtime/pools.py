@@ -264,20 +264,8 @@ class Pools:
                 if f.in_checkpoint
             ]
         )
-        n = state_off.numel()
-        i = torch.arange(n, device=dev)
-        unit, within = i // g.page_unit_bytes, i % g.page_unit_bytes
-        base = torch.zeros(g.page_unit_bytes, dtype=torch.long, device=dev)
-        stride = torch.full((g.page_unit_bytes,), g.page_bytes, dtype=torch.long, device=dev)
-        base[: g.page_bytes] = torch.arange(g.page_bytes, device=dev) + self.page_region[0]
-        for pl in g.planes:
-            if pl.kind == "main":
-                continue
-            region = self._plane_regions[pl.name]
-            seg = slice(pl.offset, pl.offset + pl.bytes_per_page)
-            base[seg] = region + torch.arange(pl.bytes_per_page, device=dev)
-            stride[seg] = pl.bytes_per_page
-        unit_addr = base[within] + stride[within] * pages.to(dev)[unit]
+        # the image is a prefix of its units' byte streams end to end
+        unit_addr = self.unit_addresses(pages.tolist()).reshape(-1)[: state_off.numel()]
         state_addr = self.state_region[0] + slot * g.state_bytes + state_off
         return state_addr, unit_addr
 
