@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KV_CONNECTORS = ("local", "lmcache_mp")
+KV_CONNECTORS = ("lmcache_mp", "local")
+"""The connectors ``kv_transfer_config`` accepts."""
 
 
 class ConnectorError(RuntimeError):

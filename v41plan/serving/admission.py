@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 from v41plan.model.config import ConfigError
+from v41plan.runtime.kv_connector import KV_CONNECTORS
 
 __all__ = ["ConfigError", "EngineOptions", "check_options", "default_tensor_parallel_size"]
 
@@ -70,7 +71,6 @@ _REFUSED: dict[str, tuple[object, str]] = {
 }
 CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
 KERNEL_BACKENDS = ("torch", "triton")
-KV_TRANSFER_CONNECTORS = ("lmcache_mp", "local")
 _KV_TRANSFER_KEYS = {
     "local": {"kv_connector": str, "bytes": int, "path": str},
     "lmcache_mp": {"kv_connector": str, "host": str, "port": int, "timeout_s": (int, float),
@@ -85,11 +85,11 @@ def _fail(option: str, value: object, accepted: str) -> ConfigError:
 def _check_kv_transfer(config: object, world_size: int) -> dict:
     """A ``kv_transfer_config`` dict checked key by key (``ConfigError`` otherwise)."""
     connector = config.get("kv_connector") if isinstance(config, dict) else config
-    if connector not in KV_TRANSFER_CONNECTORS:
+    if connector not in KV_CONNECTORS:
         raise _fail(
             "kv_transfer_config",
             connector,
-            f"accepted kv_connector: {', '.join(KV_TRANSFER_CONNECTORS)} (a dict, e.g. "
+            f"accepted kv_connector: {', '.join(KV_CONNECTORS)} (a dict, e.g. "
             "{'kv_connector': 'local', 'bytes': 1 << 30})",
         )
     if not isinstance(config, dict):
