@@ -3,7 +3,7 @@
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
 # provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
-#   STEPS="tests tiny40 ckpt decode prefill medium kernels dense gemm sampler serve scorer" \
+#   STEPS="profile tests tiny40 ckpt decode prefill medium kernels dense gemm sampler serve scorer" \
 #     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests about 190 s, kernels 70 s, tiny40 both transfers about 230 s, ckpt 20 s,
@@ -38,6 +38,7 @@ run_step() {  # name, time limit in seconds, command...
 # --check $OUT/gpu_validate.log); every JSON report records it too
 echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee -a "$LOG"
 
+run_step profile 200 python3 scripts/gpu_profile_step.py --graph --out "$OUT/gpu_profile_step.json"
 run_step tests 260 python3 -m pytest tests/gpu -q -p no:cacheprovider
 # one report per transfer when TRANSFER names one (medium's two transfers need two device calls)
 SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")
