@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from v41plan.serving.engine import LLM  # noqa: E402
-from v41plan.serving.sampling import SamplingParams  # noqa: E402
+from v41plan.serving.engine import LLM
+from v41plan.serving.sampling import SamplingParams
 
 _RUNTIME_CALLS = ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize",
                   "cudaDeviceSynchronize", "cudaMemsetAsync", "cudaGraphLaunch")  # fmt: skip
@@ -55,7 +55,9 @@ def profile_engine(llm: LLM, label: str, out_tokens: int) -> dict:
     for e in ev:
         if e.key in calls:
             calls[e.key] += e.count
-    aten = sorted((e for e in ev if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)
+    aten = sorted(
+        (e for e in ev if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total
+    )
     top = [{"op": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 1)}
            for e in aten[:12]]  # fmt: skip
     cuda_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in ev) / 1e3
@@ -101,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"spec": args.spec, "dtype": args.dtype,
-                                              "torch": torch.__version__, "rows": rows}, indent=1))  # fmt: skip
+        report = {"spec": args.spec, "dtype": args.dtype, "torch": torch.__version__, "rows": rows}
+        Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 
 
