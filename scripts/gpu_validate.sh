@@ -38,8 +38,8 @@ run_step() {  # name, time limit in seconds, command...
 # --check $OUT/gpu_validate.log); every JSON report records it too
 echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee -a "$LOG"
 
-run_step profile 200 python3 scripts/gpu_profile_step.py --graph --out "$OUT/gpu_profile_step.json"
-run_step tests 260 python3 -m pytest tests/gpu -q -p no:cacheprovider
+run_step profile 200 python3 scripts/gpu_profile_step.py --out "$OUT/gpu_profile_step.json"
+run_step tests 420 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15
 # one report per transfer when TRANSFER names one (medium's two transfers need two device calls)
 SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
