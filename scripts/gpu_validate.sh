@@ -14,6 +14,7 @@ OUT=${OUT:-reports/gpu}
 STEPS=${STEPS:-"tests tiny40 ckpt decode prefill medium"}
 CKPT=${CKPT:-/tmp/v41plan_medium_ckpt}
 TRANSFER=${TRANSFER:-both}  # validate_runtime --transfer (replay, copy or both)
+CASES=${CASES:-}  # validate_runtime --cases (a comma-separated subset; default: every case)
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="$OUT/gpu_validate.log"
@@ -41,14 +42,16 @@ echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee -a "$LOG"
 run_step profile 200 python3 scripts/gpu_profile_step.py --out "$OUT/gpu_profile_step.json"
 run_step tests 420 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15
 # one report per transfer when TRANSFER names one (medium's two transfers need two device calls)
-SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")
+SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")${CASES:+_cases}
+CASE_ARGS=(${CASES:+--cases "$CASES"})
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
-    --transfer "$TRANSFER" --output "$OUT/validate_tiny40_graph$SUFFIX.json"
+    --transfer "$TRANSFER" "${CASE_ARGS[@]}" --output "$OUT/validate_tiny40_graph$SUFFIX.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
 run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
-    --dtype float64 --transfer "$TRANSFER" --checkpoint "$CKPT" --output "$OUT/validate_medium_graph$SUFFIX.json"
+    --dtype float64 --transfer "$TRANSFER" "${CASE_ARGS[@]}" --checkpoint "$CKPT" \
+    --output "$OUT/validate_medium_graph$SUFFIX.json"
 run_step kernels 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json"
 run_step dense 120 python3 benchmarks/bench_dense_kernels.py --out "$OUT/bench_dense_kernels.json"
 run_step gemm 200 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --out "$OUT/bench_gemm_moe.json"
