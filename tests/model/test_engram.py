@@ -189,3 +189,23 @@ def test_batched_hashing_equals_per_request_hashing(seed):
         want_rows, want_hist = host.prepare(ids[cu[i] : cu[i + 1]], hist[i])
         assert np.array_equal(rows[cu[i] : cu[i + 1]], want_rows)
         assert np.array_equal(new_hist[i], want_hist)
+
+
+@pytest.mark.parametrize(
+    "lens", [[1] * 7, [1, 1, 0, 2, 1, 1, 1], [2, 0, 1, 1, 1, 1, 1], [3, 1, 1, 1]]
+)
+def test_advance_batch_equals_per_request_advance(lens):
+    """``advance_batch`` (the device lookup's host half; one-row batches take a shortcut)
+    equals ``advance_history`` request by request, also where lengths only sum to the count."""
+    rng = np.random.default_rng(len(lens))
+    tmap = eg.synthetic_token_map(260, TINY.engram_compressed_vocab_size)
+    host = eg.EngramHost(TINY, tmap)
+    n = len(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    ids = rng.integers(0, 260, int(cu[-1]))
+    hist = rng.integers(0, TINY.engram_compressed_vocab_size, (n, 3))
+    hist[rng.random((n, 3)) < 0.3] = eg.DEAD
+    got = host.advance_batch(ids, cu, hist)
+    for i in range(n):
+        want = eg.advance_history(host.layout, hist[i], host.token_map[ids[cu[i] : cu[i + 1]]])
+        assert np.array_equal(got[i], want), (i, got[i], want)

@@ -289,6 +289,15 @@ def advance_histories(
     layout: EngramLayout, cids: np.ndarray, cu_seqlens: np.ndarray, histories: np.ndarray
 ) -> np.ndarray:
     """The advanced histories of ``hash_ids_batch`` alone (no row ids): ``[n, max_ngram - 1]``."""
+    hist = np.asarray(histories, dtype=np.int64)
+    n, h = hist.shape[0], layout.history_len
+    cu = np.asarray(cu_seqlens, dtype=np.int64)[: n + 1]
+    if n and h and int(cu[n]) == n and int(cu[0]) == 0 and bool((cu[1:] > cu[:-1]).all()):
+        # one row per request (a decode step): the new id in front, the oldest one dropped
+        out = np.empty_like(hist)
+        out[:, 0] = np.asarray(cids, dtype=np.int64)[:n]
+        out[:, 1:] = hist[:, : h - 1]
+        return out
     ext, _at, cu, hist = _extended(layout, cids, cu_seqlens, histories)
     return _advanced(ext, cu, hist, layout.history_len)
 

@@ -370,15 +370,17 @@ def _check(arrs: StepArrays, spec, encoder_replay: bool) -> None:
     else:
         short = need > width
     prefill = ~dec
-    # Cheap whole-batch reductions first; per-request masks only when one fails.
+    any_prefill = bool(prefill.any()) if n else False
+    # Cheap whole-batch reductions first; per-request masks only when one fails. A decode-only
+    # step skips the prefill terms (they are false on every decode row).
     ok = (
         min(pl.min(), cl.min()) >= 1
         and min(st.min(), arrs.slots.min()) >= 0
         and not short.any()
         and (not hit.any() or (hit.min() >= 0 and not (hit > st).any() and not _mod(hit, B).any()))
-        and not (np.where(prefill, end > pl, st < pl) if prefill.any() else st < pl).any()
-        and (encoder_replay or not (prefill & fresh & (st > 0)).any())
-        and not (prefill & fresh & (_mod(st, B) != 0)).any()
+        and not (np.where(prefill, end > pl, st < pl) if any_prefill else st < pl).any()
+        and (not any_prefill or encoder_replay or not (prefill & fresh & (st > 0)).any())
+        and (not any_prefill or not (prefill & fresh & (_mod(st, B) != 0)).any())
     ) if n else True  # fmt: skip
     bad = not ok
     if bad:

@@ -404,6 +404,7 @@ class RuntimeModel:
         self._row_counts: Counter = Counter()
         self._row_count_log: list[tuple[dict, tuple[int, ...]]] = []
         self._layouts: dict = {}
+        self._sub_view_cache: dict = {}
         self.selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[running_tokens, index_topk]`` per index source in the last forward
         (-1 on rows that did not select)."""
@@ -659,6 +660,7 @@ class RuntimeModel:
             i[0, :n], i[1, :n], i[2, :n] = sampling.top_k, sampling.seed, sampling.output_index
 
         dv = ws.commit(layout)
+        sub = self._sub_views(layout, dv)
         staged = [None if i is None else dv[f"rows{i}"] for i in slot_of]
         rows = RowSets(key_index, staged, lens)
         stages, si = [], 0
@@ -668,10 +670,7 @@ class RuntimeModel:
             else:
                 stages.append(StageInputs(st.name, st.first_layer, st.last_layer, dv[f"stage{si}"]))
                 si += 1
-        compress = {}
-        for r in plan.compress:
-            idx, flags = dv[f"c{r}_idx"], dv[f"c{r}_flags"]
-            compress[r] = CompressInputs(idx[0], idx[1], idx[2], flags[0], flags[1])
+        compress = {r: sub["compress"][r] for r in plan.compress}
         index_pages = None
         if not decode and plan.scheduled_tokens:  # eager steps read only their context's pages
             top = int(plan.positions[: plan.scheduled_tokens].max())
@@ -684,10 +683,7 @@ class RuntimeModel:
             }  # fmt: skip
         n_e = 0 if self.engram_device is not None else len(self._engram_shapes)
         on_dev = self.engram_device is not None
-        sampler = None
-        if sampling is not None:
-            f, i = dv["s_f32"], dv["s_i64"]
-            sampler = SamplerInputs(f[0], i[0], f[1], f[2], i[1], i[2])
+        sampler = sub["sampler"] if sampling is not None else None
         return StepInputs(
             t=t,
             b=b,
@@ -698,14 +694,14 @@ class RuntimeModel:
             batch_ids=dv["batch_ids"],
             slots=dv["slots"],
             block_tables=dv["block_tables"],
-            per_request={name: dv["per_request"][j] for j, name in enumerate(_PER_REQUEST)},
+            per_request=sub["per_request"],
             cursors=dv["cursors"],
             last_undefined=dv["last_undefined"],
             rows=rows,
             stages=tuple(stages),
             compress=compress,
-            engram_codes=tuple(dv[f"eg{li}_codes"] for li in range(n_e)),
-            engram_scales=tuple(dv[f"eg{li}_scales"] for li in range(n_e)),
+            engram_codes=sub["engram_codes"][:n_e],
+            engram_scales=sub["engram_scales"][:n_e],
             engram_row0=dv["eg_row0"] if on_dev else None,
             engram_history=dv["eg_history"] if on_dev else None,
             all_row_logits=all_row_logits,
@@ -714,6 +710,36 @@ class RuntimeModel:
             sampling_shape=None if sampling is None else sampling.shape_key,
             index_pages=index_pages,
         )
+
+    def _sub_views(self, layout: Layout, dv: dict[str, torch.Tensor]) -> dict:
+        """Views into ``dv`` that ``StepInputs`` hands out (per-request rows, compress groups,
+        sampler fields, Engram rows), made once per layout: creating tensor views costs a few
+        microseconds each, and ``dv`` itself is cached per layout (equal addresses)."""
+        got = self._sub_view_cache.get(layout.key)
+        if got is not None and got[0] is dv:
+            return got[1]
+        sub: dict = {"compress": {}, "sampler": None}
+        pr = dv["per_request"]
+        sub["per_request"] = {name: pr[j] for j, name in enumerate(_PER_REQUEST)}
+        for name, idx in dv.items():
+            if name.endswith("_idx") and name.startswith("c"):
+                r = int(name[1:-4])
+                flags = dv[f"c{r}_flags"]
+                sub["compress"][r] = CompressInputs(idx[0], idx[1], idx[2], flags[0], flags[1])
+        if "s_f32" in dv:
+            f, i = dv["s_f32"], dv["s_i64"]
+            sub["sampler"] = SamplerInputs(f[0], i[0], f[1], f[2], i[1], i[2])
+        n_e = len(self._engram_shapes)
+        sub["engram_codes"] = tuple(
+            dv[f"eg{li}_codes"] for li in range(n_e) if f"eg{li}_codes" in dv
+        )
+        sub["engram_scales"] = tuple(
+            dv[f"eg{li}_scales"] for li in range(n_e) if f"eg{li}_scales" in dv
+        )
+        if len(self._sub_view_cache) > 256:
+            self._sub_view_cache.clear()
+        self._sub_view_cache[layout.key] = (dv, sub)
+        return sub
 
     def _prepare_engram(self, plan, hv: dict, ids: np.ndarray) -> None:
         """Engram row ids from the final token ids and each request's history (the host mirror of
