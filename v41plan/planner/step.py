@@ -521,8 +521,9 @@ def _compress_one_row(pos: np.ndarray, r: int) -> CompressPlan:
         rows = np.arange(len(pos), dtype=np.int32)
         return CompressPlan(1, rows, rows, pos, pos, np.zeros(len(pos), dtype=bool), _EMPTY, _EMPTY)
     closes = _mod(pos + 1, r) == 0
-    rows = np.flatnonzero(closes).astype(np.int32)
-    crow = _div(pos[rows], r)
+    at = np.flatnonzero(closes)  # int64 indices: int32 ones make numpy's gather slower
+    rows = at.astype(np.int32)
+    crow = _div(pos[at], r)
     first = crow * r
     store = np.flatnonzero(~closes).astype(np.int32)
     return CompressPlan(
@@ -531,7 +532,9 @@ def _compress_one_row(pos: np.ndarray, r: int) -> CompressPlan:
         batch_ids=rows,
         compressed_rows=crow,
         rope_positions=first,
-        first_from_tail=first < pos[rows],
+        # the closing member is the group's last (r > 1), so its first is an earlier position:
+        # one written before this forward, whose projection the slot's FP32 tail holds
+        first_from_tail=np.ones(len(at), dtype=bool),
         tail_store_rows=store,
         tail_store_batch_ids=store,
     )
