@@ -7,7 +7,7 @@
 #     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests about 190 s, kernels 70 s, tiny40 both transfers about 230 s, ckpt 20 s,
-# decode 60 s, prefill 150 s, medium (float64) about 240 s per transfer); split it, e.g.
+# decode 60 s at b693dc4 (over 150 s at 218721c: its eager rows are launch-bound), prefill 150 s, medium (float64) about 240 s per transfer); split it, e.g.
 # STEPS="tests tiny40", then STEPS="ckpt decode prefill", then STEPS="ckpt medium".
 set -u -o pipefail
 OUT=${OUT:-reports/gpu}
@@ -47,7 +47,7 @@ CASE_ARGS=(${CASES:+--cases "$CASES"})
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
     --transfer "$TRANSFER" "${CASE_ARGS[@]}" --output "$OUT/validate_tiny40_graph$SUFFIX.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
-run_step decode 200 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
+run_step decode 300 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
     --dtype float64 --transfer "$TRANSFER" "${CASE_ARGS[@]}" --checkpoint "$CKPT" \

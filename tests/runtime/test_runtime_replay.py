@@ -273,3 +273,19 @@ def test_one_step_mixes_decode_a_rebuild_with_a_tail_and_a_nonfinal_chunk_under_
     assert m.pools.cursor[1].tolist() == cursor_expected(eng, np.concatenate([ids[0], [7]]), 121)
     assert m.pools.cursor[2].tolist() == cursor_expected(eng, ids[1], 120)
     assert m.pools.cursor[3].tolist() == cursor_expected(eng, ids[2], 40)
+
+
+def test_row_counts_fold_keeps_the_log_bounded_and_the_sums():
+    """Unread per-step row counts are folded every ``row_count_fold_steps`` steps: the log stays
+    bounded and the sums equal those of reading after every step."""
+    spec, *_ = model("tiny")
+    m = runtime("tiny", *PAIRS[0])
+    m.row_count_fold_steps = 2
+    plan = step(spec, [(0, (1, 2), 40, 0, 40, "prefill")])
+    ids = np.arange(40, dtype=np.int64) % 200
+    for _ in range(5):
+        m.prepare(plan, ids)
+        assert len(m._row_count_log) < 2
+    per_step = {k: len(v) for k, v in plan.layer_rows.items() if len(v)}
+    got = {k: v for k, v in m.row_counts.items() if k[1] != "compress_groups"}
+    assert got == {k: 5 * n for k, n in per_step.items()}

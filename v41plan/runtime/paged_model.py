@@ -418,6 +418,10 @@ class RuntimeModel:
         """Routed expert ids ``[running_tokens, num_experts_per_tok]`` by flat row to use instead
         of the router's, per layer."""
 
+    row_count_fold_steps = 4096
+    """Per-step row-count entries kept before they are folded into ``row_counts`` (a server
+    that never reads them stays bounded)."""
+
     @property
     def row_counts(self) -> Counter:
         """Rows each ``(layer, sub_step)`` ran, summed over prepared steps (the replay row-count
@@ -582,6 +586,8 @@ class RuntimeModel:
         key_index, distinct = plan.layer_rows.distinct
         lens = tuple(len(a) for a in distinct)
         self._row_count_log.append((key_index, lens))
+        if len(self._row_count_log) >= self.row_count_fold_steps:
+            _ = self.row_counts
         arrays: list[np.ndarray] = []
         slot_of: list[int | None] = []  # distinct array -> staged row set (None: every row)
         for a, n in zip(distinct, lens, strict=True):
