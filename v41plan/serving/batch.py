@@ -298,14 +298,21 @@ def to_step_input(batch: ScheduledBatch, tables: SlotTables, compress=None, *, h
 
     reqs = batch.requests
     n = len(reqs)
-    cols = np.array(
-        [
-            (r.slot, r.prompt_len, r.resume, r.end - r.resume, r.prefix_hit, r.fresh_slot,
-             r.all_logits, r.start >= r.prompt_len)
-            for r in reqs
-        ],
-        dtype=np.int64,
-    ).reshape(n, 8)  # fmt: skip
+    if batch.phase == "decode":  # one row each past the prompt: half the columns are constants
+        cols = np.zeros((n, 8), dtype=np.int64)
+        cols[:, [0, 1, 2, 4]] = np.array(
+            [(r.slot, r.prompt_len, r.resume, r.prefix_hit) for r in reqs], dtype=np.int64
+        ).reshape(n, 4)
+        cols[:, 3] = cols[:, 7] = 1
+    else:
+        cols = np.array(
+            [
+                (r.slot, r.prompt_len, r.resume, r.end - r.resume, r.prefix_hit, r.fresh_slot,
+                 r.all_logits, r.start >= r.prompt_len)
+                for r in reqs
+            ],
+            dtype=np.int64,
+        ).reshape(n, 8)  # fmt: skip
     slots = cols[:, 0]
     width = int(tables.num_blocks[slots].max()) if n else 0
     ids = None

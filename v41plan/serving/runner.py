@@ -122,7 +122,8 @@ class PagedRunner:
         out = RunnerOutput()
         if not batch.requests:
             return out
-        for r in batch.requests:
+        decode = batch.phase == "decode"  # one row each, never a fresh slot or all-row logits
+        for r in () if decode else batch.requests:
             if r.fresh_slot:
                 model.reset_slot(r.slot)
                 self.stats["fresh_resets"] += 1
@@ -139,8 +140,11 @@ class PagedRunner:
         plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
         ids = step_token_ids(batch, self.tables)
-        want_rows = any(r.all_logits for r in batch.requests)
-        final = [i for i, r in enumerate(batch.requests) if r.is_final_chunk]
+        if decode:
+            want_rows, final = False, range(len(batch.requests))
+        else:
+            want_rows = any(r.all_logits for r in batch.requests)
+            final = [i for i, r in enumerate(batch.requests) if r.is_final_chunk]
         slots = np.fromiter((r.slot for r in batch.requests), np.int64, len(batch.requests))
         sampling = self.tables.sampling(slots)
         inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling)
@@ -149,20 +153,25 @@ class PagedRunner:
             res = model.run(inputs)
         self.stats["forwards"] += 1
         self.stats["rows"] += int(plan.scheduled_tokens)
-        self.stats["replay_rows"] += sum(r.replay_rows for r in batch.requests)
+        if not decode:  # a decode row never replays
+            self.stats["replay_rows"] += sum(r.replay_rows for r in batch.requests)
         if plan.decoder_replay:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
         host = self.read_back(res, want_rows)
         tokens, logprobs = host["token_ids"].tolist(), host["logprobs"].tolist()
-        top = sampling.top_n > 0
+        reqs = batch.requests
         for i in final:
-            sid = batch.requests[i].seq_id
+            sid = reqs[i].seq_id
             out.tokens[sid], out.logprobs[sid] = tokens[i], logprobs[i]
-            n = int(self.tables.top_n[slots[i]])
-            if top and n > 0:
-                ids_i, lps_i = host["top_ids"][i, :n].tolist(), host["top_logprobs"][i, :n].tolist()
-                out.top_logprobs[sid] = list(zip(ids_i, lps_i, strict=True))
+        if sampling.top_n > 0:
+            top_n = self.tables.top_n[slots].tolist()
+            for i in final:
+                n = top_n[i]
+                if n > 0:
+                    ids_i = host["top_ids"][i, :n].tolist()
+                    lps_i = host["top_logprobs"][i, :n].tolist()
+                    out.top_logprobs[reqs[i].seq_id] = list(zip(ids_i, lps_i, strict=True))
         if want_rows:
             cu = plan.cu_seqlens_q
             for i, r in enumerate(batch.requests):

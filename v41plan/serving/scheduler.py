@@ -309,16 +309,18 @@ class Scheduler:
         )
         self._freed = []
         self._kv_saves, self._kv_loads = [], []
+        cols = [(r.seq_id, r.slot, r.start, r.resume, r.end) for r in reqs]  # one pass
+        ids, slots, starts, resumes, ends = map(list, zip(*cols)) if cols else ([], [], [], [], [])
         self.events.append(
             {
                 "step": batch.step,
                 "phase": phase,
-                "ids": [r.seq_id for r in reqs],
-                "slots": [r.slot for r in reqs],
-                "starts": [r.start for r in reqs],
-                "resumes": [r.resume for r in reqs],
-                "ends": [r.end for r in reqs],
-                "replay_rows": sum(r.replay_rows for r in reqs),
+                "ids": ids,
+                "slots": slots,
+                "starts": starts,
+                "resumes": resumes,
+                "ends": ends,
+                "replay_rows": sum(resumes) - sum(starts),
                 "stores": len(batch.stores),
                 "restores": len(batch.restores),
             }
@@ -504,6 +506,7 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput) -> list[Sequence]:
         """Advance cursors, publish blocks, queue images, sample, finish; returns newly finished."""
         cfg, bm = self.config, self.bm
+        copy = cfg.transfer == "copy"
         for im in bm.complete_batch():
             tokens = self._image_tokens.pop(im.key, ())
             if self.connector is not None:
@@ -514,7 +517,8 @@ class Scheduler:
             seq = by_id.get(req.seq_id)
             if seq is None:
                 continue
-            seq.replay_rows += req.replay_rows
+            if req.resume != req.start:
+                seq.replay_rows += req.resume - req.start
             seq.fresh_start = None
             if req.all_logits and req.seq_id in output.row_logits:
                 self._score(seq, req, output.row_logits[req.seq_id])
@@ -535,7 +539,7 @@ class Scheduler:
                             tuple(seq.token_ids[: full * cfg.page_tokens]),
                         )
                     )
-            if cfg.transfer == "copy" and req.end % cfg.page_tokens == 0 and req.end > 0:
+            if copy and req.end % cfg.page_tokens == 0 and req.end > 0:
                 key = seq.hashes(cfg.page_tokens, full)[full - 1]
                 if bm.begin_store(key, seq.slot, req.end) and self.connector is not None:
                     self._image_tokens[key] = tuple(seq.token_ids[: req.end])
@@ -547,8 +551,8 @@ class Scheduler:
                 self._finish(seq, "aborted")
                 done.append(seq)
                 continue
-            if seq.is_prefilling or seq.seq_id not in final:
-                continue
+            if seq.num_cached_tokens < seq.prefill_end or seq.seq_id not in final:
+                continue  # still prefilling, or not sampled this step
             token = output.tokens.get(seq.seq_id)
             if token is None:  # a runner without a device sampler: sample its logits here
                 logits = output.last_logits.get(seq.seq_id)
@@ -580,17 +584,19 @@ class Scheduler:
             seq.prompt_logprobs.append(float(lp[i, seq.token_ids[pos]]))
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (
-            not p.ignore_eos
-            and self.config.eos_token_id is not None
-            and token == self.config.eos_token_id
-        ):
+        """``stop`` for EOS (unless ignored) or a stop token id, ``length`` at ``max_tokens``
+        or ``max_model_len``; None otherwise. The rule is built once per request (a decode
+        step checks every running request)."""
+        rule = seq.stop_rule
+        if rule is None:
+            p, eos = seq.params, self.config.eos_token_id
+            stops = set(p.stop_token_ids)
+            if not p.ignore_eos and eos is not None:
+                stops.add(eos)
+            limit = min(seq.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
+            rule = seq.stop_rule = (frozenset(stops), limit)
+        if token in rule[0]:
             return "stop"
-        if token in p.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.config.max_model_len:
+        if len(seq.token_ids) >= rule[1]:
             return "length"
         return None

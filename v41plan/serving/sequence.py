@@ -62,6 +62,9 @@ class Sequence:
     """Blocks the last admission took from the KV connector (the rest came from the device)."""
     needs_reset: bool = False
     """The request took its slot since the last batch: the runner gets the slot's whole content."""
+    stop_rule: tuple[frozenset[int], int] | None = None
+    """The scheduler's stop check, built at the first sampled token: the ids that stop the
+    request (EOS unless ignored, ``stop_token_ids``) and the token count that ends it."""
     _hashes: list[bytes] = field(default_factory=list)
 
     @property
