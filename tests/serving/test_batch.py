@@ -76,3 +76,42 @@ def test_step_input_reads_block_tables_tokens_and_the_history_window():
     assert step.is_decode.tolist() == [False, True]
     ids = step_token_ids(batch, t)
     assert ids.tolist() == toks[160:230].tolist() + [int(toks[40])]
+
+
+def test_a_decode_batch_takes_the_short_column_path_to_the_same_step():
+    """A decode batch's step input (four columns built, the rest constants) equals the one the
+    general path builds for the same requests, and its token ids are the slots' last tokens."""
+    t = SlotTables(num_slots=3, max_pages=4)
+    t.apply(
+        ScheduledBatch(
+            1, "prefill", (),
+            deltas=(_delta(0, [5, 6, 7], [3]), _delta(2, [1, 2, 3, 4, 9], [0, 1])),
+        )
+    )  # fmt: skip
+    reqs = (
+        ScheduledRequest(7, 2, 5, 5, 6, 4, 0, False, True),
+        ScheduledRequest(3, 0, 3, 3, 4, 2, 32, False, True),
+    )
+    fast = to_step_input(ScheduledBatch(2, "decode", reqs), t)
+    general = to_step_input(ScheduledBatch(2, "prefill", reqs), t)
+    for name in ("slots", "block_tables", "prompt_lens", "starts", "chunk_lens", "is_decode",
+                 "prefix_hits", "fresh_slot", "full_rows"):  # fmt: skip
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert step_token_ids(ScheduledBatch(2, "decode", reqs), t).tolist() == [9, 7]
+
+
+def test_check_plan_refuses_starts_the_scheduler_did_not_count():
+    from types import SimpleNamespace
+
+    from v41plan.serving.batch import check_plan
+
+    reqs = (ScheduledRequest(1, 0, 5, 5, 6, 4, 0, False, True),)
+    batch = ScheduledBatch(4, "decode", reqs)
+    check_plan(batch, SimpleNamespace(forward_start=np.array([5, 0]), scheduled_bs=1))
+    try:
+        check_plan(batch, SimpleNamespace(forward_start=np.array([3, 0]), scheduled_bs=1))
+    except RuntimeError as exc:
+        assert "planner starts [3] != scheduler starts [5]" in str(exc)
+    else:
+        raise AssertionError("a differing forward start was accepted")

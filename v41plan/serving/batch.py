@@ -345,20 +345,28 @@ def to_step_input(batch: ScheduledBatch, tables: SlotTables, compress=None, *, h
     )
 
 
-def step_token_ids(batch: ScheduledBatch, tables: SlotTables) -> np.ndarray:
-    """The flat token ids the batch's forward reads, in request order."""
+def step_token_ids(
+    batch: ScheduledBatch, tables: SlotTables, slots: np.ndarray | None = None
+) -> np.ndarray:
+    """The flat token ids the batch's forward reads, in request order (``slots``: the batch's
+    slots, in request order, when the caller has them)."""
     if batch.phase == "decode":
-        return tables.last_token[[r.slot for r in batch.requests]]
+        if slots is None:
+            slots = np.fromiter((r.slot for r in batch.requests), np.int64, len(batch.requests))
+        return tables.last_token[slots]
     parts = [tables.tokens(r.slot, r.start, r.end) for r in batch.requests]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def check_plan(batch: ScheduledBatch, plan) -> None:
     """Raise if the planner's forward starts differ from the scheduler's (a contract check)."""
-    starts = [int(x) for x in plan.forward_start[: plan.scheduled_bs]]
-    want = [r.start for r in batch.requests]
-    if starts != want:
-        raise RuntimeError(f"step {batch.step}: planner starts {starts} != scheduler starts {want}")
+    got = plan.forward_start[: plan.scheduled_bs]
+    want = np.fromiter((r.start for r in batch.requests), np.int64, len(batch.requests))
+    if not np.array_equal(got, want):
+        starts = [int(x) for x in got]
+        raise RuntimeError(
+            f"step {batch.step}: planner starts {starts} != scheduler starts {want.tolist()}"
+        )
 
 
 class ModelRunner(Protocol):

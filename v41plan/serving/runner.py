@@ -139,13 +139,13 @@ class PagedRunner:
         )  # fmt: skip
         plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
-        ids = step_token_ids(batch, self.tables)
+        slots = np.asarray(step.slots, dtype=np.int64)  # request order
+        ids = step_token_ids(batch, self.tables, slots)
         if decode:
             want_rows, final = False, range(len(batch.requests))
         else:
             want_rows = any(r.all_logits for r in batch.requests)
             final = [i for i, r in enumerate(batch.requests) if r.is_final_chunk]
-        slots = np.fromiter((r.slot for r in batch.requests), np.int64, len(batch.requests))
         sampling = self.tables.sampling(slots)
         inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling)
         res = self.graphs.run(inputs) if self.graphs is not None else None

@@ -486,19 +486,11 @@ class Scheduler:
             if need_page:
                 self.bm.append_page(seq.block_table)
             scheduled.append(seq)
-            reqs.append(
-                ScheduledRequest(
-                    seq_id=seq.seq_id,
-                    slot=seq.slot,
-                    start=pos,
-                    resume=pos,
-                    end=pos + 1,
-                    prompt_len=seq.prefill_end,
-                    prefix_hit=seq.hits[-1] if seq.hits else 0,
-                    fresh_slot=False,
-                    is_final_chunk=True,
-                )
-            )
+            # positional (seq_id, slot, start, resume, end, prompt_len, prefix_hit, fresh_slot,
+            # is_final_chunk): half the cost of keywords, once per request per step
+            hit = seq.hits[-1] if seq.hits else 0
+            reqs.append(ScheduledRequest(seq.seq_id, seq.slot, pos, pos, pos + 1,
+                                         seq.prefill_end, hit, False, True))  # fmt: skip
             budget -= 1
         return reqs, scheduled
 
