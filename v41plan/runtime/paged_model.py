@@ -649,10 +649,12 @@ class RuntimeModel:
             idx[1, :n] = cpl.batch_ids
             idx[2, :n] = cpl.compressed_rows
             flags = hv[f"c{r}_flags"]
-            flags[0, cpl.rows[cpl.first_from_tail]] = True
+            fft = cpl.first_from_tail
+            flags[0, cpl.rows if fft.all() else cpl.rows[fft]] = True
             flags[1, cpl.tail_store_rows] = True
         # under decoder replay a forward that does not finish its prompt runs no decoder row
-        hv["last_undefined"][:] = plan.decoder_replay & (plan.row_phase == 0)
+        if plan.decoder_replay:  # else every entry stays False (the views come zeroed)
+            hv["last_undefined"][:] = plan.row_phase == 0
         if undefined:
             bids = plan.batch_ids
             full = (plan.row_phase == 2)[np.maximum(bids, 0)] & (bids >= 0)
@@ -761,7 +763,7 @@ class RuntimeModel:
             return
         cu = plan.cu_seqlens_q[: n + 1].astype(np.int64)
         slots = plan.slots[:n].astype(np.int64)
-        hist = mirror[slots, 1:].copy()
+        hist = mirror[slots, 1:]  # a gather: already a copy
         own = plan.history_from_plan[:n]
         if own.any():  # plan: oldest first; cursor: newest first
             hist[own] = plan.history_ids[:n][own][:, ::-1]
