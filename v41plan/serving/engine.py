@@ -58,6 +58,9 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     """Per prompt position, as vLLM: ``None`` for the first token (nothing precedes it), then
     the log-probability of each later prompt token (``SamplingParams.prompt_logprobs``)."""
+    prompt_greedy: list[bool | None] | None = None
+    """Beside ``prompt_logprobs``: whether each prompt token is its row's argmax (the first
+    maximum) under the preceding tokens; ``None`` for the first token."""
     stats: dict = field(default_factory=dict)
     """What the scheduler did (``hits``, ``starts``, ``replay_rows``, ``restores``,
     ``preemptions``) and, from ``generate``, the timing: ``ttft_s`` (submission to first token),
@@ -328,6 +331,9 @@ class LLM:
                 [None, *seq.prompt_logprobs]
                 if seq.params.prompt_logprobs and not seq.error
                 else None
+            ),
+            prompt_greedy=(
+                [None, *seq.prompt_greedy] if seq.params.prompt_logprobs and not seq.error else None
             ),
             stats={
                 "hits": list(seq.hits),

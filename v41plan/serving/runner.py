@@ -205,7 +205,8 @@ class PagedRunner:
         if s.top_ids.shape[1]:
             parts["top_ids"], parts["top_logprobs"] = s.top_ids, s.top_logprobs
         if want_rows and res.row_logits is not None:
-            parts["row_logits"] = res.row_logits.float()
+            rl = res.row_logits  # float64 stays (exact scoring); bf16 and float32 as float32
+            parts["row_logits"] = rl if rl.dtype == torch.float64 else rl.float()
         if s.token_ids.device.type != "cuda":
             return {k: v.clone() for k, v in parts.items()}
         host = {}

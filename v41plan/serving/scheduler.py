@@ -120,6 +120,7 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.fresh_start = None
         seq.prompt_logprobs.clear()  # a scoring request re-scores from position 0
+        seq.prompt_greedy.clear()
         seq.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -569,11 +570,14 @@ class Scheduler:
 
     def _score(self, seq: Sequence, req: ScheduledRequest, rows: torch.Tensor) -> None:
         lp = torch.log_softmax(rows.double(), dim=-1)
+        top = lp.argmax(dim=-1).tolist()  # the first maximum, as an argmax-greedy decoder picks
         for i in range(req.chunk_len):
             pos = req.start + i + 1
             if pos >= seq.num_prompt_tokens or req.start + i < req.resume:
                 continue
-            seq.prompt_logprobs.append(float(lp[i, seq.token_ids[pos]]))
+            tok = seq.token_ids[pos]
+            seq.prompt_logprobs.append(float(lp[i, tok]))
+            seq.prompt_greedy.append(top[i] == tok)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """``stop`` for EOS (unless ignored) or a stop token id, ``length`` at ``max_tokens``

@@ -41,6 +41,8 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_greedy: list[bool] = field(default_factory=list)
+    """Per scored prompt position (beside ``prompt_logprobs``): the token is the row's argmax."""
     output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     """Per generated token (when ``params.logprobs`` is set): its raw logprob and the
     ``params.logprobs`` most likely ``{token id: logprob}``."""

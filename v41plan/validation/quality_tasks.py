@@ -1,0 +1,209 @@
+"""The offline quality tasks: seeded generators and the lm-eval task files over their output.
+
+    python -m v41plan.validation.quality_tasks [--out v41plan/validation/tasks] [--docs 100]
+
+Three tasks whose answers need more than the 128-row window (the texts are ASCII: one token a
+byte under the byte tokenizer, so lengths in characters are lengths in tokens):
+
+- ``v41plan_kv_recall_mc`` (multiple choice, ``acc`` by log-likelihood): ``key=value`` pairs
+  over about 600 characters, then a question on a key from the first third; the choices are
+  the true value and three others from the same context. The answer is outside the window:
+  only the compressed KV and the index top-k reach it.
+- ``v41plan_copy_gen`` (generation, ``exact_match``): a code, filler text past the window, then
+  a request to repeat the code.
+- ``v41plan_arith_gen`` (generation, ``exact_match``): two- and three-digit sums.
+
+The same generators with another seed give a training corpus (``corpus``); the shipped files
+are drawn from ``EVAL_SEED``, held out from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+EVAL_SEED = 1_000_003
+"""Seed of the shipped (held-out) documents."""
+
+_KEYS = [
+    "amber", "basil", "cedar", "delta", "ember", "flint", "grove", "haven", "ivory", "jade",
+    "karma", "lunar", "maple", "nexus", "onyx", "pearl", "quill", "raven", "sable", "tango",
+    "umber", "viola", "willow", "xenon", "yarrow", "zephyr", "acorn", "birch", "coral", "dune",
+]  # fmt: skip
+_FILLER = "the river runs past the old mill and the fields beyond it turn gold in the autumn sun. "
+
+
+def kv_recall_doc(rng: random.Random, pairs: int = 40) -> dict:
+    """One multiple-choice recall item: ``{"context", "choices", "label"}``."""
+    keys = rng.sample(_KEYS, k=min(pairs, len(_KEYS)))
+    while len(keys) < pairs:
+        keys.append(f"{rng.choice(_KEYS)}{len(keys)}")
+    values = [rng.randrange(100, 1000) for _ in keys]
+    lines = " ".join(f"{k}={v};" for k, v in zip(keys, values, strict=True))
+    q = rng.randrange(0, max(1, pairs // 3))  # early in the context: outside the window
+    others = [v for i, v in enumerate(values) if i != q and v != values[q]]
+    choices = [values[q], *rng.sample(others, k=3)]
+    rng.shuffle(choices)
+    return {
+        "context": f"{lines}\nquestion: what is {keys[q]}? answer:",
+        "choices": [f" {c}" for c in choices],
+        "label": choices.index(values[q]),
+    }
+
+
+def copy_doc(rng: random.Random, filler_chars: int = 420) -> dict:
+    """One generation item: ``{"prompt", "answer"}``; the code lies before the filler."""
+    code = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(8))
+    filler = (_FILLER * (filler_chars // len(_FILLER) + 1))[:filler_chars]
+    return {"prompt": f"code: {code}\n{filler}\nrepeat the code: ", "answer": code}
+
+
+def arith_doc(rng: random.Random) -> dict:
+    """One generation item: ``{"prompt", "answer"}`` of a sum."""
+    a, b = rng.randrange(10, 1000), rng.randrange(10, 1000)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+GENERATORS = {
+    "kv_recall_mc": kv_recall_doc,
+    "copy_gen": copy_doc,
+    "arith_gen": arith_doc,
+}
+"""Task file stem -> document generator."""
+
+
+def documents(name: str, n: int, seed: int = EVAL_SEED) -> list[dict]:
+    """``n`` documents of task ``name`` (a ``GENERATORS`` key) from ``seed``."""
+    rng = random.Random(f"{name}:{seed}")
+    return [GENERATORS[name](rng) for _ in range(n)]
+
+
+def corpus(n_per_task: int, seed: int) -> list[str]:
+    """Training texts from the same generators (answers filled in), seeded apart from the
+    held-out documents."""
+    if seed == EVAL_SEED:
+        raise ValueError("the training seed must differ from the held-out one")
+    texts = []
+    for d in documents("kv_recall_mc", n_per_task, seed):
+        texts.append(d["context"] + d["choices"][d["label"]])
+    for name in ("copy_gen", "arith_gen"):
+        texts += [d["prompt"] + d["answer"] for d in documents(name, n_per_task, seed)]
+    return texts
+
+
+_YAML = {
+    "kv_recall_mc": """task: v41plan_kv_recall_mc
+dataset_path: json
+custom_dataset: !function v41plan_tasks.kv_recall_mc
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{label}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+    "copy_gen": """task: v41plan_copy_gen
+dataset_path: json
+custom_dataset: !function v41plan_tasks.copy_gen
+output_type: generate_until
+test_split: test
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+    "arith_gen": """task: v41plan_arith_gen
+dataset_path: json
+custom_dataset: !function v41plan_tasks.arith_gen
+output_type: generate_until
+test_split: test
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["\\n", " "]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+}
+
+_LOADER = '''"""Loaders of the v41plan offline tasks (lm-eval ``custom_dataset``): each reads the
+JSONL beside this file (written by ``python -m v41plan.validation.quality_tasks``)."""
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load(stem):
+    import datasets
+
+    rows = [json.loads(line) for line in (HERE / f"{stem}.jsonl").read_text().splitlines()]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def kv_recall_mc(**_kwargs):
+    return _load("kv_recall_mc")
+
+
+def copy_gen(**_kwargs):
+    return _load("copy_gen")
+
+
+def arith_gen(**_kwargs):
+    return _load("arith_gen")
+'''
+
+
+def write_tasks(out: Path, docs: int) -> list[Path]:
+    """Write every task's JSONL, YAML and the shared loader into ``out``; returns the files."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name in GENERATORS:
+        jsonl = out / f"{name}.jsonl"
+        jsonl.write_text("".join(json.dumps(d) + "\n" for d in documents(name, docs)))
+        yaml = out / f"{name}.yaml"
+        yaml.write_text(_YAML[name])
+        files += [jsonl, yaml]
+    loader = out / "v41plan_tasks.py"
+    loader.write_text(_LOADER)
+    return [*files, loader]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the shipped task files."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "tasks"))
+    ap.add_argument("--docs", type=int, default=100, help="documents per task")
+    args = ap.parse_args(argv)
+    for f in write_tasks(Path(args.out), args.docs):
+        print(f"wrote {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
