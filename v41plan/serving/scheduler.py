@@ -210,8 +210,8 @@ class Scheduler:
         budget -= len(reqs)
         decodes = len(reqs)
         # Phase 1: partial prefills already running, in queue order.
-        for seq in list(self.running):
-            if not seq.is_prefilling or seq.aborted:
+        for seq in [s for s in self.running if s.num_cached_tokens < s.prefill_end]:
+            if seq.aborted:
                 continue
             span = self._chunk(seq, seq.num_cached_tokens, None, budget)
             if span is None:
@@ -469,7 +469,10 @@ class Scheduler:
         that needs a page when none is left preempts the newest others (or itself)."""
         reqs: list[ScheduledRequest] = []
         scheduled: list[Sequence] = []
-        queue = deque(s for s in self.running if not s.is_prefilling and not s.aborted)
+        # (attributes, not the is_prefilling property: this runs over every running request)
+        queue = deque(
+            s for s in self.running if s.num_cached_tokens >= s.prefill_end and not s.aborted
+        )
         while queue and budget > 0:
             seq = queue.popleft()
             pos = seq.num_cached_tokens
@@ -536,7 +539,13 @@ class Scheduler:
                 key = seq.hashes(cfg.page_tokens, full)[full - 1]
                 if bm.begin_store(key, seq.slot, req.end) and self.connector is not None:
                     self._image_tokens[key] = tuple(seq.token_ids[: req.end])
-        final = {r.seq_id for r in batch.requests if r.is_final_chunk}
+        # every request of a decode batch samples (one the batch left out has no token nor
+        # logits in the output and is skipped below); a prefill batch only its final chunks
+        final = (
+            None
+            if batch.phase == "decode"
+            else {r.seq_id for r in batch.requests if r.is_final_chunk}
+        )
         for seq in list(self.running):
             # Cancellation first: a middle chunk or a deferred step has no sampled row.
             if seq.aborted:
@@ -544,7 +553,9 @@ class Scheduler:
                 self._finish(seq, "aborted")
                 done.append(seq)
                 continue
-            if seq.num_cached_tokens < seq.prefill_end or seq.seq_id not in final:
+            if seq.num_cached_tokens < seq.prefill_end or (
+                final is not None and seq.seq_id not in final
+            ):
                 continue  # still prefilling, or not sampled this step
             token = output.tokens.get(seq.seq_id)
             if token is None:  # a runner without a device sampler: sample its logits here
