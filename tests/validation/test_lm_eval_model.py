@@ -113,3 +113,33 @@ def test_lm_eval_runs_the_shipped_tasks_end_to_end(tmp_path):
     res = json.loads(results[0].read_text())["results"]
     assert 0.0 <= res["v41plan_kv_recall_mc"]["acc,none"] <= 1.0
     assert 0.0 <= res["v41plan_arith_gen"]["exact_match,none"] <= 1.0
+
+
+def test_lm_eval_under_torchrun_tp2_scores_as_one_process_and_reports_once(tmp_path):
+    """``torchrun`` with two ranks (gloo, tensor parallel 2, float64): every rank runs every
+    request in lockstep, one process writes the results, and the log-likelihoods it logged
+    equal one process's (about 25 s on two cores)."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install '.[eval]')")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
+               OMP_NUM_THREADS="1")  # fmt: skip
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "-m",
+           "v41plan.validation.lm_eval_model", "--model", "v41plan",
+           "--model_args", "spec=tiny,tensor_parallel_size=2,dtype=float64",
+           "--tasks", "v41plan_kv_recall_mc", "--limit", "2", "--log_samples",
+           "--output_path", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(list(tmp_path.rglob("results_*.json"))) == 1  # rank 0 alone reports
+    (samples,) = tmp_path.rglob("samples_*.jsonl")
+    pairs, logged = [], []
+    for line in samples.read_text().splitlines():
+        d = json.loads(line)
+        for k in sorted(d["arguments"]):
+            pairs.append((d["arguments"][k]["arg_0"], d["arguments"][k]["arg_1"]))
+        logged += [float(r[0][0]) for r in d["resps"]]
+    assert len(pairs) == 8
+    one = _lm().loglikelihood(pairs)
+    for (lp, _greedy), want in zip(one, logged, strict=True):
+        assert abs(lp - want) <= 1e-9 * abs(want), (lp, want)
