@@ -650,7 +650,6 @@ def plan_step(
         "last": lens - 1,
         "none": lens,
     }
-    present = tuple(c > 0 for c in np.bincount(phase, minlength=3).tolist())
     everything = np.arange(total, dtype=np.int32)
 
     def rows_of(sig: tuple) -> np.ndarray:
@@ -663,7 +662,13 @@ def plan_step(
             off = np.choose(phase, [offsets[name] for name in sig])
         return _ragged_ranges(cu[:n] + off, lens - off)
 
-    sig_arrays = {sig: rows_of(sig) for sig in st.sigs}
+    if one_row:  # a decode row is its request's last row, its tail and all of it
+        sig_arrays = {
+            sig: _EMPTY if sig[_PHASE_DECODE] == "none" else everything for sig in st.sigs
+        }
+    else:
+        present = tuple(c > 0 for c in np.bincount(phase, minlength=3).tolist())
+        sig_arrays = {sig: rows_of(sig) for sig in st.sigs}
     layer_rows = LayerRows(st.key_index, tuple(sig_arrays[sig] for sig in st.sigs))
     stages = []
     for name, first, last, sub_sigs, comp_sigs in st.stages:
