@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="specs/tiny40.yaml")
     ap.add_argument("--dtype", default="float64")
-    ap.add_argument("--out-tokens", type=int, default=6)
+    # 6 tokens took the whole 200 s profile step on the H200 (the CUDA profiler over about
+    # 170,000 launches of one engine); 2 keep both engines within it
+    ap.add_argument("--out-tokens", type=int, default=2)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--out", default=None)
