@@ -9,8 +9,9 @@ runs lm-eval's own command line with the model registered and this package's off
 why the module above exists. From Python: ``lm_eval.simple_evaluate(model=V41PlanLM(...))``.
 
 ``--model_args`` are ``spec`` (a compiled spec name or file), ``checkpoint`` (a directory; the
-spec's seeded random weights without it), ``max_gen_toks`` and any engine option
-(``kv_cache_dtype``, ``decoder_swa_bounded_replay``, ``dtype``, ``max_model_len``, ...).
+spec's seeded random weights without it), ``max_gen_toks``, ``progress`` (a bar per call) and
+any engine option (``kv_cache_dtype``, ``decoder_swa_bounded_replay``, ``dtype``,
+``max_model_len``, ...).
 
 - ``loglikelihood``: context and continuation as one prompt scored through every layer (the
   engine's ``prompt_logprobs`` path: all-row logits, decoder replay off for the request); the
@@ -61,6 +62,7 @@ class V41PlanLM(_LMBase):
         checkpoint: str | None = None,
         max_gen_toks: int = 256,
         llm: LLM | None = None,
+        progress: bool = True,
         **options,
     ) -> None:
         if _LMBase is not object:
@@ -73,6 +75,8 @@ class V41PlanLM(_LMBase):
             options.setdefault("device", kind)
         self.llm = llm if llm is not None else LLM(spec, checkpoint, **options)
         self.max_gen_toks = int(max_gen_toks)
+        self.progress = bool(progress)
+        """A progress bar over each call's tokens (``TQDM_DISABLE=1`` silences it)."""
         eos = self.llm.eos_token_id
         self.eot_token_id = int(eos) if eos is not None else 0
         """The token a context-free continuation is conditioned on."""
@@ -121,7 +125,7 @@ class V41PlanLM(_LMBase):
             prompts.append({"prompt_token_ids": ids})
             params.append(SamplingParams(max_tokens=max_new, temperature=temperature))
             untils.append(until)
-        outs = self.llm.generate(prompts, params) if prompts else []
+        outs = self.llm.generate(prompts, params, use_tqdm=self.progress) if prompts else []
         texts = []
         for out, until in zip(outs, untils, strict=True):
             if out.error is not None:
@@ -148,7 +152,7 @@ class V41PlanLM(_LMBase):
         if not prompts:
             return []
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
-        outs = self.llm.generate(prompts, params)
+        outs = self.llm.generate(prompts, params, use_tqdm=self.progress)
         result = []
         for out, n in zip(outs, lens, strict=True):
             if out.error is not None or out.prompt_logprobs is None:
