@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from pathlib import Path
 
 EVAL_SEED = 1_000_003
@@ -93,104 +94,60 @@ def corpus(n_per_task: int, seed: int) -> list[str]:
     return texts
 
 
-_YAML = {
-    "kv_recall_mc": """task: v41plan_kv_recall_mc
-dataset_path: json
-custom_dataset: !function v41plan_tasks.kv_recall_mc
-output_type: multiple_choice
-test_split: test
-doc_to_text: "{{context}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{label}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""",
-    "copy_gen": """task: v41plan_copy_gen
-dataset_path: json
-custom_dataset: !function v41plan_tasks.copy_gen
-output_type: generate_until
-test_split: test
-doc_to_text: "{{prompt}}"
-doc_to_target: "{{answer}}"
-target_delimiter: ""
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 12
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""",
-    "arith_gen": """task: v41plan_arith_gen
-dataset_path: json
-custom_dataset: !function v41plan_tasks.arith_gen
-output_type: generate_until
-test_split: test
-doc_to_text: "{{prompt}}"
-doc_to_target: "{{answer}}"
-target_delimiter: ""
-generation_kwargs:
-  until: ["\\n", " "]
-  max_gen_toks: 6
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""",
+_MC_FIELDS = (
+    'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+)
+_GEN_FIELDS = 'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\n'
+
+
+def _generation(until: str, max_gen_toks: int) -> str:
+    return (
+        f"{_GEN_FIELDS}generation_kwargs:\n  until: {until}\n  max_gen_toks: {max_gen_toks}\n"
+        "  do_sample: false\n"
+    )
+
+
+_TASKS = {
+    "kv_recall_mc": ("multiple_choice", _MC_FIELDS, "acc"),
+    "copy_gen": ("generate_until", _generation('["\\n"]', 12), "exact_match"),
+    "arith_gen": ("generate_until", _generation('["\\n", " "]', 6), "exact_match"),
 }
-
-_LOADER = '''"""Loaders of the v41plan offline tasks (lm-eval ``custom_dataset``): each reads the
-JSONL beside this file (written by ``python -m v41plan.validation.quality_tasks``)."""
-
-import json
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
+"""Task file stem -> (lm-eval output type, its document fields, its metric)."""
 
 
-def _load(stem):
-    import datasets
+def task_yaml(name: str) -> str:
+    """The lm-eval task file of ``name`` (a ``GENERATORS`` key): its documents come from the
+    shipped loader ``tasks/v41plan_tasks.py`` (lm-eval resolves data paths against the working
+    directory, a loader against its own file)."""
+    output_type, fields, metric = _TASKS[name]
+    return (
+        f"task: v41plan_{name}\ndataset_path: json\n"
+        f"custom_dataset: !function v41plan_tasks.{name}\n"
+        f"output_type: {output_type}\ntest_split: test\n{fields}"
+        'target_delimiter: ""\n'
+        f"metric_list:\n  - metric: {metric}\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n"
+    )
 
-    rows = [json.loads(line) for line in (HERE / f"{stem}.jsonl").read_text().splitlines()]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
-
-def kv_recall_mc(**_kwargs):
-    return _load("kv_recall_mc")
-
-
-def copy_gen(**_kwargs):
-    return _load("copy_gen")
-
-
-def arith_gen(**_kwargs):
-    return _load("arith_gen")
-'''
+LOADER = Path(__file__).resolve().parent / "tasks" / "v41plan_tasks.py"
+"""The tasks' shared loader (kept in the repository beside the files it reads)."""
 
 
 def write_tasks(out: Path, docs: int) -> list[Path]:
-    """Write every task's JSONL, YAML and the shared loader into ``out``; returns the files."""
+    """Write every task's JSONL and YAML into ``out`` (and the shared loader, when ``out`` is
+    another folder than the shipped one); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for name in GENERATORS:
         jsonl = out / f"{name}.jsonl"
         jsonl.write_text("".join(json.dumps(d) + "\n" for d in documents(name, docs)))
         yaml = out / f"{name}.yaml"
-        yaml.write_text(_YAML[name])
+        yaml.write_text(task_yaml(name))
         files += [jsonl, yaml]
-    loader = out / "v41plan_tasks.py"
-    loader.write_text(_LOADER)
+    loader = out / LOADER.name
+    if loader.resolve() != LOADER:
+        shutil.copyfile(LOADER, loader)
     return [*files, loader]
 
 

@@ -1,5 +1,5 @@
-"""Loaders of the v41plan offline tasks (lm-eval ``custom_dataset``): each reads the
-JSONL beside this file (written by ``python -m v41plan.validation.quality_tasks``)."""
+"""Loaders of the v41plan offline tasks (lm-eval ``custom_dataset``): each reads the JSONL
+beside this file (``python -m v41plan.validation.quality_tasks`` writes the JSONL and YAML)."""
 
 import json
 from pathlib import Path
