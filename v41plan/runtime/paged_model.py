@@ -689,7 +689,6 @@ class RuntimeModel:
                 )
                 for r in {info.ratio for info in self.cfg.layers if info.ratio > 0}
             }  # fmt: skip
-        n_e = 0 if self.engram_device is not None else len(self._engram_shapes)
         on_dev = self.engram_device is not None
         sampler = sub["sampler"] if sampling is not None else None
         return StepInputs(
@@ -708,8 +707,8 @@ class RuntimeModel:
             rows=rows,
             stages=tuple(stages),
             compress=compress,
-            engram_codes=sub["engram_codes"][:n_e],
-            engram_scales=sub["engram_scales"][:n_e],
+            engram_codes=sub["engram_codes"],
+            engram_scales=sub["engram_scales"],
             engram_row0=dv["eg_row0"] if on_dev else None,
             engram_history=dv["eg_history"] if on_dev else None,
             all_row_logits=all_row_logits,

@@ -46,10 +46,10 @@ except ImportError:  # pragma: no cover - exercised where lm-eval is missing
         return lambda cls: cls
 
 
-_IGNORED_HARNESS_ARGS = ("batch_size", "max_batch_size", "device")
-"""Arguments lm-eval passes every model; the engine batches itself, and takes lm-eval's
-``device`` only when it is ``cpu``, or ``cuda`` on a machine that has it (lm-eval's default is
-``cuda`` everywhere); a ``device`` in ``--model_args`` wins."""
+_IGNORED_HARNESS_ARGS = ("batch_size", "max_batch_size")
+"""Arguments lm-eval passes every model that the engine has no use for (it batches itself).
+lm-eval's ``device`` is taken only when it is ``cpu``, or ``cuda`` on a machine that has it
+(lm-eval's default is ``cuda`` everywhere)."""
 
 
 @_register("v41plan")
