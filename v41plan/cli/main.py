@@ -1,4 +1,4 @@
-"""Command line: ``v41plan compile|explain|plan|init-checkpoint|run|serve|bench``.
+"""Command line: ``v41plan compile|explain|plan|init-checkpoint|train|run|serve|bench``.
 
 Each subcommand lives in the module that owns its work and exposes ``add_arguments(parser)``
 and ``run(args) -> int``; modules are imported lazily so ``compile`` never loads torch.
@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("v41plan.cli.explain", "print a spec's layers and bytes"),
     "plan": ("v41plan.cli.plan", "print the step plan of a described batch"),
     "init-checkpoint": ("v41plan.cli.checkpoint", "write a random checkpoint for a spec"),
+    "train": ("v41plan.cli.train", "train a small model on the quality tasks' corpus"),
     "run": ("v41plan.cli.run", "generate text with the engine"),
     "serve": ("v41plan.cli.serve", "serve the OpenAI API over the asynchronous engine"),
     "bench": ("v41plan.cli.bench", "run a benchmark"),

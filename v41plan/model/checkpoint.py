@@ -320,15 +320,54 @@ def write_checkpoint(
             ]
             for fname, shard, fut in zip(fnames, shards, futs, strict=True):
                 done(fname, shard, fut.result())
+    _write_index(out, cfg, weight_map, {"total_size": total, RANDOM_SEED_KEY: seed})
+    return out
+
+
+def _write_index(out: Path, cfg: ModelConfig, weight_map: dict[str, str], metadata: dict) -> None:
+    """The index file and ``config.json`` beside the shards."""
     (out / INDEX_FILE).write_text(
-        json.dumps(
-            {"metadata": {"total_size": total, RANDOM_SEED_KEY: seed}, "weight_map": weight_map},
-            indent=2,
-            sort_keys=True,
-        )
+        json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True)
         + "\n"
     )
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+
+
+def write_state(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    metadata: dict | None = None,
+    shard_bytes: int = 512 << 20,
+) -> Path:
+    """Write published tensors ``state`` (every ``tensor_table`` name, in its published shape
+    and dtype: a trained model's export) as a checkpoint directory; ``metadata`` joins the
+    index file's."""
+    from safetensors.torch import save_file
+
+    specs = tensor_table(cfg)
+    bad = [t.name for t in specs if t.name not in state]
+    bad += [
+        t.name for t in specs if t.name in state and tuple(state[t.name].shape) != tuple(t.shape)
+    ]
+    bad += [t.name for t in specs if t.name in state and state[t.name].dtype != t.dtype]
+    if bad:
+        raise CheckpointError(f"state does not follow the tensor table at: {', '.join(bad[:5])}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _plan_shards(specs, shard_bytes)
+    fnames = [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
+    for old in out.glob("model-*-of-*.safetensors"):
+        if old.name not in fnames:
+            old.unlink()
+    weight_map: dict[str, str] = {}
+    for fname, shard in zip(fnames, shards, strict=True):
+        tensors = {t.name: state[t.name].detach().cpu().contiguous() for t in shard}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o666 & ~_umask())
+        weight_map.update(dict.fromkeys(tensors, fname))
+    total = sum(t.nbytes for t in specs)
+    _write_index(out, cfg, weight_map, {"total_size": total, **(metadata or {})})
     return out
 
 
@@ -454,22 +493,26 @@ class LoadedCheckpoint:
         return w
 
     def engram_host(self) -> EngramHost:
-        """Host Engram half: the real token map from the model's ``tokenizer.json`` (beside the
-        checkpoint, or the packaged DeepSeek-V4 one for a V4.1-vocabulary config:
-        ``v41plan.model.vocab``), else synthetic."""
-        from v41plan.model.vocab import tokenizer_json_for
+        """Host Engram half over this checkpoint's tables (token map: ``engram_token_map``)."""
+        return EngramHost(self.config, engram_token_map(self.config, self.path), self.tables)
 
-        cfg = self.config
-        tok = tokenizer_json_for(self.path, cfg)
-        if tok is not None:
-            from tokenizers import Tokenizer
 
-            from v41plan.model.engram import token_map_from_tokenizer
+def engram_token_map(cfg: ModelConfig, path: str | Path | None = None) -> np.ndarray:
+    """The Engram token map of a model: from its ``tokenizer.json`` (beside the checkpoint at
+    ``path``, or the packaged DeepSeek-V4 one for a V4.1-vocabulary config:
+    ``v41plan.model.vocab``), else synthetic."""
+    from v41plan.model.vocab import tokenizer_json_for
 
-            tmap = token_map_from_tokenizer(Tokenizer.from_file(str(tok)), cfg.vocab_size)
-        else:
-            tmap = synthetic_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
-        return EngramHost(cfg, np.asarray(tmap), self.tables)
+    tok = tokenizer_json_for(path, cfg)
+    if tok is not None:
+        from tokenizers import Tokenizer
+
+        from v41plan.model.engram import token_map_from_tokenizer
+
+        tmap = token_map_from_tokenizer(Tokenizer.from_file(str(tok)), cfg.vocab_size)
+    else:
+        tmap = synthetic_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
+    return np.asarray(tmap)
 
 
 def read_config(path: str | Path) -> ModelConfig:

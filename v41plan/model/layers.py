@@ -289,8 +289,8 @@ class Attention:
         dtype: torch.dtype,
         tp: Any = ONE_RANK,
     ):
-        a = acc_dtype(dtype)
         self.cfg, self.info, self.dtype, self.tp = cfg, info, dtype, tp
+        self.prefix = prefix
         self.ratio, self.role = info.ratio, info.role
         self.d, self.rd = cfg.head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
@@ -299,10 +299,17 @@ class Attention:
             self.rope = Rope(self.rd, cfg.compress_rope_theta, cfg.rope_scaling)
         else:
             self.rope = Rope(self.rd, cfg.rope_theta, None)
-        p = prefix + ".attn."
-        self.wq_a = Linear(w[p + "wq_a.weight"].to(dtype))
+        self.bind(w)
         # the RoPE table lives beside the weights: no host-to-device copy per call
         self.rope.freqs = self.rope.freqs.to(self.wq_a.weight.device)
+
+    def bind(self, w: dict[str, torch.Tensor]) -> None:
+        """Point the layer at the weights in ``w`` (the constructor's dict; training rebinds
+        its fake-quantized weights every step, so autograd reaches the master weights)."""
+        cfg, info, dtype = self.cfg, self.info, self.dtype
+        a = acc_dtype(dtype)
+        p = self.prefix + ".attn."
+        self.wq_a = Linear(w[p + "wq_a.weight"].to(dtype))
         self.q_norm = w[p + "q_norm.weight"]
         self.wq_b = Linear(w[p + "wq_b.weight"].to(dtype))
         self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
@@ -427,6 +434,9 @@ class Attention:
         FP8: ``relu(codes_q . codes_k * k_scale) * (w * q_scale)`` in ``acc``.
         """
         if q_scale is None:
+            if k.dim() == 3:  # one key set per sequence: qi [B, S, h, c], k [B, M, c] -> [B, S, M]
+                logits = torch.einsum("bshc,bmc->bshm", qi, k.to(qi.dtype))
+                return (torch.relu(logits) * wts[..., None].to(qi.dtype)).sum(-2)
             logits = torch.einsum("nhc,mc->nhm", qi, k.to(qi.dtype))
             return (torch.relu(logits) * wts[:, :, None].to(qi.dtype)).sum(1)
         a = acc_dtype(qi.dtype)
@@ -485,9 +495,16 @@ class MoE:
         dtype: torch.dtype,
         tp: Any = ONE_RANK,
     ):
-        a = acc_dtype(dtype)
-        p = prefix + ".ffn."
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
+        self.prefix = prefix
+        self.limit = cfg.swiglu_limit
+        self.bind(w)
+
+    def bind(self, w: dict[str, torch.Tensor]) -> None:
+        """Point the layer at the weights in ``w`` (see ``Attention.bind``)."""
+        cfg, dtype, tp = self.cfg, self.dtype, self.tp
+        a = acc_dtype(dtype)
+        p = self.prefix + ".ffn."
         self.gate_w = w[p + "gate.weight"].to(a)
         self.gate_bias = w[p + "gate.bias"].to(a)
         self.w1 = w[p + "experts.w1"].to(dtype)  # fused [E, I, D]
@@ -497,7 +514,6 @@ class MoE:
         self.s1 = Linear(w[p + "shared_experts.w1.weight"].to(dtype), act_quant=False)
         self.s3 = Linear(w[p + "shared_experts.w3.weight"].to(dtype), act_quant=False)
         self.s2 = Linear(w[p + "shared_experts.w2.weight"].to(dtype))
-        self.limit = cfg.swiglu_limit
         # expert parallel: this rank holds the router's experts [first, first + count)
         self.expert_count = self.w1.shape[0]
         whole = self.expert_count == cfg.n_routed_experts
@@ -548,10 +564,14 @@ class EngramLayer:
     """Gated Engram injection: one fused ``wkv`` to hc keys + one value, per-stream sigmoid gate."""
 
     def __init__(self, cfg: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
-        a = acc_dtype(dtype)
-        p = prefix + ".engram."
-        self.cfg, self.dtype = cfg, dtype
-        self.wkv = Linear(w[p + "wkv.weight"].to(dtype))
+        self.cfg, self.dtype, self.prefix = cfg, dtype, prefix
+        self.bind(w)
+
+    def bind(self, w: dict[str, torch.Tensor]) -> None:
+        """Point the layer at the weights in ``w`` (see ``Attention.bind``)."""
+        a = acc_dtype(self.dtype)
+        p = self.prefix + ".engram."
+        self.wkv = Linear(w[p + "wkv.weight"].to(self.dtype))
         self.wqk = w[p + "q_weight"].to(a) * w[p + "k_weight"].to(a)
 
     def __call__(

@@ -118,6 +118,40 @@ def _amax(xb: torch.Tensor, floor: float) -> torch.Tensor:
 # --- fake quantizers (activations and caches) ---------------------------------------------
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the quantized value exactly; backward: the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, quantize) -> torch.Tensor:
+    """``quantize(x)``, differentiable as the identity when ``x`` needs a gradient (training's
+    straight-through estimator); plain ``quantize(x)`` otherwise."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return quantize(x)
+    return _StraightThrough.apply(x, quantize(x.detach()))
+
+
+def _ste(fn):
+    """Make a fake quantizer straight-through under autograd (same forward values)."""
+
+    def wrapped(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _StraightThrough.apply(x, fn(x.detach(), *args, **kwargs))
+        return fn(x, *args, **kwargs)
+
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    wrapped.__wrapped__ = fn
+    return wrapped
+
+
+@_ste
 def fake_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 E4M3 with one pow2 (ue8m0) scale per ``block`` lanes, dequantized (``act_quant``)."""
     if not _ENABLED:
@@ -127,6 +161,7 @@ def fake_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (round_e4m3(xb / s) * s).reshape(x.shape).to(x.dtype)
 
 
+@_ste
 def fake_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4 E2M1 with one E8M0 (pow2) scale per ``block`` lanes (index q and k), dequantized."""
     if not _ENABLED:
@@ -136,6 +171,7 @@ def fake_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (round_e2m1(xb / s) * s).reshape(x.shape).to(x.dtype)
 
 
+@_ste
 def fake_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """FP4 E2M1 with one E4M3 scale per ``block`` lanes (compressed main KV), dequantized."""
     if not _ENABLED:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Train the quality checkpoint on a CUDA machine in one call (run from the repository root):
+# a short calibration run times a dense and a sparse step, then the real run takes as many
+# steps as fit BUDGET_S seconds (a quarter of them dense). The real run's own command is printed
+# and recorded in its train_log.json: rerunning it reproduces the schedule.
+#   OUT=/tmp/q BUDGET_S=420 scripts/gpu_train_quality.sh
+set -euo pipefail
+OUT=${OUT:-/tmp/v41plan_quality}
+SPEC=${SPEC:-quality40}
+BUDGET_S=${BUDGET_S:-420}
+BATCH=${BATCH:-32}
+SEQ=${SEQ:-640}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee "$OUT/train.log"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/train.log"
+t0=$SECONDS
+python3 -m v41plan train --spec "$SPEC" --out "$OUT/calibration" --steps 24 --dense-steps 12 \
+    --batch-seqs "$BATCH" --seq-tokens "$SEQ" 2>&1 | tee -a "$OUT/train.log"
+left=$((BUDGET_S - (SECONDS - t0)))
+steps=$(python3 - "$OUT/calibration/train_log.json" "$left" <<'PY'
+import json, statistics, sys
+log = json.load(open(sys.argv[1]))
+t = log["step_end_s"]
+d = [b - a for a, b in zip(t, t[1:])]
+dense = statistics.median(d[1:11])  # step 0 and step 12 include a capture
+sparse = statistics.median(d[13:])
+per = 0.25 * dense + 0.75 * sparse
+left = float(sys.argv[2]) - 2 * log["setup_s"] - 2 * log["capture_s"] - 20
+print(f"calibration: dense {dense:.3f} s/step, sparse {sparse:.3f} s/step", file=sys.stderr)
+print(max(50, int(left / per) // 10 * 10))
+PY
+)
+dense=$((steps / 4))
+echo "== v41plan train --spec $SPEC --steps $steps --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ" | tee -a "$OUT/train.log"
+python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$steps" --dense-steps "$dense" \
+    --batch-seqs "$BATCH" --seq-tokens "$SEQ" --time-limit $((BUDGET_S + 60)) 2>&1 | tee -a "$OUT/train.log"
+rm -rf "$OUT/calibration/"*.safetensors

@@ -1,0 +1,92 @@
+"""``v41plan train --spec S --out DIR``: train a small V4.1 on the quality tasks' corpus and
+write a published-layout checkpoint, ``train_log.json`` and ``loss.png``
+(``v41plan.validation.training``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from v41plan.cli.args import Refused, path_exists, spec_arg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``train``; the defaults are those of the committed quality checkpoint."""
+    from v41plan.validation.training import TrainOptions
+
+    d = TrainOptions()
+    parser.add_argument("--spec", required=True, help="spec file or compiled name (quality40)")
+    parser.add_argument("--out", required=True, help="directory to write; required")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps ({d.steps})")
+    parser.add_argument(
+        "--batch-seqs", type=int, default=d.batch_seqs, help=f"sequences a step ({d.batch_seqs})"
+    )
+    parser.add_argument(
+        "--seq-tokens", type=int, default=d.seq_tokens, help=f"tokens a sequence ({d.seq_tokens})"
+    )
+    parser.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate ({d.lr})")
+    parser.add_argument(
+        "--dense-steps",
+        type=int,
+        default=d.dense_steps,
+        help=f"warm-up steps attending to every compressed row ({d.dense_steps})",
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help="weights and corpus seed")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="stop after this many seconds of training and still write everything (0: none)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; prints progress, then what it wrote."""
+    spec = spec_arg(args.spec, "--spec")
+    for name in ("steps", "batch_seqs", "seq_tokens"):
+        if getattr(args, name) < 1:
+            raise Refused(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.seq_tokens % 2:
+        raise Refused(f"--seq-tokens {args.seq_tokens}: must be even (ratio-2 pairs)")
+    if not 0 <= args.dense_steps:
+        raise Refused(f"--dense-steps {args.dense_steps}: must be >= 0")
+    if args.lr <= 0:
+        raise Refused(f"--lr {args.lr}: must be positive")
+    out = Path(args.out)
+    if path_exists(out) and not out.is_dir():
+        raise Refused(f"--out {args.out}: exists and is not a directory")
+    import torch
+
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.validation.training import TrainOptions, train
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise Refused(f"--device {device}: CUDA is not available here")
+    cfg = config_from_cache_spec(spec)
+    if args.seq_tokens > cfg.max_position_embeddings:
+        raise Refused(
+            f"--seq-tokens {args.seq_tokens}: above the model's max_position_embeddings "
+            f"{cfg.max_position_embeddings}"
+        )
+    opts = TrainOptions(
+        steps=args.steps,
+        batch_seqs=args.batch_seqs,
+        seq_tokens=args.seq_tokens,
+        lr=args.lr,
+        warmup_steps=min(TrainOptions.warmup_steps, args.steps),
+        dense_steps=args.dense_steps,
+        seed=args.seed,
+        graphs=not args.no_graphs,
+        log_every=min(TrainOptions.log_every, args.steps),
+        time_limit_s=args.time_limit,
+    )
+    train(cfg, spec.name, out, opts, device, progress=lambda m: print(m, flush=True))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `v41plan train --help`")

@@ -1,0 +1,385 @@
+"""``v41plan train``: train a small V4.1 on the quality tasks' synthetic corpus.
+
+The corpus is generated on the fly with a fixed seed from the generators of
+``quality_tasks`` (key-value recall and copying past the window, arithmetic), never repeating a
+held-out document; each sequence is one long recall or copy document from position 0 (as the
+tasks present them), then short arithmetic documents, ``eos`` between documents. The model is
+``model.train.TrainModel``: the published arithmetic with straight-through quantizers, an
+indexer KL loss, auxiliary-loss-free router balancing, and a dense warm-up in which attention
+reads every visible compressed row. AdamW with a linear warm-up and cosine decay, gradient
+clipping at 1.
+
+On CUDA the whole step (forward, backward, clipping, AdamW, router-bias update) is captured
+as a CUDA graph (one per attention mode) and replayed: the eager step is launch-bound. Writes
+into ``--out`` a published-layout checkpoint (``checkpoint.write_state``; the loader and the
+engine read it like any other), ``train_log.json`` (options, per-step losses, timings) and
+``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from v41plan.model.checkpoint import engram_token_map, write_state
+from v41plan.model.config import ModelConfig
+from v41plan.model.engram import EngramHost
+from v41plan.model.train import Batch, TrainModel, engram_rows
+from v41plan.validation.quality_tasks import EVAL_SEED, GENERATORS, documents
+
+LONG_TASKS = ("kv_recall_mc", "copy_gen")
+"""Documents that open a training sequence (their answers lie past the window)."""
+
+
+@dataclass
+class TrainOptions:
+    """What ``train`` does; the defaults are the committed quality checkpoint's run."""
+
+    steps: int = 1200
+    """Optimizer steps."""
+    batch_seqs: int = 32
+    """Sequences per step."""
+    seq_tokens: int = 640
+    """Tokens per sequence (even: ratio-2 pairs close inside it)."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    warmup_steps: int = 60
+    """Linear learning-rate warm-up."""
+    dense_steps: int = 300
+    """Steps whose attention reads every visible compressed row (then the index top-k)."""
+    index_loss_weight: float = 1.0
+    """Weight of the indexer KL loss."""
+    router_bias_rate: float = 1e-3
+    """Router bias step of the balancing rule."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    seed: int = 0
+    """Seed of the initial weights (``init-checkpoint``'s) and of the corpus."""
+    graphs: bool = True
+    """Capture the step as a CUDA graph (on CUDA; the CPU runs eagerly)."""
+    log_every: int = 25
+    """Steps between progress lines (each one reads the losses back)."""
+    time_limit_s: float = 0.0
+    """Stop early (and still write everything) once training took this long; 0: no limit."""
+
+
+class Corpus:
+    """The training token stream: deterministic in the seed, held-out documents skipped."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, seq_tokens: int):
+        if seed == EVAL_SEED:
+            raise ValueError("the training seed must differ from the held-out one")
+        self.rng = random.Random(f"v41plan-train:{seed}")
+        self.eos = cfg.eos_token_id
+        self.seq_tokens = seq_tokens
+        self.held_out = {self._text(n, d) for n in GENERATORS for d in documents(n, 100)}
+        self.skipped = 0
+        """Generated documents dropped because a held-out document is the same text."""
+
+    @staticmethod
+    def _text(name: str, doc: dict) -> str:
+        if "choices" in doc:
+            return doc["context"] + doc["choices"][doc["label"]]
+        return doc["prompt"] + doc["answer"]
+
+    def _doc(self, name: str) -> list[int]:
+        while True:
+            text = self._text(name, GENERATORS[name](self.rng))
+            if text not in self.held_out:
+                return [*text.encode("utf-8"), self.eos]
+            self.skipped += 1
+
+    def sequence(self) -> list[int]:
+        """``seq_tokens + 1`` tokens: one long document, then arithmetic ones."""
+        ids = self._doc(self.rng.choice(LONG_TASKS))
+        while len(ids) <= self.seq_tokens:
+            ids += self._doc("arith_gen")
+        return ids[: self.seq_tokens + 1]
+
+    def batch(self, n: int) -> np.ndarray:
+        """``[n, seq_tokens + 1]`` int64."""
+        return np.asarray([self.sequence() for _ in range(n)], dtype=np.int64)
+
+
+def lr_at(step: int, opts: TrainOptions) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to a tenth of it."""
+    if step < opts.warmup_steps:
+        return opts.lr * (step + 1) / opts.warmup_steps
+    t = (step - opts.warmup_steps) / max(1, opts.steps - opts.warmup_steps)
+    return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+class _Stepper:
+    """One training step over static device buffers, eager or replayed from a CUDA graph."""
+
+    def __init__(self, model: TrainModel, opts: TrainOptions, B: int, S: int, n_rows: tuple):
+        dev = model.device
+        self.model, self.opts = model, opts
+        self.ids = torch.zeros(B, S, dtype=torch.long, device=dev)
+        self.targets = torch.zeros(B, S, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(B, S, *n_rows, dtype=torch.long, device=dev)
+        self.graphs_on = opts.graphs and dev.type == "cuda"
+        lr = torch.tensor(opts.lr, device=dev) if self.graphs_on else opts.lr
+        self.opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=lr,
+            betas=(0.9, 0.95),
+            weight_decay=opts.weight_decay,
+            capturable=self.graphs_on,
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_dense: bool | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.capture_s = 0.0
+        self.capture_error: str | None = None
+
+    def set_lr(self, lr: float) -> None:
+        """The next step's learning rate (a device fill under graphs: no sync)."""
+        g = self.opt.param_groups[0]
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+
+    def _eager(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m, o = self.model, self.opts
+        batch = Batch(self.ids, self.targets, self.rows)
+        logits, aux = m.forward(batch, dense=dense)
+        ce = F.cross_entropy(logits, self.targets.reshape(-1))
+        loss = ce + o.index_loss_weight * aux["index_kl"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)  # gradients keep their buffers (graph-static)
+        m.update_router_bias(aux["expert_load"].detach(), o.router_bias_rate)
+        return ce.detach(), aux["index_kl"].detach()
+
+    def step(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step on the current buffers; returns (cross-entropy, index KL) on device."""
+        if not self.graphs_on:
+            return self._eager(dense)
+        if self.graph is None or self.graph_dense != dense:
+            try:
+                return self._capture(dense)
+            except RuntimeError as exc:  # an op that cannot be captured: train eagerly
+                self.graph, self.graphs_on = None, False
+                self.capture_error = str(exc).splitlines()[0]
+                print(f"CUDA graph capture failed ({self.capture_error}); training eagerly")
+                torch.cuda.synchronize()
+                return self._eager(dense)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warm up on a side stream (three real optimizer steps on the current batch: the
+        optimizer state and the kernels' workspaces exist before capture), then capture."""
+        t0 = time.perf_counter()
+        self.graph = None  # free the other mode's graph and its memory pool
+        torch.cuda.empty_cache()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                out = self._eager(dense)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph gets its own pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._eager(dense)
+        self.graph, self.graph_dense = graph, dense
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
+        # the warm-up steps trained on this batch; replaying it once more would repeat it
+        return out
+
+
+def train(
+    cfg: ModelConfig,
+    spec_name: str,
+    out_dir: str | Path,
+    opts: TrainOptions,
+    device: str = "cpu",
+    progress=print,
+) -> dict:
+    """Train, write the checkpoint, ``train_log.json`` and ``loss.png``; returns the log."""
+    if opts.seq_tokens % 2:
+        raise ValueError(f"seq_tokens {opts.seq_tokens} must be even")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(device)
+    torch.manual_seed(opts.seed)
+    t_start = time.perf_counter()
+    model = TrainModel(cfg, opts.seed, dev)
+    host = EngramHost(cfg, engram_token_map(cfg))
+    corpus = Corpus(cfg, opts.seed, opts.seq_tokens)
+    B, S = opts.batch_seqs, opts.seq_tokens
+    n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
+    stepper = _Stepper(model, opts, B, S, n_rows)
+    pinned = dev.type == "cuda"
+    staging = [  # (ids, targets, Engram rows) twice: the host fills one while the other copies
+        tuple(
+            torch.empty(shape, dtype=torch.long, pin_memory=pinned)
+            for shape in ((B, S), (B, S), (B, S, *n_rows))
+        )
+        for _ in range(2)
+    ]
+    copied = [None, None]  # event after each staging buffer's last copy
+    ce_log = torch.zeros(opts.steps, device=dev)
+    kl_log = torch.zeros(opts.steps, device=dev)
+    params = sum(p.numel() for p in model.parameters())
+    progress(
+        f"training {cfg.num_hidden_layers} layers, {params / 1e6:.2f}M parameters on {dev}: "
+        f"{opts.steps} steps x {B} x {S} tokens (dense attention for {opts.dense_steps}), "
+        f"{'CUDA graphs' if stepper.graphs_on else 'eager'}"
+    )
+    t_train = time.perf_counter()
+    setup_s = t_train - t_start
+    done = 0
+    step_end_s: list[float] = []  # host time at each step's end (the staging syncs pace it)
+    for step in range(opts.steps):
+        k = step % 2
+        if copied[k] is not None:
+            copied[k].synchronize()  # the buffer's previous copy has left it
+        tok = corpus.batch(B)
+        ids_h, tg_h, rows_h = staging[k]
+        ids_h.copy_(torch.from_numpy(tok[:, :S]))
+        tg_h.copy_(torch.from_numpy(tok[:, 1:]))
+        rows_h.copy_(torch.from_numpy(engram_rows(host, tok[:, :S])))
+        stepper.ids.copy_(ids_h, non_blocking=True)
+        stepper.targets.copy_(tg_h, non_blocking=True)
+        stepper.rows.copy_(rows_h, non_blocking=True)
+        if pinned:
+            copied[k] = torch.cuda.Event()
+            copied[k].record()
+        stepper.set_lr(lr_at(step, opts))
+        ce, kl = stepper.step(dense=step < opts.dense_steps)
+        ce_log[step].copy_(ce)
+        kl_log[step].copy_(kl)
+        done = step + 1
+        step_end_s.append(time.perf_counter() - t_train)
+        last = done == opts.steps
+        over = opts.time_limit_s and time.perf_counter() - t_train > opts.time_limit_s
+        if done % opts.log_every == 0 or last or over:
+            c = ce_log[max(0, done - opts.log_every) : done].mean().item()
+            q = kl_log[max(0, done - opts.log_every) : done].mean().item()
+            el = time.perf_counter() - t_train
+            progress(
+                f"step {done}/{opts.steps}  loss {c:.4f}  index_kl {q:.4f}  "
+                f"{el / done:.3f} s/step  {done * B * S / el:,.0f} tok/s  "
+                f"eta {el / done * (opts.steps - done):.0f} s"
+            )
+        if over:
+            progress(f"stopping at step {done}: --time-limit {opts.time_limit_s:.0f} s reached")
+            break
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - t_train
+    losses = ce_log[:done].tolist()
+    log = {
+        "options": asdict(opts),
+        "spec": spec_name,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "parameters": params,
+        "steps_done": done,
+        "tokens": done * B * S,
+        "setup_s": setup_s,
+        "train_s": train_s,
+        "capture_s": stepper.capture_s,
+        "graphs": stepper.graphs_on,
+        "capture_error": stepper.capture_error,
+        "s_per_step": train_s / max(1, done),
+        "corpus_skipped_held_out": corpus.skipped,
+        "step_end_s": step_end_s,
+        "loss": losses,
+        "index_kl": kl_log[:done].tolist(),
+        "final_loss": float(np.mean(losses[-max(1, opts.log_every) :])),
+    }
+    write_state(
+        out, cfg, model.export_state(), {"v41plan_trained": {"steps": done, "seed": opts.seed}}
+    )
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    write_loss_png(out / "loss.png", losses, log["index_kl"])
+    progress(
+        f"wrote {out}: checkpoint, train_log.json, loss.png "
+        f"({train_s:.0f} s training, final loss {log['final_loss']:.4f})"
+    )
+    return log
+
+
+# --- a loss curve without a plotting library ----------------------------------------------
+
+
+def write_loss_png(
+    path: Path, loss: list[float], index_kl: list[float], w: int = 640, h: int = 360
+):
+    """A line plot of the per-step losses (black: cross-entropy, blue: index KL), smoothed
+    over 1% of the steps, y from 0 to the largest smoothed value; a grid line per unit."""
+    img = bytearray(b"\xff" * (w * h * 3))
+    series = [(s, c) for s, c in ((loss, (0, 0, 0)), (index_kl, (30, 90, 220))) if s]
+    if not series:
+        return
+
+    def smooth(v: list[float]) -> list[float]:
+        k = max(1, len(v) // 100)
+        c = np.convolve(np.asarray(v, dtype=float), np.ones(k) / k, mode="valid")
+        return c.tolist()
+
+    curves = [(smooth(s), c) for s, c in series]
+    top = max(max(v) for v, _ in curves) or 1.0
+    pad = 20
+
+    def put(x: int, y: int, c: tuple) -> None:
+        if 0 <= x < w and 0 <= y < h:
+            img[(y * w + x) * 3 : (y * w + x) * 3 + 3] = bytes(c)
+
+    for unit in range(int(top) + 1):  # grid lines at each whole loss value
+        y = h - pad - round(unit / top * (h - 2 * pad))
+        for x in range(pad, w - pad):
+            put(x, y, (225, 225, 225))
+    for v, c in curves:
+        n = len(v)
+        prev = None
+        for i, val in enumerate(v):
+            x = pad + round(i / max(1, n - 1) * (w - 2 * pad))
+            y = h - pad - round(val / top * (h - 2 * pad))
+            if prev is not None:  # vertical fill between neighbours keeps the line connected
+                for yy in range(min(prev[1], y), max(prev[1], y) + 1):
+                    put(x, yy, c)
+            put(x, y, c)
+            prev = (x, y)
+    raw = b"".join(b"\x00" + bytes(img[r * w * 3 : (r + 1) * w * 3]) for r in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(png)
+
+
+def sequences_preview(cfg: ModelConfig, seed: int, seq_tokens: int, n: int) -> Iterator[str]:
+    """The first ``n`` training sequences as text (eos shown as a newline): what the model
+    reads."""
+    c = Corpus(cfg, seed, seq_tokens)
+    for _ in range(n):
+        ids = c.sequence()
+        yield bytes(t if t < 256 else 10 for t in ids).decode("utf-8", errors="replace")
+
+
+if __name__ == "__main__":  # pragma: no cover - the CLI is ``v41plan train``
+    sys.exit("run `v41plan train --help`")
