@@ -351,15 +351,16 @@ def write_loss_png(
             put(x, y, (225, 225, 225))
     for v, c in curves:
         n = len(v)
-        prev = None
-        for i, val in enumerate(v):
-            x = pad + round(i / max(1, n - 1) * (w - 2 * pad))
-            y = h - pad - round(val / top * (h - 2 * pad))
-            if prev is not None:  # vertical fill between neighbours keeps the line connected
-                for yy in range(min(prev[1], y), max(prev[1], y) + 1):
-                    put(x, yy, c)
-            put(x, y, c)
-            prev = (x, y)
+        pts = [
+            (pad + i / max(1, n - 1) * (w - 2 * pad), h - pad - val / top * (h - 2 * pad))
+            for i, val in enumerate(v)
+        ]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts, strict=False):
+            k = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
+            for j in range(k + 1):  # a 2-pixel line through both points
+                x, y = round(x0 + (x1 - x0) * j / k), round(y0 + (y1 - y0) * j / k)
+                for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):
+                    put(x + dx, y + dy, c)
     raw = b"".join(b"\x00" + bytes(img[r * w * 3 : (r + 1) * w * 3]) for r in range(h))
 
     def chunk(kind: bytes, data: bytes) -> bytes:

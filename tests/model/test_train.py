@@ -1,0 +1,169 @@
+"""Training: the batched training forward is the reference model, the export is what it
+trained, the losses reach what they should, and the corpus holds no held-out document."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.runtime.paged_helpers import SPECS
+from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.model.checkpoint import LoadedCheckpoint, engram_token_map, load_checkpoint
+from v41plan.model.config import config_from_cache_spec
+from v41plan.model.engram import EngramHost
+from v41plan.model.quant import fake_fp4, fake_fp8
+from v41plan.model.reference import ReferenceModel
+from v41plan.model.train import Batch, TrainModel, engram_rows
+from v41plan.validation.quality_tasks import GENERATORS, documents
+from v41plan.validation.training import Corpus, TrainOptions, lr_at, train, write_loss_png
+
+B, S = 2, 40  # S past tiny's 8-row window, even (ratio-2 pairs)
+
+
+def _cfg(**changes):
+    cfg = config_from_cache_spec(load_cache_spec_unchecked(str(SPECS / "tiny.yaml")))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+@cache
+def _setup(every_row: bool = False):
+    # every_row: a top-k and a candidate set that hold every compressed row
+    cfg = _cfg(index_topk=S, candidate_topk_blocks=S) if every_row else _cfg()
+    tm = TrainModel(cfg, seed=3, dtype=torch.float64)
+    ids = np.random.default_rng(1).integers(0, 256, (B, S))
+    rows = engram_rows(EngramHost(cfg, engram_token_map(cfg)), ids)
+    batch = Batch(torch.as_tensor(ids), torch.as_tensor(ids), torch.as_tensor(rows))
+    return cfg, tm, ids, batch
+
+
+def test_training_forward_is_the_reference_prefill_of_the_export_in_float64():
+    """Logits of every sequence of a batch equal ``ReferenceModel.prefill`` over the exported
+    checkpoint (quantizers on: the straight-through forward rounds as inference does)."""
+    cfg, tm, ids, batch = _setup()
+    logits, aux = tm.forward(batch)
+    assert logits.requires_grad and aux["expert_load"].shape == (cfg.num_hidden_layers, 8)
+    ckpt = LoadedCheckpoint.from_state(cfg, tm.export_state())
+    ref = ReferenceModel(cfg, ckpt.process(torch.float64), ckpt.engram_host(), torch.float64)
+    for b in range(B):
+        want = ref.prefill(ids[b])
+        got = logits[b * S : (b + 1) * S]
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+def test_dense_warm_up_attention_equals_the_sparse_one_when_the_top_k_holds_every_row():
+    """With a top-k (and candidate set) as large as the compressed rows, the top-k selects
+    every visible row:
+    the dense warm-up's attention (no per-query gather) then gives the same logits."""
+    _, tm, _ids, batch = _setup(every_row=True)
+    with torch.no_grad():
+        sparse, _ = tm.forward(batch, dense=False)
+        dense, _ = tm.forward(batch, dense=True)
+    assert torch.allclose(sparse, dense, rtol=0, atol=1e-12), (sparse - dense).abs().max()
+
+
+def test_the_language_loss_never_reaches_the_indexer_and_its_kl_reaches_only_the_indexer():
+    """The top-k has no gradient: the indexer learns from its KL loss alone, and that loss
+    moves nothing but ``indexer.*`` (its inputs are detached)."""
+    _, tm, _ids, batch = _setup()
+
+    def grads(loss_of):
+        for p in tm.parameters():
+            p.grad = None
+        logits, aux = tm.forward(batch)
+        loss_of(logits, aux).backward()
+        return {k: v.grad for k, v in tm.masters.items() if k not in tm.biases}
+
+    ce = grads(lambda lg, aux: F.cross_entropy(lg, batch.targets.reshape(-1)))
+    kl = grads(lambda lg, aux: aux["index_kl"])
+    index = [k for k in ce if ".indexer." in k]
+    assert index and all(ce[k] is None or not ce[k].any() for k in index)
+    assert all(kl[k] is not None and kl[k].any() for k in index if ".indexer.wq_b" in k)
+    moved = [k for k, g in kl.items() if g is not None and g.any()]
+    assert moved and all(".indexer." in k for k in moved), moved
+
+
+def test_straight_through_quantizers_keep_the_forward_and_pass_the_gradient():
+    """Under autograd a fake quantizer returns exactly its inference value and its gradient
+    is the identity."""
+    x = torch.randn(4, 64, dtype=torch.float64)
+    for q in (fake_fp8, fake_fp4):
+        xg = x.clone().requires_grad_()
+        y = q(xg)
+        assert torch.equal(y.detach(), q(x))
+        y.sum().backward()
+        assert torch.equal(xg.grad, torch.ones_like(x))
+
+
+def test_router_bias_update_raises_underloaded_experts_and_lowers_overloaded_ones():
+    cfg, _tm, _ids, _batch = _setup()
+    tm = TrainModel(cfg, seed=3, dtype=torch.float64)
+    load = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.float64)
+    load[:, 0] = 1.0  # expert 0 takes every pick
+    before = tm.masters["layers.0.ffn.gate.bias"].clone()
+    tm.update_router_bias(load, 0.01)
+    step = tm.masters["layers.0.ffn.gate.bias"] - before
+    assert step[0] == pytest.approx(-0.01) and torch.allclose(step[1:], torch.tensor(0.01).double())
+
+
+def test_corpus_is_seeded_and_opens_each_sequence_with_a_long_document():
+    cfg = _cfg()
+    x = Corpus(cfg, 5, 640).batch(3)
+    assert x.shape == (3, 641) and np.array_equal(x, Corpus(cfg, 5, 640).batch(3))
+    assert not np.array_equal(x, Corpus(cfg, 6, 640).batch(3))
+    for row in x:
+        head = bytes(t for t in row[:40] if t < 256).decode()
+        assert head.startswith("code: ") or head.split("=")[0].isalpha(), head
+
+
+def test_corpus_skips_a_generated_document_equal_to_a_held_out_one(monkeypatch):
+    cfg = _cfg()
+    c = Corpus(cfg, 5, 640)
+    draws = iter([documents("arith_gen", 1)[0], {"prompt": "1+1=", "answer": "2"}])
+    monkeypatch.setitem(GENERATORS, "arith_gen", lambda rng: next(draws))
+    assert c._doc("arith_gen") == [*b"1+1=2", cfg.eos_token_id]
+    assert c.skipped == 1
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    o = TrainOptions(steps=100, warmup_steps=10, lr=1.0)
+    assert lr_at(0, o) == pytest.approx(0.1) and lr_at(9, o) == pytest.approx(1.0)
+    assert lr_at(99, o) == pytest.approx(0.1, abs=1e-3)
+    assert all(lr_at(i, o) >= lr_at(i + 1, o) for i in range(10, 99))
+
+
+def test_train_writes_a_checkpoint_the_loader_reads_and_a_log_whose_loss_falls(tmp_path):
+    """Eight CPU steps on tiny: the published-layout checkpoint loads (config and every tensor
+    checked), equals the trained weights, and the loss goes down."""
+    cfg = _cfg()
+    opts = TrainOptions(
+        steps=8, batch_seqs=2, seq_tokens=64, warmup_steps=2, dense_steps=4, log_every=4
+    )
+    lines = []
+    log = train(cfg, "tiny", tmp_path, opts, "cpu", progress=lines.append)
+    assert len(lines) == 4 and "step 8/8" in lines[2]
+    saved = json.loads((tmp_path / "train_log.json").read_text())
+    assert saved["steps_done"] == 8 and len(saved["loss"]) == 8 == len(saved["step_end_s"])
+    assert np.mean(log["loss"][-2:]) < np.mean(log["loss"][:2])
+    ckpt = load_checkpoint(tmp_path, load_cache_spec_unchecked(str(SPECS / "tiny.yaml")))
+    assert ckpt.config == cfg
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_loss_png_is_a_valid_image(tmp_path):
+    p = tmp_path / "l.png"
+    write_loss_png(p, [5.0, 4.0, 3.0, 2.5], [0.3, 0.2, 0.2, 0.1], w=40, h=20)
+    data = p.read_bytes()
+    w, h = struct.unpack(">II", data[16:24])
+    assert (w, h) == (40, 20)
+    idat = data[data.index(b"IDAT") + 4 : data.index(b"IEND") - 8]
+    raw = zlib.decompress(idat)
+    assert len(raw) == h * (1 + w * 3) and b"\x00\x00\x00" in raw  # a black loss pixel
