@@ -8,7 +8,7 @@ set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
 BUDGET_S=${BUDGET_S:-420}
-BATCH=${BATCH:-32}
+BATCH=${BATCH:-16}
 SEQ=${SEQ:-640}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"

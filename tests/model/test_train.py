@@ -127,7 +127,7 @@ def test_corpus_skips_a_generated_document_equal_to_a_held_out_one(monkeypatch):
     cfg = _cfg()
     c = Corpus(cfg, 5, 640)
     draws = iter([documents("arith_gen", 1)[0], {"prompt": "1+1=", "answer": "2"}])
-    monkeypatch.setitem(GENERATORS, "arith_gen", lambda rng: next(draws))
+    monkeypatch.setitem(GENERATORS, "arith_gen", lambda rng, **size: next(draws))
     assert c._doc("arith_gen") == [*b"1+1=2", cfg.eos_token_id]
     assert c.skipped == 1
 

@@ -9,9 +9,10 @@ runs lm-eval's own command line with the model registered and this package's off
 why the module above exists. From Python: ``lm_eval.simple_evaluate(model=V41PlanLM(...))``.
 
 ``--model_args`` are ``spec`` (a compiled spec name or file), ``checkpoint`` (a directory; the
-spec's seeded random weights without it), ``max_gen_toks``, ``progress`` (a bar per call) and
-any engine option (``kv_cache_dtype``, ``decoder_swa_bounded_replay``, ``dtype``,
-``max_model_len``, ...).
+spec's seeded random weights without it), ``max_gen_toks``, ``progress`` (a bar per call),
+``prefix_hit`` (each generation prompt runs once for one token first, so the scored generation
+resumes from the prefix cache: the encoder replay or the copy transfer) and any engine option
+(``kv_cache_dtype``, ``decoder_swa_bounded_replay``, ``dtype``, ``max_model_len``, ...).
 
 - ``loglikelihood``: context and continuation as one prompt scored through every layer (the
   engine's ``prompt_logprobs`` path: all-row logits, decoder replay off for the request); the
@@ -63,6 +64,7 @@ class V41PlanLM(_LMBase):
         max_gen_toks: int = 256,
         llm: LLM | None = None,
         progress: bool = True,
+        prefix_hit: bool = False,
         **options,
     ) -> None:
         if _LMBase is not object:
@@ -75,6 +77,11 @@ class V41PlanLM(_LMBase):
             options.setdefault("device", kind)
         self.llm = llm if llm is not None else LLM(spec, checkpoint, **options)
         self.max_gen_toks = int(max_gen_toks)
+        self.prefix_hit = str(prefix_hit).lower() in ("1", "true", "yes")
+        """Generations resume through a prefix hit (each prompt runs for one token first)."""
+        self.resumed = {"requests": 0, "hits": 0, "restores": 0, "replay_rows": 0}
+        """Summed scheduler stats of the scored generations under ``prefix_hit``: requests,
+        prefix-hit tokens, checkpoint-image restores and replayed rows."""
         self.progress = bool(progress)
         """A progress bar over each call's tokens (``TQDM_DISABLE=1`` silences it)."""
         eos = self.llm.eos_token_id
@@ -125,13 +132,35 @@ class V41PlanLM(_LMBase):
             prompts.append({"prompt_token_ids": ids})
             params.append(SamplingParams(max_tokens=max_new, temperature=temperature))
             untils.append(until)
-        outs = self.llm.generate(prompts, params, use_tqdm=self.progress) if prompts else []
+        outs = self._generate(prompts, params)
         texts = []
         for out, until in zip(outs, untils, strict=True):
             if out.error is not None:
                 raise RuntimeError(f"generation failed: {out.error}")
             texts.append(cut_at_until(out.outputs[0].text, until))
         return texts
+
+    def _generate(self, prompts: list[dict], params: list[SamplingParams]) -> list:
+        """The engine's generations; under ``prefix_hit`` each group of ``max_num_seqs``
+        prompts runs once for one token first, so the scored run resumes from the prefix
+        cache (``resumed`` counts what that did)."""
+        if not prompts:
+            return []
+        if not self.prefix_hit:
+            return self.llm.generate(prompts, params, use_tqdm=self.progress)
+        group = max(1, int(self.llm.options.max_num_seqs))
+        outs = []
+        for i in range(0, len(prompts), group):
+            warm = SamplingParams(max_tokens=1, temperature=0.0)
+            self.llm.generate(prompts[i : i + group], warm)
+            part = self.llm.generate(prompts[i : i + group], params[i : i + group])
+            for out in part:
+                self.resumed["requests"] += 1
+                self.resumed["hits"] += sum(out.stats.get("hits", []))
+                for key in ("restores", "replay_rows"):
+                    self.resumed[key] += int(out.stats.get(key, 0))
+            outs += part
+        return outs
 
     # -- scoring ------------------------------------------------------------------------------
     def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:

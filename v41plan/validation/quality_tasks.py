@@ -107,10 +107,15 @@ def _generation(until: str, max_gen_toks: int) -> str:
     )
 
 
+GENERATION = {"copy_gen": (["\n"], 12), "arith_gen": (["\n", " "], 6)}
+"""Generation task -> (its ``until`` strings, its ``max_gen_toks``)."""
+
 _TASKS = {
     "kv_recall_mc": ("multiple_choice", _MC_FIELDS, "acc"),
-    "copy_gen": ("generate_until", _generation('["\\n"]', 12), "exact_match"),
-    "arith_gen": ("generate_until", _generation('["\\n", " "]', 6), "exact_match"),
+    **{
+        name: ("generate_until", _generation(json.dumps(until), n), "exact_match")
+        for name, (until, n) in GENERATION.items()
+    },
 }
 """Task file stem -> (lm-eval output type, its document fields, its metric)."""
 

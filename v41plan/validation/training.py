@@ -2,8 +2,9 @@
 
 The corpus is generated on the fly with a fixed seed from the generators of
 ``quality_tasks`` (key-value recall and copying past the window, arithmetic), never repeating a
-held-out document; each sequence is one long recall or copy document from position 0 (as the
-tasks present them), then short arithmetic documents, ``eos`` between documents. The model is
+held-out document; each sequence holds recall and copy documents of random lengths up to the
+tasks' own (the first from position 0, as the tasks present them) while they fit, then
+arithmetic ones, ``eos`` between documents. The model is
 ``model.train.TrainModel``: the published arithmetic with straight-through quantizers, an
 indexer KL loss, auxiliary-loss-free router balancing, and a dense warm-up in which attention
 reads every visible compressed row. AdamW with a linear warm-up and cosine decay, gradient
@@ -49,11 +50,11 @@ class TrainOptions:
 
     steps: int = 1200
     """Optimizer steps."""
-    batch_seqs: int = 32
+    batch_seqs: int = 16
     """Sequences per step."""
     seq_tokens: int = 640
     """Tokens per sequence (even: ratio-2 pairs close inside it)."""
-    lr: float = 2e-3
+    lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 60
     """Linear learning-rate warm-up."""
@@ -94,16 +95,29 @@ class Corpus:
             return doc["context"] + doc["choices"][doc["label"]]
         return doc["prompt"] + doc["answer"]
 
-    def _doc(self, name: str) -> list[int]:
+    def _doc(self, name: str, **size) -> list[int]:
         while True:
-            text = self._text(name, GENERATORS[name](self.rng))
+            text = self._text(name, GENERATORS[name](self.rng, **size))
             if text not in self.held_out:
                 return [*text.encode("utf-8"), self.eos]
             self.skipped += 1
 
+    def _long_doc(self) -> list[int]:
+        """A recall or copy document of a random length up to the tasks' own (a range of
+        distances teaches the lookup sooner than the longest alone)."""
+        if self.rng.random() < 0.5:
+            return self._doc("kv_recall_mc", pairs=self.rng.randint(4, 40))
+        return self._doc("copy_gen", filler_chars=self.rng.randint(16, 420))
+
     def sequence(self) -> list[int]:
-        """``seq_tokens + 1`` tokens: one long document, then arithmetic ones."""
-        ids = self._doc(self.rng.choice(LONG_TASKS))
+        """``seq_tokens + 1`` tokens: long documents while they fit (the first from position
+        0, as the tasks present them), then arithmetic ones."""
+        ids = self._long_doc()
+        while True:
+            nxt = self._long_doc()
+            if len(ids) + len(nxt) > self.seq_tokens:
+                break
+            ids += nxt
         while len(ids) <= self.seq_tokens:
             ids += self._doc("arith_gen")
         return ids[: self.seq_tokens + 1]

@@ -1,0 +1,33 @@
+"""The quality table's scoring: the same numbers lm-eval gives over the shipped task files."""
+
+from __future__ import annotations
+
+import pytest
+
+from v41plan.validation.lm_eval_model import TASKS_DIR, V41PlanLM
+from v41plan.validation.quality_table import METRICS, TASKS, markdown, score_tasks
+
+
+def test_direct_scores_equal_lm_evals_over_the_shipped_tasks(monkeypatch):
+    """Three documents of each task through one engine: ``score_tasks`` and
+    ``lm_eval.simple_evaluate`` agree on every metric (random tiny weights; about 30 s)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.tasks import TaskManager
+
+    lm = V41PlanLM("tiny", progress=False, device="cpu", max_num_seqs=16)
+    direct = score_tasks(lm, 3)
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=list(TASKS), limit=3, task_manager=TaskManager(include_path=str(TASKS_DIR))
+    )
+    for task in TASKS:
+        assert direct[task]["docs"] == 3
+        assert direct[task]["value"] == pytest.approx(res["results"][task][f"{METRICS[task]},none"])
+
+
+def test_markdown_lists_every_row_and_the_chance_line():
+    row = {"row": "default", "scores": {t: {"value": 0.5, "stderr": 0.1} for t in TASKS}}
+    text = markdown({"rows": [row], "chance": dict.fromkeys(TASKS, 0.0)})
+    assert "| default | 0.500 ± 0.100 | 0.500 ± 0.100 | 0.500 ± 0.100 |" in text
+    assert text.splitlines()[-1].startswith("| chance |")

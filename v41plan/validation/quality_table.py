@@ -1,0 +1,165 @@
+"""The README's quality table: the shipped tasks scored under each engine setting.
+
+    python -m v41plan.validation.quality_table --checkpoint checkpoints/quality40 \\
+        [--spec quality40] [--limit 100] [--device cpu] [--out reports/cpu/quality_table.json]
+
+Rows (the trained model unless said; the default engine is bf16 main KV, fp8 index, both
+replays on):
+
+- ``default``: as served.
+- ``decoder replay off``: ``decoder_swa_bounded_replay=False``.
+- ``prefix hit: encoder replay`` / ``prefix hit: copy transfer``: every generation prompt runs
+  once for one token first, so the scored generation resumes from the prefix cache through the
+  encoder replay or the copy transfer (``prefix_hit`` of ``V41PlanLM``; the row records the
+  hit tokens, restores and replayed rows that happened).
+- ``main fp4 / index fp8`` ... : the other main/index format pairs.
+- ``random weights``: the spec's seeded random checkpoint, the chance baseline.
+
+Scores come from ``V41PlanLM`` directly, with the requests and metrics lm-eval derives from the
+shipped task files (so the table runs where lm-eval is not installed, the GPU image included);
+``lm_eval --model v41plan`` over the same tasks gives the same numbers.
+
+The multiple-choice task is scored by log-likelihood through every prompt row (the
+``prompt_logprobs`` path runs without decoder replay and without prefix hits), so only the
+format rows and the random baseline move it; replay rows concern the generation tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from v41plan.validation.lm_eval_model import TASKS_DIR, V41PlanLM
+from v41plan.validation.quality_tasks import GENERATION
+
+TASKS = ("v41plan_kv_recall_mc", "v41plan_copy_gen", "v41plan_arith_gen")
+METRICS = {"v41plan_kv_recall_mc": "acc", "v41plan_copy_gen": "exact_match"}
+METRICS["v41plan_arith_gen"] = "exact_match"
+"""Each task's metric (lm-eval's name)."""
+CHANCE = {"v41plan_kv_recall_mc": 0.25, "v41plan_copy_gen": 0.0, "v41plan_arith_gen": 0.0}
+"""Chance level of each task's metric (four choices; exact match of a free generation)."""
+
+ROWS: list[tuple[str, dict, bool]] = [
+    ("default", {}, True),
+    ("decoder replay off", {"decoder_swa_bounded_replay": False}, True),
+    ("prefix hit: encoder replay", {"prefix_hit": True, "encoder_swa_bounded_replay": True}, True),
+    ("prefix hit: copy transfer", {"prefix_hit": True, "encoder_swa_bounded_replay": False}, True),
+    ("main bf16 / index fp4", {"index_cache_dtype": "fp4"}, True),
+    ("main fp4 / index fp8", {"kv_cache_dtype": "fp4"}, True),
+    ("main fp4 / index fp4", {"kv_cache_dtype": "fp4", "index_cache_dtype": "fp4"}, True),
+    ("random weights", {}, False),
+]
+"""(row name, ``V41PlanLM`` options, trained checkpoint?)."""
+
+
+def load_docs(task: str, limit: int | None) -> list[dict]:
+    """The first ``limit`` shipped documents of ``task`` (all without a limit)."""
+    path = TASKS_DIR / f"{task.removeprefix('v41plan_')}.jsonl"
+    docs = [json.loads(line) for line in path.read_text().splitlines()]
+    return docs if limit is None else docs[:limit]
+
+
+def score_tasks(lm, limit: int | None) -> dict:
+    """Each task's metric over its shipped documents, scored as lm-eval scores the shipped
+    task files (``tests/validation/test_quality_table.py`` checks the two agree): the choice
+    of largest log-likelihood (first on ties) for ``acc``, the generation cut at the task's
+    ``until`` strings equal to the answer for ``exact_match``; stderr is the sample one."""
+    out = {}
+    for task in TASKS:
+        docs = load_docs(task, limit)
+        name = task.removeprefix("v41plan_")
+        if name in GENERATION:
+            until, max_toks = GENERATION[name]
+            kw = {"until": until, "max_gen_toks": max_toks, "do_sample": False}
+            outs = lm.generate_until([(d["prompt"], dict(kw)) for d in docs])
+            hits = [float(o == d["answer"]) for o, d in zip(outs, docs, strict=True)]
+        else:
+            reqs = [(d["context"], c) for d in docs for c in d["choices"]]
+            lls = [ll for ll, _greedy in lm.loglikelihood(reqs)]
+            hits, k = [], 0
+            for d in docs:
+                n = len(d["choices"])
+                hits.append(float(int(np.argmax(lls[k : k + n])) == d["label"]))
+                k += n
+        mean = float(np.mean(hits))
+        err = float(np.std(hits, ddof=1) / np.sqrt(len(hits))) if len(hits) > 1 else None
+        out[task] = {"value": mean, "stderr": err, "docs": len(hits)}
+    return out
+
+
+def score(spec: str, checkpoint: str | None, options: dict, limit: int | None, device: str):
+    """Each task's metric for one engine setting, with the resumption stats."""
+    lm = V41PlanLM(
+        spec, checkpoint, progress=False, device=device, max_num_seqs=64,
+        max_num_batched_tokens=8192, **options,
+    )  # fmt: skip
+    return score_tasks(lm, limit), dict(lm.resumed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Score every row, print the table, write the JSON report."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="the trained checkpoint directory")
+    ap.add_argument("--spec", default="quality40")
+    ap.add_argument("--limit", type=int, default=None, help="documents per task (default all)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rows", default=None, help="comma-separated row names (default every row)")
+    ap.add_argument("--out", default="reports/cpu/quality_table.json")
+    args = ap.parse_args(argv)
+    from v41plan.validation.provenance import provenance
+
+    wanted = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
+    rows = []
+    for name, options, trained in ROWS:
+        if wanted is not None and name not in wanted:
+            continue
+        t0 = time.perf_counter()
+        scores, resumed = score(
+            args.spec, args.checkpoint if trained else None, options, args.limit, args.device
+        )
+        row = {"row": name, "options": options, "trained": trained, "scores": scores}
+        if options.get("prefix_hit"):
+            row["resumed"] = resumed
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        cells = "  ".join(f"{t.split('_', 1)[1]} {scores[t]['value']:.3f}" for t in TASKS)
+        print(f"{name:28s} {cells}  ({row['seconds']:.0f} s)", flush=True)
+    report = {
+        "spec": args.spec,
+        "checkpoint": args.checkpoint,
+        "limit": args.limit,
+        "device": args.device,
+        "chance": CHANCE,
+        "rows": rows,
+        "provenance": provenance(),
+        "command": "python -m v41plan.validation.quality_table " + " ".join(argv or sys.argv[1:]),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    """The report as the README's table."""
+    head = "| setting | " + " | ".join(t.removeprefix("v41plan_") for t in TASKS) + " |"
+    lines = [head, "|---" * (len(TASKS) + 1) + "|"]
+    for r in report["rows"]:
+        cells = []
+        for t in TASKS:
+            s = r["scores"][t]
+            err = f" ± {s['stderr']:.3f}" if isinstance(s.get("stderr"), float) else ""
+            cells.append(f"{s['value']:.3f}{err}")
+        lines.append(f"| {r['row']} | " + " | ".join(cells) + " |")
+    chance = " | ".join(f"{report['chance'][t]:.2f}" for t in TASKS)
+    lines.append(f"| chance | {chance} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
