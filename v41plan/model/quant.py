@@ -158,7 +158,11 @@ def fake_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
         return x
     xb = _blocks(x, block).to(_acc(x.dtype))
     s = pow2ceil(div_rn(_amax(xb, FP8_AMAX_FLOOR), E4M3_MAX)).to(xb.dtype)
-    return (round_e4m3(xb / s) * s).reshape(x.shape).to(x.dtype)
+    y = xb / s
+    # one cast rounds float32 exactly as round_e4m3 (about 4x faster); float64 would round
+    # through float32 first, so it keeps the explicit rounding
+    q = round_e4m3(y) if y.dtype == torch.float64 else _cast_e4m3(y).to(y.dtype)
+    return (q * s).reshape(x.shape).to(x.dtype)
 
 
 @_ste
