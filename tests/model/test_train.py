@@ -167,3 +167,22 @@ def test_loss_png_is_a_valid_image(tmp_path):
     idat = data[data.index(b"IDAT") + 4 : data.index(b"IEND") - 8]
     raw = zlib.decompress(idat)
     assert len(raw) == h * (1 + w * 3) and b"\x00\x00\x00" in raw  # a black loss pixel
+
+
+def test_training_goes_on_from_a_checkpoint_with_its_weights(tmp_path):
+    """``init_checkpoint``: the masters start from the checkpoint's published tensors, so the
+    export before any step is the checkpoint itself."""
+    from v41plan.model.checkpoint import read_state, write_state
+
+    cfg = _cfg()
+    first = TrainModel(cfg, seed=7)
+    write_state(tmp_path, cfg, first.export_state())
+    again = TrainModel(cfg, seed=0, init_state=read_state(tmp_path))
+    a, b = first.export_state(), again.export_state()
+    assert a.keys() == b.keys()
+    assert all(
+        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        for k in a
+        if a[k].dtype.itemsize == 1
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a if a[k].dtype.itemsize > 1)

@@ -31,3 +31,25 @@ def test_markdown_lists_every_row_and_the_chance_line():
     text = markdown({"rows": [row], "chance": dict.fromkeys(TASKS, 0.0)})
     assert "| default | 0.500 ± 0.100 | 0.500 ± 0.100 | 0.500 ± 0.100 |" in text
     assert text.splitlines()[-1].startswith("| chance |")
+
+
+def test_prefix_hit_generations_resume_from_the_cache_under_both_transfers():
+    """``prefix_hit``: the scored generations hit the prefix cache and resume through the
+    encoder replay (replayed rows) or the copy transfer (restored images); the copy transfer is
+    exact, so its generations equal those of a run without the hit."""
+    from v41plan.validation.quality_tasks import documents
+
+    docs = documents("copy_gen", 2)
+    reqs = [(d["prompt"], {"until": ["\n"], "max_gen_toks": 6}) for d in docs]
+    plain = V41PlanLM("tiny", progress=False, device="cpu", encoder_swa_bounded_replay=False)
+    want = plain.generate_until(reqs)
+    for replay in (True, False):
+        lm = V41PlanLM(
+            "tiny", progress=False, device="cpu", prefix_hit=True, encoder_swa_bounded_replay=replay
+        )
+        got = lm.generate_until(reqs)
+        r = lm.resumed
+        assert r["requests"] == 2 and r["hits"] > 0
+        assert r["replay_rows"] > 0 if replay else r["restores"] > 0
+        if not replay:
+            assert got == want

@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     parser.add_argument(
+        "--init-checkpoint",
+        default=None,
+        help="go on training from this checkpoint's weights (same spec; the optimizer restarts)",
+    )
+    parser.add_argument(
         "--time-limit",
         type=float,
         default=0.0,
@@ -58,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if path_exists(out) and not out.is_dir():
         raise Refused(f"--out {args.out}: exists and is not a directory")
+    if args.init_checkpoint is not None and not Path(args.init_checkpoint).is_dir():
+        raise Refused(f"--init-checkpoint {args.init_checkpoint}: not a directory")
     import torch
 
     from v41plan.model.config import config_from_cache_spec
@@ -83,8 +90,18 @@ def run(args: argparse.Namespace) -> int:
         graphs=not args.no_graphs,
         log_every=min(TrainOptions.log_every, args.steps),
         time_limit_s=args.time_limit,
+        init_checkpoint=args.init_checkpoint,
     )
-    train(cfg, spec.name, out, opts, device, progress=lambda m: print(m, flush=True))
+    from v41plan.model.checkpoint import CheckpointError
+
+    try:
+        train(cfg, spec.name, out, opts, device, progress=lambda m: print(m, flush=True))
+    except CheckpointError as exc:
+        raise Refused(f"--init-checkpoint {exc}") from None
+    except ValueError as exc:
+        if opts.init_checkpoint and str(exc).startswith(opts.init_checkpoint):
+            raise Refused(f"--init-checkpoint {exc}") from None
+        raise
     return 0
 
 

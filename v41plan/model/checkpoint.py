@@ -497,6 +497,17 @@ class LoadedCheckpoint:
         return EngramHost(self.config, engram_token_map(self.config, self.path), self.tables)
 
 
+def read_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's shards, Engram tables included, in memory (a
+    small model to go on training; the loader never does this)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(path).glob("model-*-of-*.safetensors")):
+        state.update(load_file(str(shard)))
+    return state
+
+
 def engram_token_map(cfg: ModelConfig, path: str | Path | None = None) -> np.ndarray:
     """The Engram token map of a model: from its ``tokenizer.json`` (beside the checkpoint at
     ``path``, or the packaged DeepSeek-V4 one for a V4.1-vocabulary config:

@@ -105,10 +105,13 @@ class TrainModel:
         seed: int = 0,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        init_state: dict[str, torch.Tensor] | None = None,
     ):
+        """Masters from ``init_state`` (published tensors: a checkpoint to go on training),
+        else from the ``init-checkpoint`` weights of ``seed``."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         specs = tensor_table(cfg)
-        state = random_state(cfg, seed)  # the init-checkpoint weights of the same seed
+        state = random_state(cfg, seed) if init_state is None else init_state
         self.kinds: dict[str, tuple[str, torch.dtype]] = {}
         """Master name -> (``plain`` | ``fp8`` | ``fp4`` | ``table``, published dtype)."""
         self.masters: dict[str, torch.Tensor] = {}

@@ -74,6 +74,8 @@ class TrainOptions:
     """Steps between progress lines (each one reads the losses back)."""
     time_limit_s: float = 0.0
     """Stop early (and still write everything) once training took this long; 0: no limit."""
+    init_checkpoint: str | None = None
+    """A checkpoint to go on training from (its weights; the optimizer starts afresh)."""
 
 
 class Corpus:
@@ -235,7 +237,16 @@ def train(
     dev = torch.device(device)
     torch.manual_seed(opts.seed)
     t_start = time.perf_counter()
-    model = TrainModel(cfg, opts.seed, dev)
+    init = None
+    if opts.init_checkpoint:
+        from v41plan.model.checkpoint import check_checkpoint, read_state
+
+        if check_checkpoint(opts.init_checkpoint)[0] != cfg:
+            raise ValueError(
+                f"{opts.init_checkpoint}: its config.json is another model than the spec's"
+            )
+        init = read_state(opts.init_checkpoint)
+    model = TrainModel(cfg, opts.seed, dev, init_state=init)
     host = EngramHost(cfg, engram_token_map(cfg))
     corpus = Corpus(cfg, opts.seed, opts.seq_tokens)
     B, S = opts.batch_seqs, opts.seq_tokens
