@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Train the quality checkpoint on a CUDA machine in one call (run from the repository root):
-# a short calibration run times a dense and a sparse step, then the real run takes as many
-# steps as fit BUDGET_S seconds (a quarter of them dense). The real run's own command is printed
-# and recorded in its train_log.json: rerunning it reproduces the schedule.
-#   OUT=/tmp/q BUDGET_S=420 scripts/gpu_train_quality.sh
+# Train the quality checkpoint on a CUDA machine in one call (run from the repository root),
+# then score the quality table there (EVAL_S > 0). Without STEPS a short calibration run times
+# a dense and a sparse step first, and the real run takes as many steps as fit BUDGET_S seconds
+# (a quarter of them dense). The real run's command is printed and recorded in its
+# train_log.json: rerunning it reproduces the schedule.
+#   OUT=/tmp/q STEPS=560 EVAL_S=170 scripts/gpu_train_quality.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
 BUDGET_S=${BUDGET_S:-420}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-640}
+STEPS=${STEPS:-}
+EVAL_S=${EVAL_S:-0}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee "$OUT/train.log"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/train.log"
-t0=$SECONDS
-python3 -m v41plan train --spec "$SPEC" --out "$OUT/calibration" --steps 24 --dense-steps 12 \
-    --batch-seqs "$BATCH" --seq-tokens "$SEQ" 2>&1 | tee -a "$OUT/train.log"
-left=$((BUDGET_S - (SECONDS - t0)))
-steps=$(python3 - "$OUT/calibration/train_log.json" "$left" <<'PY'
+if [ -z "$STEPS" ]; then
+    t0=$SECONDS
+    python3 -m v41plan train --spec "$SPEC" --out "$OUT/calibration" --steps 24 --dense-steps 12 \
+        --batch-seqs "$BATCH" --seq-tokens "$SEQ" 2>&1 | tee -a "$OUT/train.log"
+    left=$((BUDGET_S - (SECONDS - t0)))
+    STEPS=$(python3 - "$OUT/calibration/train_log.json" "$left" <<'PY'
 import json, statistics, sys
 log = json.load(open(sys.argv[1]))
 t = log["step_end_s"]
@@ -31,9 +35,15 @@ print(f"calibration: dense {dense:.3f} s/step, sparse {sparse:.3f} s/step", file
 print(max(50, int(left / per) // 10 * 10))
 PY
 )
-dense=$((steps / 4))
-echo "== v41plan train --spec $SPEC --steps $steps --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ" | tee -a "$OUT/train.log"
-python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$steps" --dense-steps "$dense" \
-    --batch-seqs "$BATCH" --seq-tokens "$SEQ" --time-limit $((BUDGET_S + 60)) 2>&1 | tee -a "$OUT/train.log"
-# a device call brings back at most 8 files: keep the calibration's log, drop its checkpoint
-mv "$OUT/calibration/train_log.json" "$OUT/calibration_log.json" && rm -rf "$OUT/calibration"
+    # a device call brings back at most 8 files: keep the calibration's log, drop its checkpoint
+    mv "$OUT/calibration/train_log.json" "$OUT/calibration_log.json" && rm -rf "$OUT/calibration"
+fi
+dense=$((STEPS / 4))
+echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ" | tee -a "$OUT/train.log"
+python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$STEPS" --dense-steps "$dense" \
+    --batch-seqs "$BATCH" --seq-tokens "$SEQ" 2>&1 | tee -a "$OUT/train.log"
+if [ "$EVAL_S" -gt 0 ]; then
+    echo "== quality table (cuda, up to $EVAL_S s)" | tee -a "$OUT/train.log"
+    timeout "$EVAL_S" python3 -m v41plan.validation.quality_table --checkpoint "$OUT/$SPEC" \
+        --spec "$SPEC" --device cuda --out "$OUT/quality_table.json" 2>&1 | tee -a "$OUT/train.log" || true
+fi

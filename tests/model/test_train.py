@@ -115,9 +115,9 @@ def test_router_bias_update_raises_underloaded_experts_and_lowers_overloaded_one
 
 def test_corpus_is_seeded_and_opens_each_sequence_with_a_long_document():
     cfg = _cfg()
-    x = Corpus(cfg, 5, 640).batch(3)
-    assert x.shape == (3, 641) and np.array_equal(x, Corpus(cfg, 5, 640).batch(3))
-    assert not np.array_equal(x, Corpus(cfg, 6, 640).batch(3))
+    x, marks = Corpus(cfg, 5, 640).batch(3)
+    assert x.shape == marks.shape == (3, 641) and np.array_equal(x, Corpus(cfg, 5, 640).batch(3)[0])
+    assert not np.array_equal(x, Corpus(cfg, 6, 640).batch(3)[0])
     for row in x:
         head = bytes(t for t in row[:40] if t < 256).decode()
         assert head.startswith("code: ") or head.split("=")[0].isalpha(), head
@@ -128,7 +128,7 @@ def test_corpus_skips_a_generated_document_equal_to_a_held_out_one(monkeypatch):
     c = Corpus(cfg, 5, 640)
     draws = iter([documents("arith_gen", 1)[0], {"prompt": "1+1=", "answer": "2"}])
     monkeypatch.setitem(GENERATORS, "arith_gen", lambda rng, **size: next(draws))
-    assert c._doc("arith_gen") == [*b"1+1=2", cfg.eos_token_id]
+    assert c._doc("arith_gen") == ([*b"1+1=2", cfg.eos_token_id], [False] * 4 + [True, False])
     assert c.skipped == 1
 
 
@@ -186,3 +186,20 @@ def test_training_goes_on_from_a_checkpoint_with_its_weights(tmp_path):
         if a[k].dtype.itemsize == 1
     )
     assert all(torch.equal(a[k], b[k]) for k in a if a[k].dtype.itemsize > 1)
+
+
+def test_answer_marks_cover_exactly_each_documents_answer():
+    """The loss weights' marks: the value after ``answer:``, the repeated code and the sum."""
+    cfg = _cfg()
+    c = Corpus(cfg, 9, 640)
+    ids, marks = c.sequence_marked()
+    text = bytes(t if t < 256 else 10 for t in ids)
+    answers = [text[i : i + 1] for i in range(len(ids)) if marks[i]]
+    docs = text.split(b"\n")
+    assert marks.count(True) >= 8 and b"".join(answers).strip()
+    for line in docs:  # every complete arithmetic line's sum is marked
+        if b"+" in line and b"=" in line and line.split(b"=")[1]:
+            start = text.index(line) + line.index(b"=") + 1
+            if start + len(line.split(b"=")[1]) < len(ids):
+                assert all(marks[start : start + len(line.split(b"=")[1])])
+                assert not marks[start - 1]

@@ -46,13 +46,13 @@ CHANCE = {"v41plan_kv_recall_mc": 0.25, "v41plan_copy_gen": 0.0, "v41plan_arith_
 
 ROWS: list[tuple[str, dict, bool]] = [
     ("default", {}, True),
+    ("random weights", {}, False),
     ("decoder replay off", {"decoder_swa_bounded_replay": False}, True),
     ("prefix hit: encoder replay", {"prefix_hit": True, "encoder_swa_bounded_replay": True}, True),
     ("prefix hit: copy transfer", {"prefix_hit": True, "encoder_swa_bounded_replay": False}, True),
     ("main bf16 / index fp4", {"index_cache_dtype": "fp4"}, True),
     ("main fp4 / index fp8", {"kv_cache_dtype": "fp4"}, True),
     ("main fp4 / index fp4", {"kv_cache_dtype": "fp4", "index_cache_dtype": "fp4"}, True),
-    ("random weights", {}, False),
 ]
 """(row name, ``V41PlanLM`` options, trained checkpoint?)."""
 
@@ -114,7 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     from v41plan.validation.provenance import provenance
 
     wanted = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
-    rows = []
+    rows: list[dict] = []
+    report = {
+        "spec": args.spec,
+        "checkpoint": args.checkpoint,
+        "limit": args.limit,
+        "device": args.device,
+        "chance": CHANCE,
+        "rows": rows,
+        "provenance": provenance(),
+        "command": "python -m v41plan.validation.quality_table " + " ".join(argv or sys.argv[1:]),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name, options, trained in ROWS:
         if wanted is not None and name not in wanted:
             continue
@@ -129,18 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         cells = "  ".join(f"{t.split('_', 1)[1]} {scores[t]['value']:.3f}" for t in TASKS)
         print(f"{name:28s} {cells}  ({row['seconds']:.0f} s)", flush=True)
-    report = {
-        "spec": args.spec,
-        "checkpoint": args.checkpoint,
-        "limit": args.limit,
-        "device": args.device,
-        "chance": CHANCE,
-        "rows": rows,
-        "provenance": provenance(),
-        "command": "python -m v41plan.validation.quality_table " + " ".join(argv or sys.argv[1:]),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        report["rows"] = rows
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")  # after every row
     print(markdown(report))
     return 0
 

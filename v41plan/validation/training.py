@@ -62,6 +62,9 @@ class TrainOptions:
     """Steps whose attention reads every visible compressed row (then the index top-k)."""
     index_loss_weight: float = 1.0
     """Weight of the indexer KL loss."""
+    answer_weight: float = 5.0
+    """Loss weight of answer tokens (the recalled value, the repeated code, the sum) against
+    1 for every other token: the answers are a few percent of the text and carry the tasks."""
     router_bias_rate: float = 1e-3
     """Router bias step of the balancing rule."""
     weight_decay: float = 0.01
@@ -97,36 +100,54 @@ class Corpus:
             return doc["context"] + doc["choices"][doc["label"]]
         return doc["prompt"] + doc["answer"]
 
-    def _doc(self, name: str, **size) -> list[int]:
+    @staticmethod
+    def _answer(doc: dict) -> str:
+        return doc["choices"][doc["label"]] if "choices" in doc else doc["answer"]
+
+    def _doc(self, name: str, **size) -> tuple[list[int], list[bool]]:
+        """A document's tokens (``eos`` last) and which of them are its answer."""
         while True:
-            text = self._text(name, GENERATORS[name](self.rng, **size))
+            try:
+                doc = GENERATORS[name](self.rng, **size)
+            except ValueError:  # a short recall list without three other distinct values
+                continue
+            text = self._text(name, doc)
             if text not in self.held_out:
-                return [*text.encode("utf-8"), self.eos]
+                ids = [*text.encode("utf-8"), self.eos]
+                n = len(self._answer(doc).encode("utf-8"))
+                return ids, [False] * (len(ids) - 1 - n) + [True] * n + [False]
             self.skipped += 1
 
-    def _long_doc(self) -> list[int]:
+    def _long_doc(self) -> tuple[list[int], list[bool]]:
         """A recall or copy document of a random length up to the tasks' own (a range of
         distances teaches the lookup sooner than the longest alone)."""
         if self.rng.random() < 0.5:
-            return self._doc("kv_recall_mc", pairs=self.rng.randint(4, 40))
+            return self._doc("kv_recall_mc", pairs=self.rng.randint(6, 40))
         return self._doc("copy_gen", filler_chars=self.rng.randint(16, 420))
 
-    def sequence(self) -> list[int]:
-        """``seq_tokens + 1`` tokens: long documents while they fit (the first from position
-        0, as the tasks present them), then arithmetic ones."""
-        ids = self._long_doc()
+    def sequence_marked(self) -> tuple[list[int], list[bool]]:
+        """``seq_tokens + 1`` tokens and their answer marks: long documents while they fit
+        (the first from position 0, as the tasks present them), then arithmetic ones."""
+        ids, ans = self._long_doc()
         while True:
-            nxt = self._long_doc()
+            nxt, nxt_ans = self._long_doc()
             if len(ids) + len(nxt) > self.seq_tokens:
                 break
-            ids += nxt
+            ids, ans = ids + nxt, ans + nxt_ans
         while len(ids) <= self.seq_tokens:
-            ids += self._doc("arith_gen")
-        return ids[: self.seq_tokens + 1]
+            nxt, nxt_ans = self._doc("arith_gen")
+            ids, ans = ids + nxt, ans + nxt_ans
+        return ids[: self.seq_tokens + 1], ans[: self.seq_tokens + 1]
 
-    def batch(self, n: int) -> np.ndarray:
-        """``[n, seq_tokens + 1]`` int64."""
-        return np.asarray([self.sequence() for _ in range(n)], dtype=np.int64)
+    def sequence(self) -> list[int]:
+        """``sequence_marked``'s tokens."""
+        return self.sequence_marked()[0]
+
+    def batch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``[n, seq_tokens + 1]`` (int64) and their answer marks (bool)."""
+        rows = [self.sequence_marked() for _ in range(n)]
+        ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+        return ids, np.asarray([r[1] for r in rows], dtype=bool)
 
 
 def lr_at(step: int, opts: TrainOptions) -> float:
@@ -145,6 +166,8 @@ class _Stepper:
         self.model, self.opts = model, opts
         self.ids = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.targets = torch.zeros(B, S, dtype=torch.long, device=dev)
+        self.loss_w = torch.ones(B, S, device=dev)
+        """Per-target loss weights (``answer_weight`` on answer tokens)."""
         self.rows = torch.zeros(B, S, *n_rows, dtype=torch.long, device=dev)
         self.graphs_on = opts.graphs and dev.type == "cuda"
         lr = torch.tensor(opts.lr, device=dev) if self.graphs_on else opts.lr
@@ -173,7 +196,9 @@ class _Stepper:
         m, o = self.model, self.opts
         batch = Batch(self.ids, self.targets, self.rows)
         logits, aux = m.forward(batch, dense=dense)
-        ce = F.cross_entropy(logits, self.targets.reshape(-1))
+        w = self.loss_w.reshape(-1)
+        per = F.cross_entropy(logits, self.targets.reshape(-1), reduction="none")
+        ce = (per * w).sum() / w.sum()
         loss = ce + o.index_loss_weight * aux["index_kl"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
@@ -253,11 +278,12 @@ def train(
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
     stepper = _Stepper(model, opts, B, S, n_rows)
     pinned = dev.type == "cuda"
-    staging = [  # (ids, targets, Engram rows) twice: the host fills one while the other copies
+    staging = [  # (ids, targets, Engram rows, weights) twice: one fills while the other copies
         tuple(
             torch.empty(shape, dtype=torch.long, pin_memory=pinned)
             for shape in ((B, S), (B, S), (B, S, *n_rows))
         )
+        + (torch.empty(B, S, pin_memory=pinned),)
         for _ in range(2)
     ]
     copied = [None, None]  # event after each staging buffer's last copy
@@ -277,14 +303,16 @@ def train(
         k = step % 2
         if copied[k] is not None:
             copied[k].synchronize()  # the buffer's previous copy has left it
-        tok = corpus.batch(B)
-        ids_h, tg_h, rows_h = staging[k]
+        tok, answer = corpus.batch(B)
+        ids_h, tg_h, rows_h, w_h = staging[k]
         ids_h.copy_(torch.from_numpy(tok[:, :S]))
         tg_h.copy_(torch.from_numpy(tok[:, 1:]))
         rows_h.copy_(torch.from_numpy(engram_rows(host, tok[:, :S])))
+        w_h.copy_(torch.from_numpy(np.where(answer[:, 1:], opts.answer_weight, 1.0)))
         stepper.ids.copy_(ids_h, non_blocking=True)
         stepper.targets.copy_(tg_h, non_blocking=True)
         stepper.rows.copy_(rows_h, non_blocking=True)
+        stepper.loss_w.copy_(w_h, non_blocking=True)
         if pinned:
             copied[k] = torch.cuda.Event()
             copied[k].record()
