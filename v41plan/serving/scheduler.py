@@ -47,6 +47,27 @@ from v41plan.serving.sampling import sample, token_logprobs
 from v41plan.serving.sequence import SeqStatus, Sequence
 
 
+class Queue(deque):
+    """A request queue that counts its changes (``version``), so what is derived from its order
+    (the decode rows' order) is rebuilt only after one, whoever made it."""
+
+    version = 0
+
+
+def _counted(base):
+    def method(self, *args):
+        self.version += 1
+        return base(self, *args)
+
+    method.__name__, method.__doc__ = base.__name__, base.__doc__
+    return method
+
+
+_CHANGES = ("append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove")
+for _name in (*_CHANGES, "clear", "reverse", "rotate", "__setitem__", "__delitem__", "__iadd__"):
+    setattr(Queue, _name, _counted(getattr(deque, _name)))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Scheduling knobs (engine option names)."""
@@ -83,7 +104,7 @@ class Scheduler:
         self._kv_loads: list[KVLoad] = []
         self._image_tokens: dict[bytes, tuple[int, ...]] = {}  # queued images' token ids
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: Queue = Queue()
         self.finished: list[Sequence] = []
         self.step_count = 0
         self.events: list[dict] = []
@@ -93,9 +114,10 @@ class Scheduler:
         self._owner: list[Sequence | None] = [None] * block_manager.num_slots
         """The running request holding each slot."""
         self._order: tuple[list[Sequence], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
-        self._order_version = 0  # ``rows.version`` that ``_order`` was built at
+        self._order_version = (0, 0)  # (``rows.version``, ``running.version``) of ``_order``
         # abort() calls so far and those the last scans saw: no scan of every request per step
         self._aborts = self._aborts_seen = 0
+        self._scheduled: tuple[int, list[Sequence]] = (0, [])  # the last batch's decode rows
 
     # ---- queue API -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -347,6 +369,7 @@ class Scheduler:
         seqs: list[Sequence],
     ) -> ScheduledBatch:
         self.step_count += 1
+        self._scheduled = (self.step_count, members)
         deltas, a_slots, a_tokens = self._deltas(decode.slot, members, seqs)
         rows = RequestColumns.concat([decode, RequestColumns.from_requests(reqs)])
         batch = ScheduledBatch(
@@ -518,14 +541,15 @@ class Scheduler:
             seq.kv_prefetch = None
 
     def _members(self) -> tuple[list[Sequence], np.ndarray]:
-        """The requests with a decode row and their slots, in queue order (rebuilt only when a
-        row was loaded or unloaded: the queue order of the others does not change)."""
+        """The requests with a decode row and their slots, in queue order (rebuilt only after a
+        row was loaded or unloaded or the queue changed)."""
         rows = self.rows
-        if self._order_version != rows.version:
+        version = (rows.version, self.running.version)
+        if self._order_version != version:
             owner = rows.seq
             members = [s for s in self.running if owner[s.slot] is s]
             slots = np.fromiter((s.slot for s in members), np.int64, len(members))
-            self._order, self._order_version = (members, slots), rows.version
+            self._order, self._order_version = (members, slots), version
         return self._order
 
     def _schedule_decode(self, budget: int) -> tuple[RequestColumns, list[Sequence]]:
@@ -597,7 +621,12 @@ class Scheduler:
         is_row = R.seq_id[rows.slot] == rows.seq_id  # the request still has its decode row
         mi = np.flatnonzero(is_row)
         m_slots, m_ends = rows.slot[mi], rows.end[mi]
-        m_seqs = [R.seq[s] for s in m_slots.tolist()]
+        step, members = self._scheduled
+        k = len(mi)
+        if step == batch.step and k == len(members) and (not k or mi[-1] == k - 1):
+            m_seqs = members  # this batch's decode rows, none gone since
+        else:
+            m_seqs = [R.seq[s] for s in m_slots.tolist()]
         R.pos[m_slots] = m_ends
         P = cfg.page_tokens
         commit = m_ends // P > R.published[m_slots]  # a block completed
