@@ -19,7 +19,7 @@ it), and the slots freed since the last batch, as vLLM v1 hands its workers per-
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -359,27 +359,54 @@ class ScheduledBatch:
         return int(self.requests.chunk_len.sum())
 
 
-@dataclass
 class RunnerOutput:
     """What a step gives back: each sampled request's token (sampled on the device), or the
     logits of its last row for the scheduler to sample (runners without a device sampler), and
-    every row's logits where asked."""
+    every row's logits where asked.
 
-    tokens: dict[int, int] = field(default_factory=dict)
-    """seq_id -> the token sampled from its last row (final chunks and decodes)."""
-    logprobs: dict[int, float] = field(default_factory=dict)
-    """seq_id -> the sampled token's raw logprob."""
-    top_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-    """seq_id -> the ``logprobs`` most likely ``(token id, logprob)``, for requests asking."""
-    last_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """seq_id -> ``[vocab]`` float logits of the last row, where no token was sampled."""
-    row_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
-    row_tokens: np.ndarray | None = None
-    """The sampled tokens again, per batch row (int64, -1 where a row sampled none), from a
-    runner with a device sampler: what the scheduler's columnar postprocess reads."""
-    row_logprobs: np.ndarray | None = None
-    """The sampled tokens' raw logprobs per batch row (beside ``row_tokens``)."""
+    A runner with a device sampler gives the tokens as columns (``set_rows``); the per-request
+    ``tokens``/``logprobs`` maps are then built from them only when read."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, int] | None = {}
+        self._logprobs: dict[int, float] | None = {}
+        self.top_logprobs: dict[int, list[tuple[int, float]]] = {}
+        """seq_id -> the ``logprobs`` most likely ``(token id, logprob)``, for requests asking."""
+        self.last_logits: dict[int, torch.Tensor] = {}
+        """seq_id -> ``[vocab]`` float logits of the last row, where no token was sampled."""
+        self.row_logits: dict[int, torch.Tensor] = {}
+        """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
+        self.row_tokens: np.ndarray | None = None
+        """The sampled tokens per batch row (int64, -1 where a row sampled none): what the
+        scheduler's columnar postprocess reads."""
+        self.row_logprobs: np.ndarray | None = None
+        """The sampled tokens' raw logprobs per batch row (beside ``row_tokens``)."""
+        self._row_ids: np.ndarray | None = None
+
+    def set_rows(self, seq_ids: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """The sampled tokens and logprobs per batch row (``seq_ids``: the rows' requests)."""
+        self._row_ids, self.row_tokens, self.row_logprobs = seq_ids, tokens, logprobs
+        self._tokens = self._logprobs = None
+
+    def _maps(self) -> None:
+        got = self.row_tokens >= 0
+        ids = self._row_ids[got].tolist()
+        self._tokens = dict(zip(ids, self.row_tokens[got].tolist(), strict=True))
+        self._logprobs = dict(zip(ids, self.row_logprobs[got].tolist(), strict=True))
+
+    @property
+    def tokens(self) -> dict[int, int]:
+        """seq_id -> the token sampled from its last row (final chunks and decodes)."""
+        if self._tokens is None:
+            self._maps()
+        return self._tokens
+
+    @property
+    def logprobs(self) -> dict[int, float]:
+        """seq_id -> the sampled token's raw logprob."""
+        if self._logprobs is None:
+            self._maps()
+        return self._logprobs
 
 
 def history_window(replay_history_tokens: int, hash_block: int) -> int:

@@ -88,5 +88,7 @@ class DecodeRows:
         """``(stop, length)`` masks of rows ``slots`` after appending ``tokens`` (the counts
         already include them): a stop id matches, or the count reached the limit. ``stop``
         wins where both hold, as in ``Scheduler._stop_reason``."""
-        stop = (self.stops[slots] == tokens[:, None]).any(axis=1)
+        stop = self.stops[slots, 0] == tokens
+        for c in range(1, self.stops.shape[1]):  # (one column unless a request has more ids)
+            stop |= self.stops[slots, c] == tokens
         return stop, ~stop & (self.num_tokens[slots] >= self.limit[slots])

@@ -160,14 +160,11 @@ class PagedRunner:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
         host = self.read_back(res, want_rows)
-        tokens = host["token_ids"].numpy()[:n]
+        tokens = host["token_ids"].numpy()[:n].astype(np.int64, copy=False)
         logprobs = host["logprobs"].numpy()[:n]
-        out.row_tokens = np.full(n, -1, dtype=np.int64)
-        out.row_logprobs = np.zeros(n, dtype=np.float64)
-        out.row_tokens[final], out.row_logprobs[final] = tokens[final], logprobs[final]
-        sids = rows.seq_id[final].tolist()
-        out.tokens = dict(zip(sids, tokens[final].tolist(), strict=True))
-        out.logprobs = dict(zip(sids, logprobs[final].tolist(), strict=True))
+        if not decode:  # only final chunks sample
+            tokens = np.where(rows.is_final_chunk, tokens, -1)
+        out.set_rows(rows.seq_id, tokens, logprobs)
         if sampling.top_n > 0:
             top_n = self.tables.top_n[slots].tolist()
             for i in np.arange(n)[final].tolist():

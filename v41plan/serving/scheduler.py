@@ -371,7 +371,9 @@ class Scheduler:
         self.step_count += 1
         self._scheduled = (self.step_count, members)
         deltas, a_slots, a_tokens = self._deltas(decode.slot, members, seqs)
-        rows = RequestColumns.concat([decode, RequestColumns.from_requests(reqs)])
+        rows = (
+            RequestColumns.concat([decode, RequestColumns.from_requests(reqs)]) if reqs else decode
+        )
         batch = ScheduledBatch(
             step=self.step_count,
             phase=phase,
@@ -652,12 +654,16 @@ class Scheduler:
         # Decode rows: tokens, cursors and stop checks over the columns.
         live = np.array([not s.aborted for s in m_seqs], dtype=bool) if finishing else None
         toks = self._row_tokens(rows, mi, m_seqs, output, live)
-        for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
-            seq.num_cached_tokens = end
-            if tok >= 0:
-                seq.token_ids.append(tok)
         ok = toks >= 0
-        if not ok.all():
+        if ok.all():  # (one pass of Python per step: the requests' records)
+            for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
+                seq.num_cached_tokens = end
+                seq.token_ids.append(tok)
+        else:
+            for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
+                seq.num_cached_tokens = end
+                if tok >= 0:
+                    seq.token_ids.append(tok)
             m_slots, toks, m_seqs = m_slots[ok], toks[ok], [s for s, g in zip(m_seqs, ok) if g]
         R.num_tokens[m_slots] += 1
         R.last_token[m_slots] = toks
@@ -739,14 +745,12 @@ class Scheduler:
                 for k, seq in enumerate(seqs)
             ]
             return np.array([-1 if t is None else t for t in got], dtype=np.int64)
-        toks = output.row_tokens[mi].astype(np.int64)
+        toks = output.row_tokens[mi]  # (a copy: fancy indexing)
         if live is not None:
             toks[~live] = -1
         for k in np.flatnonzero(self.rows.logprobs[rows.slot[mi]] & (toks >= 0)).tolist():
-            sid = seqs[k].seq_id
-            seqs[k].output_logprobs.append(
-                (output.logprobs[sid], dict(output.top_logprobs.get(sid, ())))
-            )
+            top = output.top_logprobs.get(seqs[k].seq_id, ())
+            seqs[k].output_logprobs.append((float(output.row_logprobs[mi[k]]), dict(top)))
         return toks
 
     def _sampled_token(self, seq: Sequence, output: RunnerOutput) -> int | None:
