@@ -92,11 +92,21 @@ class RequestColumns(SequenceABC):
 
     @classmethod
     def decode(cls, seq_id, slot, pos, prompt_len, prefix_hit) -> RequestColumns:
-        """Decode rows: one row each at ``pos`` (a continued slot, sampled, no row logits)."""
-        n = len(pos)
-        no = np.zeros(n, dtype=bool)
-        return cls(seq_id, slot, pos, pos, pos + 1, prompt_len, prefix_hit, no,
-                   np.ones(n, dtype=bool), no)  # fmt: skip
+        """Decode rows: one row each at ``pos`` (a continued slot, sampled, no row logits);
+        the columns are int64 arrays, taken as they are (once per step: no conversions)."""
+        self = cls.__new__(cls)
+        self.seq_id, self.slot, self.prompt_len, self.prefix_hit = (
+            seq_id,
+            slot,
+            prompt_len,
+            prefix_hit,
+        )
+        self.start = self.resume = pos
+        self.end = pos + 1
+        self.fresh_slot = self.all_logits = np.zeros(len(pos), dtype=bool)
+        self.is_final_chunk = np.ones(len(pos), dtype=bool)
+        self._objects = None
+        return self
 
     @classmethod
     def from_requests(cls, reqs) -> RequestColumns:

@@ -117,7 +117,8 @@ class Scheduler:
         self._order_version = (0, 0)  # (``rows.version``, ``running.version``) of ``_order``
         # abort() calls so far and those the last scans saw: no scan of every request per step
         self._aborts = self._aborts_seen = 0
-        self._scheduled: tuple[int, list[Sequence]] = (0, [])  # the last batch's decode rows
+        # the last batch's step, decode rows and ``rows.version`` after scheduling it
+        self._scheduled: tuple[int, list[Sequence], int] = (0, [], -1)
 
     # ---- queue API -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -369,7 +370,7 @@ class Scheduler:
         seqs: list[Sequence],
     ) -> ScheduledBatch:
         self.step_count += 1
-        self._scheduled = (self.step_count, members)
+        self._scheduled = (self.step_count, members, self.rows.version)
         deltas, a_slots, a_tokens = self._deltas(decode.slot, members, seqs)
         rows = (
             RequestColumns.concat([decode, RequestColumns.from_requests(reqs)]) if reqs else decode
@@ -620,14 +621,15 @@ class Scheduler:
             if self.connector is not None:
                 self._kv_saves.append(KVSave((im.key,), tuple(im.units), tokens, image=True))
         rows = batch.requests
-        is_row = R.seq_id[rows.slot] == rows.seq_id  # the request still has its decode row
-        mi = np.flatnonzero(is_row)
-        m_slots, m_ends = rows.slot[mi], rows.end[mi]
-        step, members = self._scheduled
-        k = len(mi)
-        if step == batch.step and k == len(members) and (not k or mi[-1] == k - 1):
-            m_seqs = members  # this batch's decode rows, none gone since
+        step, members, version = self._scheduled
+        if step == batch.step and version == R.version and len(rows) == len(members):
+            # the batch scheduled last, all decode rows, none unloaded since
+            mi, is_row = slice(None), None
+            m_slots, m_ends, m_seqs = rows.slot, rows.end, members
         else:
+            is_row = R.seq_id[rows.slot] == rows.seq_id  # the request still has its decode row
+            mi = np.flatnonzero(is_row)
+            m_slots, m_ends = rows.slot[mi], rows.end[mi]
             m_seqs = [R.seq[s] for s in m_slots.tolist()]
         R.pos[m_slots] = m_ends
         P = cfg.page_tokens
@@ -638,7 +640,7 @@ class Scheduler:
             self._publish(m_seqs[k], int(m_ends[k]))
             R.published[m_slots[k]] = m_seqs[k].num_published_blocks
         others = []  # the prefill rows (and any decode row without a row in ``R``)
-        for i in np.flatnonzero(~is_row).tolist():
+        for i in [] if is_row is None else np.flatnonzero(~is_row).tolist():
             req = rows.row(i)
             seq = self._owner[req.slot]
             if seq is None or seq.seq_id != req.seq_id:
@@ -734,7 +736,7 @@ class Scheduler:
             if bm.begin_store(key, seq.slot, end) and self.connector is not None:
                 self._image_tokens[key] = tuple(seq.token_ids[:end])
 
-    def _row_tokens(self, rows, mi: np.ndarray, seqs: list[Sequence], output: RunnerOutput,
+    def _row_tokens(self, rows, mi: np.ndarray | slice, seqs: list[Sequence], output: RunnerOutput,
                     live: np.ndarray | None):  # fmt: skip
         """The tokens sampled for rows ``mi`` of the batch (requests ``seqs``; -1 where a row
         has none or is not ``live``: cancelled), with the logprobs of requests asking
@@ -745,12 +747,14 @@ class Scheduler:
                 for k, seq in enumerate(seqs)
             ]
             return np.array([-1 if t is None else t for t in got], dtype=np.int64)
-        toks = output.row_tokens[mi]  # (a copy: fancy indexing)
+        toks = output.row_tokens[mi].copy()
         if live is not None:
             toks[~live] = -1
-        for k in np.flatnonzero(self.rows.logprobs[rows.slot[mi]] & (toks >= 0)).tolist():
-            top = output.top_logprobs.get(seqs[k].seq_id, ())
-            seqs[k].output_logprobs.append((float(output.row_logprobs[mi[k]]), dict(top)))
+        if self.rows.logprobs.any():
+            lps = output.row_logprobs[mi]
+            for k in np.flatnonzero(self.rows.logprobs[rows.slot[mi]] & (toks >= 0)).tolist():
+                top = output.top_logprobs.get(seqs[k].seq_id, ())
+                seqs[k].output_logprobs.append((float(lps[k]), dict(top)))
         return toks
 
     def _sampled_token(self, seq: Sequence, output: RunnerOutput) -> int | None:
