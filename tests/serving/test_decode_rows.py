@@ -226,3 +226,37 @@ def test_cancel_preempt_and_reorder_between_steps_keep_rows_consistent():
         else:
             assert s.output_ids == gold
     assert (llm.scheduler.rows.seq_id == -1).all()
+
+
+def test_preempt_and_cancel_while_a_decode_batch_is_in_flight():
+    """A request preempted (its row unloaded) or cancelled between a decode batch's schedule
+    and its postprocess gets no token from it; the others advance, and all end as alone."""
+    prompts = [prompt(40, i) for i in range(4)]
+    llm = fake_llm(max_num_seqs=4)
+    seqs = [llm.add_request(p, IGNORE) for p in prompts]
+    sched = llm.scheduler
+    while any(s.num_cached_tokens < s.prefill_end or not s.output_ids for s in seqs):
+        llm.step()
+    for act in ("preempt", "cancel"):
+        batch = sched.schedule()
+        decoding = {r.seq_id for r in batch.requests if r.start >= r.prompt_len}
+        sampled = {r.seq_id for r in batch.requests if r.is_final_chunk}
+        victim = sched._members()[0][1]
+        assert victim.seq_id in decoding
+        before = {s.seq_id: len(s.token_ids) for s in seqs}
+        if act == "preempt":
+            llm.preempt(victim)
+        else:
+            llm.abort(victim)
+        sched.postprocess(batch, llm.runner.execute(batch))
+        check_rows(llm)
+        for s in seqs:
+            grew = len(s.token_ids) - before[s.seq_id]
+            assert grew == (s.seq_id in sampled and s is not victim), (act, s.seq_id)
+    drive(llm)
+    for s, p in zip(seqs, prompts):
+        gold = solo(p, IGNORE).output_ids
+        if s.finish_reason == "aborted":
+            assert s.output_ids == gold[: len(s.output_ids)]
+        else:
+            assert s.output_ids == gold and s.preemptions <= 1
