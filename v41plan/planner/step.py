@@ -549,6 +549,113 @@ def _union(arrays: list[np.ndarray]) -> np.ndarray:
     return np.unique(np.concatenate(arrays)).astype(np.int32)
 
 
+_DECODE_FAST = True
+"""Plan a one-row-each decode step at its own width by ``_plan_decode`` (off: the general path,
+which tests compare it with)."""
+_DECODE: dict = {}
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+    x.flags.writeable = False  # shared between steps: a write would change later plans
+    return x
+
+
+def _decode_constants(st: _Static, n: int, h: int) -> dict | None:
+    """The arrays of a decode step of ``n`` requests, one row each at its own width, that
+    depend on ``n`` alone, built once and shared by every such plan (plan arrays are read-only
+    by contract; these are write-protected). None when a ratio's compress rows are not every
+    row (the general path plans those)."""
+    key = (id(st), n, h)
+    got = _DECODE.get(key)
+    if got is not None and got[0] is st:
+        return got[1]
+    rows = _frozen(np.arange(n, dtype=np.int32))
+    sig_arrays = {sig: _EMPTY if sig[_PHASE_DECODE] == "none" else rows for sig in st.sigs}
+    for _r, comp_sigs in st.owner_ratios:
+        if n and len(_union([sig_arrays[sig] for sig in comp_sigs])) != n:
+            return None
+    stages = []
+    for name, first, last, sub_sigs, comp_sigs in st.stages:
+        stage_rows = {sub: sig_arrays[sig] for sub, sig in sub_sigs}
+        stage_rows["compress"] = _union([sig_arrays[sig] for sig in comp_sigs])
+        stages.append(StageRows(name, first, last, stage_rows))
+    zeros = _frozen(np.zeros(n, dtype=np.int64))
+    const = {
+        "cu": _frozen(np.arange(n + 1, dtype=np.int32)),
+        "rows": rows,
+        "layer_rows": LayerRows(st.key_index, tuple(sig_arrays[sig] for sig in st.sigs)),
+        "stages": tuple(stages),
+        "true": _frozen(np.ones(n, dtype=bool)),
+        "false": _frozen(np.zeros(n, dtype=bool)),
+        "phase": _frozen(np.full(n, _PHASE_DECODE, dtype=np.int8)),
+        "zeros": zeros,
+        "minus1": _frozen(np.full(n, -1, dtype=np.int64)),
+        "history": _frozen(np.full((n, h), -1, dtype=np.int64)),
+    }
+    if len(_DECODE) > 64:
+        _DECODE.clear()
+    _DECODE[key] = (st, const)
+    return const
+
+
+def _plan_decode(a: StepArrays, spec, table, st: _Static, c: dict) -> StepPlan:
+    """``plan_step`` of a checked step whose ``n`` requests all decode one row at the step's
+    own width: request ``i`` is flat row ``i``, nothing backs off, no tail, every row runs
+    every layer. Equal to the general path's plan (a test compares them); the arrays that
+    depend on ``n`` alone come from ``c`` (``_decode_constants``)."""
+    n = len(a.slots)
+    pos = a.starts.astype(np.int64)  # one copy: every per-request position field shares it
+    if a.block_table_width is not None and int(a.block_table_width) != a.block_tables.shape[1]:
+        bt_width = int(a.block_table_width)
+        if bt_width < a.block_tables.shape[1] and (a.block_tables[:, bt_width:] >= 0).any():
+            raise PlanError(
+                f"block_table_width {bt_width} is narrower than a request's block table"
+            )
+        block_tables = np.full((n, bt_width), -1, dtype=np.int32)
+        k = min(bt_width, a.block_tables.shape[1])
+        block_tables[:, :k] = a.block_tables[:, :k]
+    else:
+        block_tables = a.block_tables.astype(np.int32)
+    rows = c["rows"]
+    return StepPlan(
+        running_bs=n,
+        running_tokens=n,
+        scheduled_bs=n,
+        scheduled_tokens=n,
+        graph_key=("decode", n, n),
+        decoder_replay=False,
+        positions=pos,
+        batch_ids=rows,
+        visible={r: _div(pos + 1, r) for r in st.ratios},
+        cu_seqlens_q=c["cu"],
+        slots=a.slots.astype(np.int32),
+        block_tables=block_tables,
+        is_final_chunk=c["true"],
+        is_decode=c["true"],
+        row_phase=c["phase"],
+        prompt_lens=a.prompt_lens.astype(np.int64),
+        resume_points=pos,
+        prefix_hits=a.prefix_hits.astype(np.int64),
+        forward_start=pos,
+        forward_end=pos + 1,
+        write_from=pos,
+        cached_until=pos,
+        swa_cached_until=pos,
+        swa_replay_start=c["zeros"],
+        encoder_window_floor=c["zeros"],
+        tail_start=c["minus1"],
+        last_rows=rows,
+        history_ids=c["history"],
+        history_from_plan=c["false"],
+        tail_rows=rows,
+        tail_batch_ids=rows,
+        layer_rows=c["layer_rows"],
+        stages=c["stages"],
+        compress={r: _compress_one_row(pos, r) for r, _sigs in st.owner_ratios},
+        table=table,
+    )
+
+
 def plan_step(
     step: StepInput | StepArrays,
     spec,
@@ -572,6 +679,17 @@ def plan_step(
     a = step if isinstance(step, StepArrays) else step_arrays(step)
     n = len(a.slots)
     _check(a, spec, enc_on)
+    if (
+        _DECODE_FAST
+        and n
+        and a.running_bs in (None, n)
+        and a.running_tokens in (None, n)
+        and bool(a.is_decode.all())
+        and bool((a.chunk_lens == 1).all())
+    ):
+        c = _decode_constants(st, n, rules.replay_history_tokens)
+        if c is not None:
+            return _plan_decode(a, spec, table, st, c)
     W = spec.dims.sliding_window
 
     end = a.starts + a.chunk_lens

@@ -18,7 +18,8 @@ it), and the slots freed since the last batch, as vLLM v1 hands its workers per-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -65,6 +66,111 @@ class ScheduledRequest:
     def is_decode(self) -> bool:
         """One sampled row past the prompt."""
         return self.start >= self.prompt_len
+
+
+_INT_COLUMNS = ("seq_id", "slot", "start", "resume", "end", "prompt_len", "prefix_hit")
+_BOOL_COLUMNS = ("fresh_slot", "is_final_chunk", "all_logits")
+
+
+class RequestColumns(SequenceABC):
+    """A batch's requests as columns (one numpy array per ``ScheduledRequest`` field, in batch
+    order), so a step of hundreds of decode rows is built and read by array operations.
+
+    It is also a sequence of ``ScheduledRequest``: indexing or iterating builds the objects
+    once (for code that wants one request at a time: fake runners, validators, tests)."""
+
+    __slots__ = (*_INT_COLUMNS, *_BOOL_COLUMNS, "_objects")
+
+    def __init__(self, seq_id, slot, start, resume, end, prompt_len, prefix_hit,
+                 fresh_slot, is_final_chunk, all_logits, objects=None) -> None:  # fmt: skip
+        for name, col in zip(_INT_COLUMNS, (seq_id, slot, start, resume, end, prompt_len,
+                                            prefix_hit), strict=True):  # fmt: skip
+            setattr(self, name, np.asarray(col, dtype=np.int64))
+        for name, col in zip(_BOOL_COLUMNS, (fresh_slot, is_final_chunk, all_logits), strict=True):
+            setattr(self, name, np.asarray(col, dtype=bool))
+        self._objects = objects
+
+    @classmethod
+    def decode(cls, seq_id, slot, pos, prompt_len, prefix_hit) -> RequestColumns:
+        """Decode rows: one row each at ``pos`` (a continued slot, sampled, no row logits);
+        the columns are int64 arrays, taken as they are (once per step: no conversions)."""
+        self = cls.__new__(cls)
+        self.seq_id, self.slot, self.prompt_len, self.prefix_hit = (
+            seq_id,
+            slot,
+            prompt_len,
+            prefix_hit,
+        )
+        self.start = self.resume = pos
+        self.end = pos + 1
+        self.fresh_slot = self.all_logits = np.zeros(len(pos), dtype=bool)
+        self.is_final_chunk = np.ones(len(pos), dtype=bool)
+        self._objects = None
+        return self
+
+    @classmethod
+    def from_requests(cls, reqs) -> RequestColumns:
+        """Columns of ``ScheduledRequest`` objects (kept as the sequence's items)."""
+        reqs = tuple(reqs)
+        n = len(reqs)
+        ints = np.array(
+            [(r.seq_id, r.slot, r.start, r.resume, r.end, r.prompt_len, r.prefix_hit)
+             for r in reqs], dtype=np.int64,
+        ).reshape(n, 7)  # fmt: skip
+        flags = np.array(
+            [(r.fresh_slot, r.is_final_chunk, r.all_logits) for r in reqs], dtype=bool
+        ).reshape(n, 3)
+        return cls(*ints.T, *flags.T, objects=reqs)
+
+    @classmethod
+    def concat(cls, parts) -> RequestColumns:
+        """The rows of ``parts`` (``RequestColumns``), in order."""
+        parts = [p for p in parts if len(p)]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return cls.from_requests(())
+        cols = [np.concatenate([getattr(p, name) for p in parts]) for name in _INT_COLUMNS]
+        flags = [np.concatenate([getattr(p, name) for p in parts]) for name in _BOOL_COLUMNS]
+        return cls(*cols, *flags)
+
+    @property
+    def chunk_len(self) -> np.ndarray:
+        """Rows each request's forward runs."""
+        return self.end - self.start
+
+    def __len__(self) -> int:
+        return len(self.seq_id)
+
+    def _items(self) -> tuple[ScheduledRequest, ...]:
+        if self._objects is None:
+            cols = [getattr(self, name).tolist() for name in (*_INT_COLUMNS, *_BOOL_COLUMNS)]
+            self._objects = tuple(ScheduledRequest(*row) for row in zip(*cols))
+        return self._objects
+
+    def __getitem__(self, i):
+        return self._items()[i]
+
+    def row(self, i: int) -> ScheduledRequest:
+        """Request ``i`` as an object (built alone: a mixed batch reads its few prefill rows
+        without building one object per decode row)."""
+        if self._objects is not None:
+            return self._objects[i]
+        return ScheduledRequest(*(getattr(self, name)[i].item()
+                                  for name in (*_INT_COLUMNS, *_BOOL_COLUMNS)))  # fmt: skip
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __repr__(self) -> str:
+        return f"RequestColumns({list(self._items())!r})"
+
+
+def as_columns(requests) -> RequestColumns:
+    """``requests`` (``RequestColumns`` or ``ScheduledRequest`` objects) as columns."""
+    if isinstance(requests, RequestColumns):
+        return requests
+    return RequestColumns.from_requests(requests)
 
 
 @dataclass(frozen=True)
@@ -235,7 +341,8 @@ class ScheduledBatch:
     phase: str
     """``decode`` (every request decodes one row) or ``prefill`` (at least one prefill chunk,
     with any decode rows of running requests beside it)."""
-    requests: tuple[ScheduledRequest, ...]
+    requests: RequestColumns
+    """The requests, in batch order (``ScheduledRequest`` objects given here become columns)."""
     stores: tuple[StoreOp, ...] = ()
     restores: tuple[RestoreOp, ...] = ()
     deltas: tuple[SlotDelta, ...] = ()
@@ -252,28 +359,64 @@ class ScheduledBatch:
     kv_loads: tuple[KVLoad, ...] = ()
     """Connector bytes to write into fresh PAGE units before the stores, restores and forward."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.requests, RequestColumns):
+            object.__setattr__(self, "requests", RequestColumns.from_requests(self.requests))
+
     @property
     def num_tokens(self) -> int:
         """Rows of the whole batch."""
-        return sum(r.chunk_len for r in self.requests)
+        return int(self.requests.chunk_len.sum())
 
 
-@dataclass
 class RunnerOutput:
     """What a step gives back: each sampled request's token (sampled on the device), or the
     logits of its last row for the scheduler to sample (runners without a device sampler), and
-    every row's logits where asked."""
+    every row's logits where asked.
 
-    tokens: dict[int, int] = field(default_factory=dict)
-    """seq_id -> the token sampled from its last row (final chunks and decodes)."""
-    logprobs: dict[int, float] = field(default_factory=dict)
-    """seq_id -> the sampled token's raw logprob."""
-    top_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-    """seq_id -> the ``logprobs`` most likely ``(token id, logprob)``, for requests asking."""
-    last_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """seq_id -> ``[vocab]`` float logits of the last row, where no token was sampled."""
-    row_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
+    A runner with a device sampler gives the tokens as columns (``set_rows``); the per-request
+    ``tokens``/``logprobs`` maps are then built from them only when read."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, int] | None = {}
+        self._logprobs: dict[int, float] | None = {}
+        self.top_logprobs: dict[int, list[tuple[int, float]]] = {}
+        """seq_id -> the ``logprobs`` most likely ``(token id, logprob)``, for requests asking."""
+        self.last_logits: dict[int, torch.Tensor] = {}
+        """seq_id -> ``[vocab]`` float logits of the last row, where no token was sampled."""
+        self.row_logits: dict[int, torch.Tensor] = {}
+        """seq_id -> ``[rows, vocab]`` logits of every row (``all_logits`` requests)."""
+        self.row_tokens: np.ndarray | None = None
+        """The sampled tokens per batch row (int64, -1 where a row sampled none): what the
+        scheduler's columnar postprocess reads."""
+        self.row_logprobs: np.ndarray | None = None
+        """The sampled tokens' raw logprobs per batch row (beside ``row_tokens``)."""
+        self._row_ids: np.ndarray | None = None
+
+    def set_rows(self, seq_ids: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """The sampled tokens and logprobs per batch row (``seq_ids``: the rows' requests)."""
+        self._row_ids, self.row_tokens, self.row_logprobs = seq_ids, tokens, logprobs
+        self._tokens = self._logprobs = None
+
+    def _maps(self) -> None:
+        got = self.row_tokens >= 0
+        ids = self._row_ids[got].tolist()
+        self._tokens = dict(zip(ids, self.row_tokens[got].tolist(), strict=True))
+        self._logprobs = dict(zip(ids, self.row_logprobs[got].tolist(), strict=True))
+
+    @property
+    def tokens(self) -> dict[int, int]:
+        """seq_id -> the token sampled from its last row (final chunks and decodes)."""
+        if self._tokens is None:
+            self._maps()
+        return self._tokens
+
+    @property
+    def logprobs(self) -> dict[int, float]:
+        """seq_id -> the sampled token's raw logprob."""
+        if self._logprobs is None:
+            self._maps()
+        return self._logprobs
 
 
 def history_window(replay_history_tokens: int, hash_block: int) -> int:
@@ -296,49 +439,33 @@ def to_step_input(batch: ScheduledBatch, tables: SlotTables, compress=None, *, h
     """
     from v41plan.planner.step import StepArrays
 
-    reqs = batch.requests
-    n = len(reqs)
-    if batch.phase == "decode":  # one row each past the prompt: half the columns are constants
-        cols = np.zeros((n, 8), dtype=np.int64)
-        cols[:, [0, 1, 2, 4]] = np.array(
-            [(r.slot, r.prompt_len, r.resume, r.prefix_hit) for r in reqs], dtype=np.int64
-        ).reshape(n, 4)
-        cols[:, 3] = cols[:, 7] = 1
-    else:
-        cols = np.array(
-            [
-                (r.slot, r.prompt_len, r.resume, r.end - r.resume, r.prefix_hit, r.fresh_slot,
-                 r.all_logits, r.start >= r.prompt_len)
-                for r in reqs
-            ],
-            dtype=np.int64,
-        ).reshape(n, 8)  # fmt: skip
-    slots = cols[:, 0]
+    rows = batch.requests
+    n = len(rows)
+    slots = rows.slot
     width = int(tables.num_blocks[slots].max()) if n else 0
+    decode = batch.phase == "decode"  # one row each past the prompt: no history to read
     ids = None
-    if batch.phase != "decode":
-        ids = []
-        for r in reqs:
-            if r.start >= r.prompt_len:  # decode rows read their history from the cursor
-                ids.append(None)
-                continue
-            lo = max(0, r.resume - history)
-            win = np.full(r.resume, -1, dtype=np.int64)
-            raw = tables.tokens(r.slot, lo, r.resume)
+    if not decode:  # decode rows (None) read their history from the cursor
+        ids = [None] * n
+        for i in np.flatnonzero(rows.start < rows.prompt_len).tolist():
+            resume = int(rows.resume[i])
+            lo = max(0, resume - history)
+            win = np.full(resume, -1, dtype=np.int64)
+            raw = tables.tokens(int(slots[i]), lo, resume)
             win[lo:] = compress(raw) if compress is not None else raw
-            ids.append(win)
+            ids[i] = win
         ids = tuple(ids)
     return StepArrays(
         slots=slots,
         block_tables=tables.blocks[slots, :width],
-        prompt_lens=cols[:, 1],
-        starts=cols[:, 2],
-        chunk_lens=cols[:, 3],
-        is_decode=cols[:, 7].astype(bool),
-        prefix_hits=cols[:, 4],
-        fresh_slot=cols[:, 5].astype(bool),
+        prompt_lens=rows.prompt_len,
+        starts=rows.resume,
+        chunk_lens=rows.end - rows.resume,
+        is_decode=rows.start >= rows.prompt_len,
+        prefix_hits=rows.prefix_hit,
+        fresh_slot=rows.fresh_slot,
         token_ids=ids,
-        full_rows=cols[:, 6].astype(bool),
+        full_rows=rows.all_logits,
         running_bs=running_bs,
         running_tokens=running_tokens,
         block_table_width=block_table_width,
@@ -351,17 +478,17 @@ def step_token_ids(
     """The flat token ids the batch's forward reads, in request order (``slots``: the batch's
     slots, in request order, when the caller has them)."""
     if batch.phase == "decode":
-        if slots is None:
-            slots = np.fromiter((r.slot for r in batch.requests), np.int64, len(batch.requests))
-        return tables.last_token[slots]
-    parts = [tables.tokens(r.slot, r.start, r.end) for r in batch.requests]
+        return tables.last_token[batch.requests.slot if slots is None else slots]
+    rows = batch.requests
+    parts = [tables.tokens(*span) for span in zip(rows.slot.tolist(), rows.start.tolist(),
+                                                  rows.end.tolist())]  # fmt: skip
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def check_plan(batch: ScheduledBatch, plan) -> None:
     """Raise if the planner's forward starts differ from the scheduler's (a contract check)."""
     got = plan.forward_start[: plan.scheduled_bs]
-    want = np.fromiter((r.start for r in batch.requests), np.int64, len(batch.requests))
+    want = batch.requests.start
     if not np.array_equal(got, want):
         starts = [int(x) for x in got]
         raise RuntimeError(

@@ -120,17 +120,18 @@ class PagedRunner:
             model.copy_image(op.slot, op.units, store=False)
             self.stats["restores"] += 1
         out = RunnerOutput()
-        if not batch.requests:
+        rows = batch.requests  # columns: no per-request object on this path
+        n = len(rows)
+        if not n:
             return out
         decode = batch.phase == "decode"  # one row each, never a fresh slot or all-row logits
-        for r in () if decode else batch.requests:
-            if r.fresh_slot:
-                model.reset_slot(r.slot)
+        if not decode:
+            for slot in rows.slot[rows.fresh_slot].tolist():
+                model.reset_slot(slot)
                 self.stats["fresh_resets"] += 1
         bucket = None
-        if self.graphs is not None and batch.phase == "decode":
-            q = max(r.chunk_len for r in batch.requests)
-            bucket = select_bucket(self.graphs.buckets, len(batch.requests), q)
+        if self.graphs is not None and decode:
+            bucket = select_bucket(self.graphs.buckets, n, int(rows.chunk_len.max()))
         step = to_step_input(
             batch, self.tables, self.engram.compress, history=self._history,
             running_bs=None if bucket is None else bucket[0],
@@ -139,13 +140,13 @@ class PagedRunner:
         )  # fmt: skip
         plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
-        slots = np.asarray(step.slots, dtype=np.int64)  # request order
+        slots = step.slots  # request order
         ids = step_token_ids(batch, self.tables, slots)
         if decode:
-            want_rows, final = False, range(len(batch.requests))
+            want_rows, final = False, slice(None)
         else:
-            want_rows = any(r.all_logits for r in batch.requests)
-            final = [i for i, r in enumerate(batch.requests) if r.is_final_chunk]
+            want_rows = bool(rows.all_logits.any())
+            final = np.flatnonzero(rows.is_final_chunk)
         sampling = self.tables.sampling(slots)
         inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling)
         res = self.graphs.run(inputs) if self.graphs is not None else None
@@ -154,29 +155,29 @@ class PagedRunner:
         self.stats["forwards"] += 1
         self.stats["rows"] += int(plan.scheduled_tokens)
         if not decode:  # a decode row never replays
-            self.stats["replay_rows"] += sum(r.replay_rows for r in batch.requests)
+            self.stats["replay_rows"] += int((rows.resume - rows.start).sum())
         if plan.decoder_replay:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
         host = self.read_back(res, want_rows)
-        tokens, logprobs = host["token_ids"].tolist(), host["logprobs"].tolist()
-        reqs = batch.requests
-        for i in final:
-            sid = reqs[i].seq_id
-            out.tokens[sid], out.logprobs[sid] = tokens[i], logprobs[i]
+        tokens = host["token_ids"].numpy()[:n].astype(np.int64, copy=False)
+        logprobs = host["logprobs"].numpy()[:n]
+        if not decode:  # only final chunks sample
+            tokens = np.where(rows.is_final_chunk, tokens, -1)
+        out.set_rows(rows.seq_id, tokens, logprobs)
         if sampling.top_n > 0:
             top_n = self.tables.top_n[slots].tolist()
-            for i in final:
-                n = top_n[i]
-                if n > 0:
-                    ids_i = host["top_ids"][i, :n].tolist()
-                    lps_i = host["top_logprobs"][i, :n].tolist()
-                    out.top_logprobs[reqs[i].seq_id] = list(zip(ids_i, lps_i, strict=True))
+            for i in np.arange(n)[final].tolist():
+                k = top_n[i]
+                if k > 0:
+                    ids_i = host["top_ids"][i, :k].tolist()
+                    lps_i = host["top_logprobs"][i, :k].tolist()
+                    out.top_logprobs[int(rows.seq_id[i])] = list(zip(ids_i, lps_i, strict=True))
         if want_rows:
             cu = plan.cu_seqlens_q
-            for i, r in enumerate(batch.requests):
-                if r.all_logits:
-                    out.row_logits[r.seq_id] = host["row_logits"][int(cu[i]) : int(cu[i + 1])]
+            for i in np.flatnonzero(rows.all_logits).tolist():
+                sid = int(rows.seq_id[i])
+                out.row_logits[sid] = host["row_logits"][int(cu[i]) : int(cu[i + 1])]
         return out
 
     def transfer_kv(self, batch: ScheduledBatch) -> None:

@@ -35,14 +35,37 @@ from v41plan.planner.replay import choose_prefill_chunk, grid_back_off
 from v41plan.serving.batch import (
     KVLoad,
     KVSave,
+    RequestColumns,
     RunnerOutput,
     ScheduledBatch,
     ScheduledRequest,
     SlotDelta,
 )
 from v41plan.serving.block_manager import READY, BlockManager
+from v41plan.serving.decode_rows import DecodeRows
 from v41plan.serving.sampling import sample, token_logprobs
 from v41plan.serving.sequence import SeqStatus, Sequence
+
+
+class Queue(deque):
+    """A request queue that counts its changes (``version``), so what is derived from its order
+    (the decode rows' order) is rebuilt only after one, whoever made it."""
+
+    version = 0
+
+
+def _counted(base):
+    def method(self, *args):
+        self.version += 1
+        return base(self, *args)
+
+    method.__name__, method.__doc__ = base.__name__, base.__doc__
+    return method
+
+
+_CHANGES = ("append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove")
+for _name in (*_CHANGES, "clear", "reverse", "rotate", "__setitem__", "__delitem__", "__iadd__"):
+    setattr(Queue, _name, _counted(getattr(deque, _name)))
 
 
 @dataclass(frozen=True)
@@ -81,11 +104,21 @@ class Scheduler:
         self._kv_loads: list[KVLoad] = []
         self._image_tokens: dict[bytes, tuple[int, ...]] = {}  # queued images' token ids
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: Queue = Queue()
         self.finished: list[Sequence] = []
         self.step_count = 0
         self.events: list[dict] = []
         self._freed: list[int] = []  # slots freed since the last batch (the runner clears them)
+        self.rows = DecodeRows(block_manager.num_slots)
+        """The running requests past their prefill, as columns per slot."""
+        self._owner: list[Sequence | None] = [None] * block_manager.num_slots
+        """The running request holding each slot."""
+        self._order: tuple[list[Sequence], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
+        self._order_version = (0, 0)  # (``rows.version``, ``running.version``) of ``_order``
+        # abort() calls so far and those the last scans saw: no scan of every request per step
+        self._aborts = self._aborts_seen = 0
+        # the last batch's step, decode rows and ``rows.version`` after scheduling it
+        self._scheduled: tuple[int, list[Sequence], int] = (0, [], -1)
 
     # ---- queue API -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -98,6 +131,7 @@ class Scheduler:
         schedule/postprocess."""
         if not seq.is_finished:
             seq.aborted = True
+            self._aborts += 1
 
     def kv_waiting(self) -> bool:
         """A waiting request's KV connector retrieve is still running (a step may then have
@@ -113,8 +147,7 @@ class Scheduler:
 
         It resumes through the prefix cache: blocks its forwards published stay cached.
         """
-        if seq in self.running:
-            self.running.remove(seq)
+        self._drop_running([seq])
         self._free(seq)
         seq.status = SeqStatus.WAITING
         seq.num_cached_tokens = 0
@@ -125,10 +158,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _drop_running(self, seqs: list[Sequence]) -> None:
+        """Remove ``seqs`` from the running queue (by identity: ``deque.remove`` compares
+        dataclasses field by field, a cost per request passed)."""
+        gone = {id(s) for s in seqs}
+        kept = [s for s in self.running if id(s) not in gone]
+        if len(kept) != len(self.running):
+            self.running.clear()
+            self.running.extend(kept)
+
     def _free(self, seq: Sequence) -> None:
         self._drop_prefetch(seq)
         self.bm.free(seq.block_table)
         if seq.slot is not None:
+            self.rows.unload(seq)
+            self._owner[seq.slot] = None
             self.bm.free_slot(seq.slot)
             self._freed.append(seq.slot)
             seq.slot = None
@@ -199,18 +243,28 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         restores = []
         # Requests cancelled between steps finish here, wherever they wait.
-        for seq in [s for s in self.running if s.aborted]:
-            self.running.remove(seq)
-            self._finish(seq, "aborted")
-        for seq in [s for s in self.waiting if s.aborted]:
-            self.waiting.remove(seq)
-            self._finish(seq, "aborted")
+        if self._aborts != self._aborts_seen:
+            self._aborts_seen = self._aborts
+            gone = [s for s in self.running if s.aborted]
+            self._drop_running(gone)
+            for seq in gone:
+                self._finish(seq, "aborted")
+            for seq in [s for s in self.waiting if s.aborted]:
+                self.waiting.remove(seq)
+                self._finish(seq, "aborted")
         # Phase 0: every running request past its prefill decodes one row.
-        reqs, seqs = self._schedule_decode(budget)
-        budget -= len(reqs)
-        decodes = len(reqs)
-        # Phase 1: partial prefills already running, in queue order.
-        for seq in [s for s in self.running if s.num_cached_tokens < s.prefill_end]:
+        decode, members = self._schedule_decode(budget)
+        budget -= len(members)
+        reqs: list[ScheduledRequest] = []  # the prefill chunks, one object each
+        seqs: list[Sequence] = []
+        # Phase 1: partial prefills already running, in queue order (running requests are
+        # decode rows or prefilling: none prefills when every one has a row).
+        prefilling = (
+            [s for s in self.running if s.num_cached_tokens < s.prefill_end]
+            if len(self.running) != len(self._members()[0])
+            else []
+        )
+        for seq in prefilling:
             if seq.aborted:
                 continue
             span = self._chunk(seq, seq.num_cached_tokens, None, budget)
@@ -246,19 +300,33 @@ class Scheduler:
             if restore is not None:
                 restores.append(restore)
             budget -= req.chunk_len
-        if not reqs:
+        if not members and not reqs:
             if self.bm.pending_stores or self._freed or self._kv_saves:
                 # Nothing to run, but queued image stores (or freed slots) still need a batch.
-                return self._batch("decode", [], [], [])
+                return self._batch("decode", decode, [], [], [], [])
             return None
-        phase = "decode" if len(reqs) == decodes else "prefill"
-        return self._batch(phase, reqs, restores, seqs)
+        phase = "prefill" if reqs else "decode"
+        return self._batch(phase, decode, members, reqs, restores, seqs)
 
-    def _deltas(self, seqs: list[Sequence]):
+    def _deltas(self, slots: np.ndarray, members: list[Sequence], seqs: list[Sequence]):
         """What each scheduled request's slot gained since the runner last saw it: a
         ``SlotDelta`` for a slot a request took or grew pages in, the columnar appends for the
-        common case of one new token and nothing else."""
-        out, a_slots, a_tokens = [], [], []
+        common case of one new token and nothing else. ``slots``/``members`` are the decode
+        rows (their sync state is the rows'), ``seqs`` the prefill requests."""
+        R = self.rows
+        nt, st = R.num_tokens[slots], R.synced_tokens[slots]
+        nb, sb = R.num_blocks[slots], R.synced_blocks[slots]
+        append = (nb == sb) & (nt == st + 1)
+        a_slots = slots[append]
+        a_tokens = R.last_token[a_slots]
+        out = []
+        for i in np.flatnonzero(~append).tolist():  # a new page, or no new token
+            seq, t0, b0 = members[i], int(st[i]), int(sb[i])
+            if t0 == nt[i] and b0 == nb[i]:
+                continue
+            out.append(self._delta(seq, False, t0, b0))
+        R.synced_tokens[slots], R.synced_blocks[slots] = nt, nb
+        a_slots, a_tokens = [a_slots], [a_tokens]
         for seq in seqs:
             reset = seq.needs_reset
             t0 = 0 if reset else seq.synced_tokens
@@ -268,37 +336,49 @@ class Scheduler:
                 if t0 == n_tok:
                     continue
                 if t0 + 1 == n_tok:
-                    a_slots.append(seq.slot)
-                    a_tokens.append(seq.token_ids[t0])
+                    a_slots.append(np.array([seq.slot], dtype=np.int64))
+                    a_tokens.append(np.array([seq.token_ids[t0]], dtype=np.int64))
                     seq.synced_tokens = n_tok
                     continue
-            out.append(
-                SlotDelta(
-                    slot=seq.slot,
-                    reset=reset,
-                    tokens_from=t0,
-                    new_tokens=np.asarray(seq.token_ids[t0:], dtype=np.int64),
-                    blocks_from=b0,
-                    new_blocks=np.asarray(seq.block_table[b0:], dtype=np.int32),
-                    params=seq.params if reset else None,
-                    seed=seq.seed,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                )
-            )
+            out.append(self._delta(seq, reset, t0, b0))
             seq.synced_tokens, seq.synced_blocks, seq.needs_reset = n_tok, n_blk, False
-        return (
-            tuple(out),
-            np.asarray(a_slots, dtype=np.int64),
-            np.asarray(a_tokens, dtype=np.int64),
+        if len(a_slots) > 1:
+            return tuple(out), np.concatenate(a_slots), np.concatenate(a_tokens)
+        return tuple(out), a_slots[0], a_tokens[0]
+
+    @staticmethod
+    def _delta(seq: Sequence, reset: bool, t0: int, b0: int) -> SlotDelta:
+        return SlotDelta(
+            slot=seq.slot,
+            reset=reset,
+            tokens_from=t0,
+            new_tokens=np.asarray(seq.token_ids[t0:], dtype=np.int64),
+            blocks_from=b0,
+            new_blocks=np.asarray(seq.block_table[b0:], dtype=np.int32),
+            params=seq.params if reset else None,
+            seed=seq.seed,
+            num_prompt_tokens=seq.num_prompt_tokens,
         )
 
-    def _batch(self, phase: str, reqs: list[ScheduledRequest], restores, seqs) -> ScheduledBatch:
+    def _batch(
+        self,
+        phase: str,
+        decode: RequestColumns,
+        members: list[Sequence],
+        reqs: list[ScheduledRequest],
+        restores,
+        seqs: list[Sequence],
+    ) -> ScheduledBatch:
         self.step_count += 1
-        deltas, a_slots, a_tokens = self._deltas(seqs)
+        self._scheduled = (self.step_count, members, self.rows.version)
+        deltas, a_slots, a_tokens = self._deltas(decode.slot, members, seqs)
+        rows = (
+            RequestColumns.concat([decode, RequestColumns.from_requests(reqs)]) if reqs else decode
+        )
         batch = ScheduledBatch(
             step=self.step_count,
             phase=phase,
-            requests=tuple(reqs),
+            requests=rows,
             stores=tuple(self.bm.take_stores()),
             restores=tuple(restores),
             kv_saves=tuple(self._kv_saves),
@@ -310,18 +390,16 @@ class Scheduler:
         )
         self._freed = []
         self._kv_saves, self._kv_loads = [], []
-        cols = [(r.seq_id, r.slot, r.start, r.resume, r.end) for r in reqs]  # one pass
-        ids, slots, starts, resumes, ends = map(list, zip(*cols)) if cols else ([], [], [], [], [])
         self.events.append(
             {
                 "step": batch.step,
                 "phase": phase,
-                "ids": ids,
-                "slots": slots,
-                "starts": starts,
-                "resumes": resumes,
-                "ends": ends,
-                "replay_rows": sum(resumes) - sum(starts),
+                "ids": rows.seq_id.tolist(),
+                "slots": rows.slot.tolist(),
+                "starts": rows.start.tolist(),
+                "resumes": rows.resume.tolist(),
+                "ends": rows.end.tolist(),
+                "replay_rows": int(rows.resume.sum() - rows.start.sum()),
                 "stores": len(batch.stores),
                 "restores": len(batch.restores),
             }
@@ -377,6 +455,7 @@ class Scheduler:
             return None
         handle = seq.kv_prefetch
         seq.slot = bm.take_slot()
+        self._owner[seq.slot] = seq
         seq.needs_reset = True  # the runner gets the slot's whole content with this batch
         restore = None
         if cfg.transfer == "copy" and hit > 0:
@@ -464,120 +543,238 @@ class Scheduler:
             self.connector.end_request(seq.kv_prefetch)
             seq.kv_prefetch = None
 
-    def _schedule_decode(self, budget: int) -> tuple[list[ScheduledRequest], list[Sequence]]:
-        """One decode row for every running request past its prefill, in queue order; a request
-        that needs a page when none is left preempts the newest others (or itself)."""
-        reqs: list[ScheduledRequest] = []
-        scheduled: list[Sequence] = []
-        # (attributes, not the is_prefilling property: this runs over every running request)
-        queue = deque(
-            s for s in self.running if s.num_cached_tokens >= s.prefill_end and not s.aborted
-        )
-        while queue and budget > 0:
-            seq = queue.popleft()
-            pos = seq.num_cached_tokens
-            need_page = pos // self.config.page_tokens >= len(seq.block_table)
-            preempted_self = False
-            while need_page and self.bm.allocatable_pages() == 0:
-                victim = queue.pop() if queue else None
-                if victim is None:
-                    self.preempt(seq)
-                    preempted_self = True
+    def _members(self) -> tuple[list[Sequence], np.ndarray]:
+        """The requests with a decode row and their slots, in queue order (rebuilt only after a
+        row was loaded or unloaded or the queue changed)."""
+        rows = self.rows
+        version = (rows.version, self.running.version)
+        if self._order_version != version:
+            owner = rows.seq
+            members = [s for s in self.running if owner[s.slot] is s]
+            slots = np.fromiter((s.slot for s in members), np.int64, len(members))
+            self._order, self._order_version = (members, slots), version
+        return self._order
+
+    def _schedule_decode(self, budget: int) -> tuple[RequestColumns, list[Sequence]]:
+        """One decode row for every running request past its prefill, in queue order, as
+        columns; a request that needs a page when none is left preempts the newest others (or
+        itself). Returns the rows and their requests."""
+        members, slots = self._members()
+        R, P = self.rows, self.config.page_tokens
+        pos = R.pos[slots]
+        need = (pos // P) >= R.num_blocks[slots]
+        if len(members) > budget or need.any():
+            keep = self._take_pages(members, slots, need, budget)
+            members = [s for s, k in zip(members, keep.tolist(), strict=True) if k]
+            slots, pos = slots[keep], pos[keep]
+        cols = RequestColumns.decode(R.seq_id[slots], slots, pos, R.prompt_len[slots],
+                                     R.prefix_hit[slots])  # fmt: skip
+        return cols, members
+
+    def _take_pages(self, members: list[Sequence], slots: np.ndarray, need: np.ndarray,
+                    budget: int) -> np.ndarray:  # fmt: skip
+        """The decode rows the budget and the pool carry (a mask): in queue order, a row that
+        needs a page takes one, preempting the newest rows still queued while none is left, or
+        itself when none is queued behind it; the first ``budget`` rows left are kept."""
+        m = len(members)
+        keep = np.zeros(m, dtype=bool)
+        hi, i, count = m, 0, 0  # rows [i, hi) are still queued; ``count`` kept so far
+        for j in np.flatnonzero(need).tolist():
+            if j >= hi or count >= budget:
+                break
+            take = min(j - i, budget - count)  # rows before j need no page
+            keep[i : i + take] = True
+            count += take
+            i = j
+            if count >= budget:
+                break
+            self_preempted = False
+            while self.bm.allocatable_pages() == 0:
+                if hi - 1 > j:
+                    hi -= 1
+                    self.preempt(members[hi])
+                else:
+                    self.preempt(members[j])
+                    self_preempted, hi = True, j
                     break
-                self.preempt(victim)
-            if preempted_self:
-                continue
-            if need_page:
-                self.bm.append_page(seq.block_table)
-            scheduled.append(seq)
-            # positional (seq_id, slot, start, resume, end, prompt_len, prefix_hit, fresh_slot,
-            # is_final_chunk): half the cost of keywords, once per request per step
-            hit = seq.hits[-1] if seq.hits else 0
-            reqs.append(ScheduledRequest(seq.seq_id, seq.slot, pos, pos, pos + 1,
-                                         seq.prefill_end, hit, False, True))  # fmt: skip
-            budget -= 1
-        return reqs, scheduled
+            if not self_preempted:
+                self.bm.append_page(members[j].block_table)
+                self.rows.num_blocks[slots[j]] += 1
+                keep[j] = True
+                count += 1
+            i = j + 1
+        if i < hi and count < budget:
+            keep[i : i + min(hi - i, budget - count)] = True
+        return keep
 
     # ---- postprocess -----------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput) -> list[Sequence]:
-        """Advance cursors, publish blocks, queue images, sample, finish; returns newly finished."""
-        cfg, bm = self.config, self.bm
+        """Advance cursors, publish blocks, queue images, sample, finish; returns newly finished.
+
+        Rows of requests with a decode row are handled as columns (cursors, tokens, stop
+        checks); a request is visited alone only where its state changes beyond that (a block
+        to publish, logprobs to record, a finish) and for prefill chunks."""
+        cfg, bm, R = self.config, self.bm, self.rows
         copy = cfg.transfer == "copy"
         for im in bm.complete_batch():
             tokens = self._image_tokens.pop(im.key, ())
             if self.connector is not None:
                 self._kv_saves.append(KVSave((im.key,), tuple(im.units), tokens, image=True))
-        by_id = {s.seq_id: s for s in self.running}
-        done: list[Sequence] = []
-        for req in batch.requests:
-            seq = by_id.get(req.seq_id)
-            if seq is None:
+        rows = batch.requests
+        step, members, version = self._scheduled
+        if step == batch.step and version == R.version and len(rows) == len(members):
+            # the batch scheduled last, all decode rows, none unloaded since
+            mi, is_row = slice(None), None
+            m_slots, m_ends, m_seqs = rows.slot, rows.end, members
+        else:
+            is_row = R.seq_id[rows.slot] == rows.seq_id  # the request still has its decode row
+            mi = np.flatnonzero(is_row)
+            m_slots, m_ends = rows.slot[mi], rows.end[mi]
+            m_seqs = [R.seq[s] for s in m_slots.tolist()]
+        R.pos[m_slots] = m_ends
+        P = cfg.page_tokens
+        commit = m_ends // P > R.published[m_slots]  # a block completed
+        if copy:
+            commit |= m_ends % P == 0  # an image to store
+        for k in np.flatnonzero(commit).tolist():
+            self._publish(m_seqs[k], int(m_ends[k]))
+            R.published[m_slots[k]] = m_seqs[k].num_published_blocks
+        others = []  # the prefill rows (and any decode row without a row in ``R``)
+        for i in [] if is_row is None else np.flatnonzero(~is_row).tolist():
+            req = rows.row(i)
+            seq = self._owner[req.slot]
+            if seq is None or seq.seq_id != req.seq_id:
+                continue  # no longer running
+            self._advance(seq, req, output)
+            others.append((seq, req))
+        finishing: list[tuple[Sequence, str]] = []
+        sources = 0  # lists of finishes merged below (each in queue order)
+        # Cancellation first: a middle chunk or a deferred step has no sampled row.
+        if self._aborts != self._aborts_seen:  # (schedule() marks them seen)
+            finishing += [(s, "aborted") for s in self.running if s.aborted]
+            sources += bool(finishing)
+        # Decode rows: tokens, cursors and stop checks over the columns.
+        live = np.array([not s.aborted for s in m_seqs], dtype=bool) if finishing else None
+        toks = self._row_tokens(rows, mi, m_seqs, output, live)
+        ok = toks >= 0
+        if ok.all():  # (one pass of Python per step: the requests' records)
+            for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
+                seq.num_cached_tokens = end
+                seq.token_ids.append(tok)
+        else:
+            for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
+                seq.num_cached_tokens = end
+                if tok >= 0:
+                    seq.token_ids.append(tok)
+            m_slots, toks, m_seqs = m_slots[ok], toks[ok], [s for s, g in zip(m_seqs, ok) if g]
+        R.num_tokens[m_slots] += 1
+        R.last_token[m_slots] = toks
+        stop, length = R.stop_reasons(m_slots, toks)
+        ended = np.flatnonzero(stop | length).tolist()
+        finishing += [(m_seqs[k], "stop" if stop[k] else "length") for k in ended]
+        sources += bool(ended)
+        # Prefill rows, one at a time: a final chunk samples the request's first token.
+        n_before = len(finishing)
+        for seq, req in others:
+            if seq.aborted or seq.num_cached_tokens < seq.prefill_end:
+                continue  # cancelled (finished above), or still prefilling
+            if batch.phase != "decode" and not req.is_final_chunk:
+                continue  # not sampled this step
+            token = self._sampled_token(seq, output)
+            if token is None:
                 continue
-            if req.resume != req.start:
-                seq.replay_rows += req.resume - req.start
-            seq.fresh_start = None
-            if req.all_logits and req.seq_id in output.row_logits:
-                self._score(seq, req, output.row_logits[req.seq_id])
-            seq.num_cached_tokens = req.end
-            # Publish the blocks this forward completed (hashes only after the KV is written).
-            full = req.end // cfg.page_tokens
-            if full > seq.num_published_blocks:
-                hashes = seq.hashes(cfg.page_tokens, full)
-                first = seq.num_published_blocks
-                for b in range(first, full):
-                    bm.publish(hashes[b], seq.block_table[b])
-                seq.num_published_blocks = full
-                if self.connector is not None:
-                    self._kv_saves.append(
-                        KVSave(
-                            tuple(hashes[first:full]),
-                            tuple(seq.block_table[first:full]),
-                            tuple(seq.token_ids[: full * cfg.page_tokens]),
-                        )
-                    )
-            if copy and req.end % cfg.page_tokens == 0 and req.end > 0:
-                key = seq.hashes(cfg.page_tokens, full)[full - 1]
-                if bm.begin_store(key, seq.slot, req.end) and self.connector is not None:
-                    self._image_tokens[key] = tuple(seq.token_ids[: req.end])
-        # every request of a decode batch samples (one the batch left out has no token nor
-        # logits in the output and is skipped below); a prefill batch only its final chunks
-        final = (
-            None
-            if batch.phase == "decode"
-            else {r.seq_id for r in batch.requests if r.is_final_chunk}
-        )
-        for seq in list(self.running):
-            # Cancellation first: a middle chunk or a deferred step has no sampled row.
-            if seq.aborted:
-                self.running.remove(seq)
-                self._finish(seq, "aborted")
-                done.append(seq)
-                continue
-            if seq.num_cached_tokens < seq.prefill_end or (
-                final is not None and seq.seq_id not in final
-            ):
-                continue  # still prefilling, or not sampled this step
-            token = output.tokens.get(seq.seq_id)
-            if token is None:  # a runner without a device sampler: sample its logits here
-                logits = output.last_logits.get(seq.seq_id)
-                if logits is None:
-                    continue
-                index = seq.num_tokens - seq.num_prompt_tokens
-                token = sample(logits, seq.params, seq.seed, index)
-                if seq.params.logprobs is not None:
-                    lp, top = token_logprobs(logits, token, seq.params.logprobs)
-                    seq.output_logprobs.append((lp, dict(top)))
-            elif seq.params.logprobs is not None:
-                seq.output_logprobs.append(
-                    (output.logprobs[seq.seq_id], dict(output.top_logprobs.get(seq.seq_id, ())))
-                )
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                done.append(seq)
+                finishing.append((seq, reason))
+        sources += len(finishing) > n_before
+        if sources > 1:  # finish in queue order, as one pass over the queue would
+            index = {id(s): k for k, s in enumerate(self.running)}
+            finishing.sort(key=lambda f: index[id(f[0])])
+        done = [seq for seq, _ in finishing]
+        if done:
+            self._drop_running(done)
+        for seq, reason in finishing:
+            self._finish(seq, reason)
+        for seq, _ in others:  # a prefill just ended: the request decodes from its row
+            ended = not seq.is_finished and seq.num_cached_tokens >= seq.prefill_end
+            if ended and R.seq[seq.slot] is not seq:
+                R.load(seq, self._stop_rule(seq))
         return done
+
+    def _advance(self, seq: Sequence, req: ScheduledRequest, output: RunnerOutput) -> None:
+        """A forward of ``req`` ran: count its replay, score its rows, move the cursor."""
+        if req.resume != req.start:
+            seq.replay_rows += req.resume - req.start
+        seq.fresh_start = None
+        if req.all_logits and req.seq_id in output.row_logits:
+            self._score(seq, req, output.row_logits[req.seq_id])
+        seq.num_cached_tokens = req.end
+        self._publish(seq, req.end)
+
+    def _publish(self, seq: Sequence, end: int) -> None:
+        """Publish the blocks a forward ending at ``end`` completed (hashes only after the KV
+        is written) and, under ``copy``, queue the image of a block it ended on."""
+        cfg, bm = self.config, self.bm
+        full = end // cfg.page_tokens
+        if full > seq.num_published_blocks:
+            hashes = seq.hashes(cfg.page_tokens, full)
+            first = seq.num_published_blocks
+            for b in range(first, full):
+                bm.publish(hashes[b], seq.block_table[b])
+            seq.num_published_blocks = full
+            if self.connector is not None:
+                self._kv_saves.append(
+                    KVSave(
+                        tuple(hashes[first:full]),
+                        tuple(seq.block_table[first:full]),
+                        tuple(seq.token_ids[: full * cfg.page_tokens]),
+                    )
+                )
+        if cfg.transfer == "copy" and end % cfg.page_tokens == 0 and end > 0:
+            key = seq.hashes(cfg.page_tokens, full)[full - 1]
+            if bm.begin_store(key, seq.slot, end) and self.connector is not None:
+                self._image_tokens[key] = tuple(seq.token_ids[:end])
+
+    def _row_tokens(self, rows, mi: np.ndarray | slice, seqs: list[Sequence], output: RunnerOutput,
+                    live: np.ndarray | None):  # fmt: skip
+        """The tokens sampled for rows ``mi`` of the batch (requests ``seqs``; -1 where a row
+        has none or is not ``live``: cancelled), with the logprobs of requests asking
+        recorded."""
+        if output.row_tokens is None:  # a runner without columns (or without a sampler)
+            got = [
+                self._sampled_token(seq, output) if live is None or live[k] else None
+                for k, seq in enumerate(seqs)
+            ]
+            return np.array([-1 if t is None else t for t in got], dtype=np.int64)
+        toks = output.row_tokens[mi].copy()
+        if live is not None:
+            toks[~live] = -1
+        if self.rows.logprobs.any():
+            lps = output.row_logprobs[mi]
+            for k in np.flatnonzero(self.rows.logprobs[rows.slot[mi]] & (toks >= 0)).tolist():
+                top = output.top_logprobs.get(seqs[k].seq_id, ())
+                seqs[k].output_logprobs.append((float(lps[k]), dict(top)))
+        return toks
+
+    def _sampled_token(self, seq: Sequence, output: RunnerOutput) -> int | None:
+        """The token ``output`` sampled for ``seq`` (sampled here from its logits when the runner
+        has no device sampler), its logprobs recorded where asked; None when it has none."""
+        token = output.tokens.get(seq.seq_id)
+        if token is None:  # a runner without a device sampler: sample its logits here
+            logits = output.last_logits.get(seq.seq_id)
+            if logits is None:
+                return None
+            index = seq.num_tokens - seq.num_prompt_tokens
+            token = sample(logits, seq.params, seq.seed, index)
+            if seq.params.logprobs is not None:
+                lp, top = token_logprobs(logits, token, seq.params.logprobs)
+                seq.output_logprobs.append((lp, dict(top)))
+        elif seq.params.logprobs is not None:
+            seq.output_logprobs.append(
+                (output.logprobs[seq.seq_id], dict(output.top_logprobs.get(seq.seq_id, ())))
+            )
+        return token
 
     def _score(self, seq: Sequence, req: ScheduledRequest, rows: torch.Tensor) -> None:
         lp = torch.log_softmax(rows.double(), dim=-1)
@@ -592,8 +789,17 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """``stop`` for EOS (unless ignored) or a stop token id, ``length`` at ``max_tokens``
-        or ``max_model_len``; None otherwise. The rule is built once per request (a decode
-        step checks every running request)."""
+        or ``max_model_len``; None otherwise (the scalar form of ``DecodeRows.stop_reasons``)."""
+        stops, limit = self._stop_rule(seq)
+        if token in stops:
+            return "stop"
+        if len(seq.token_ids) >= limit:
+            return "length"
+        return None
+
+    def _stop_rule(self, seq: Sequence) -> tuple[frozenset[int], int]:
+        """The token ids that stop ``seq`` (EOS unless ignored, ``stop_token_ids``) and the
+        token count that ends it, built once per request."""
         rule = seq.stop_rule
         if rule is None:
             p, eos = seq.params, self.config.eos_token_id
@@ -602,8 +808,4 @@ class Scheduler:
                 stops.add(eos)
             limit = min(seq.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
             rule = seq.stop_rule = (frozenset(stops), limit)
-        if token in rule[0]:
-            return "stop"
-        if len(seq.token_ids) >= rule[1]:
-            return "length"
-        return None
+        return rule
