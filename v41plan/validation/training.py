@@ -46,9 +46,10 @@ LONG_TASKS = ("kv_recall_mc", "copy_gen")
 
 @dataclass
 class TrainOptions:
-    """What ``train`` does; the defaults are the committed quality checkpoint's run."""
+    """What ``train`` does; the defaults are the first of the two runs behind the committed
+    checkpoint (``checkpoints/quality40/README.md``)."""
 
-    steps: int = 1200
+    steps: int = 540
     """Optimizer steps."""
     batch_seqs: int = 16
     """Sequences per step."""
@@ -58,7 +59,7 @@ class TrainOptions:
     """Peak learning rate."""
     warmup_steps: int = 60
     """Linear learning-rate warm-up."""
-    dense_steps: int = 300
+    dense_steps: int = 135
     """Steps whose attention reads every visible compressed row (then the index top-k)."""
     index_loss_weight: float = 1.0
     """Weight of the indexer KL loss."""
