@@ -18,19 +18,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainOptions()
     parser.add_argument("--spec", required=True, help="spec file or compiled name (quality40)")
     parser.add_argument("--out", required=True, help="directory to write; required")
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps ({d.steps})")
+    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    parser.add_argument("--batch-seqs", type=int, default=d.batch_seqs, help="sequences a step")
     parser.add_argument(
-        "--batch-seqs", type=int, default=d.batch_seqs, help=f"sequences a step ({d.batch_seqs})"
+        "--seq-tokens", type=int, default=d.seq_tokens, help="tokens a sequence (even)"
     )
-    parser.add_argument(
-        "--seq-tokens", type=int, default=d.seq_tokens, help=f"tokens a sequence ({d.seq_tokens})"
-    )
-    parser.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate ({d.lr})")
+    parser.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     parser.add_argument(
         "--dense-steps",
         type=int,
         default=d.dense_steps,
-        help=f"warm-up steps attending to every compressed row ({d.dense_steps})",
+        help="warm-up steps attending to every compressed row",
     )
     parser.add_argument("--seed", type=int, default=d.seed, help="weights and corpus seed")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
@@ -38,13 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init-checkpoint",
         default=None,
-        help="go on training from this checkpoint's weights (same spec; the optimizer restarts)",
+        help="go on training from this checkpoint's weights (same spec; the optimizer restarts; "
+        "default: the init-checkpoint weights of --seed)",
     )
     parser.add_argument(
         "--time-limit",
         type=float,
         default=0.0,
-        help="stop after this many seconds of training and still write everything (0: none)",
+        help="stop after this many seconds of training and still write everything (0: no limit)",
     )
 
 
