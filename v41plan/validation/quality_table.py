@@ -11,7 +11,8 @@ replays on):
 - ``prefix hit: encoder replay`` / ``prefix hit: copy transfer``: every generation prompt runs
   once for one token first, so the scored generation resumes from the prefix cache through the
   encoder replay or the copy transfer (``prefix_hit`` of ``V41PlanLM``; the row records the
-  hit tokens, restores and replayed rows that happened).
+  hit tokens, restores and replayed rows that happened). These rows prefill in 128-token
+  chunks, so the copy transfer has checkpoint images on the hash-block grid to resume from.
 - ``main fp4 / index fp8`` ... : the other main/index format pairs.
 - ``random weights``: the spec's seeded random checkpoint, the chance baseline.
 
@@ -44,12 +45,17 @@ METRICS["v41plan_arith_gen"] = "exact_match"
 CHANCE = {"v41plan_kv_recall_mc": 0.25, "v41plan_copy_gen": 0.0, "v41plan_arith_gen": 0.0}
 """Chance level of each task's metric (four choices; exact match of a free generation)."""
 
+_HIT = {"prefix_hit": True, "max_num_batched_tokens": 128}
+"""Prefix-hit rows prefill in 128-token chunks: a non-final chunk ends on the hash-block grid
+and leaves a checkpoint image there, which the copy transfer needs to resume from (a prompt
+prefilled whole leaves none, and its hit recomputes); both transfers run alike."""
+
 ROWS: list[tuple[str, dict, bool]] = [
     ("default", {}, True),
     ("random weights", {}, False),
     ("decoder replay off", {"decoder_swa_bounded_replay": False}, True),
-    ("prefix hit: encoder replay", {"prefix_hit": True, "encoder_swa_bounded_replay": True}, True),
-    ("prefix hit: copy transfer", {"prefix_hit": True, "encoder_swa_bounded_replay": False}, True),
+    ("prefix hit: encoder replay", {**_HIT, "encoder_swa_bounded_replay": True}, True),
+    ("prefix hit: copy transfer", {**_HIT, "encoder_swa_bounded_replay": False}, True),
     ("main bf16 / index fp4", {"index_cache_dtype": "fp4"}, True),
     ("main fp4 / index fp8", {"kv_cache_dtype": "fp4"}, True),
     ("main fp4 / index fp4", {"kv_cache_dtype": "fp4", "index_cache_dtype": "fp4"}, True),
@@ -94,10 +100,8 @@ def score_tasks(lm, limit: int | None) -> dict:
 
 def score(spec: str, checkpoint: str | None, options: dict, limit: int | None, device: str):
     """Each task's metric for one engine setting, with the resumption stats."""
-    lm = V41PlanLM(
-        spec, checkpoint, progress=False, device=device, max_num_seqs=64,
-        max_num_batched_tokens=8192, **options,
-    )  # fmt: skip
+    engine = {"max_num_seqs": 64, "max_num_batched_tokens": 8192, **options}
+    lm = V41PlanLM(spec, checkpoint, progress=False, device=device, **engine)
     return score_tasks(lm, limit), dict(lm.resumed)
 
 
