@@ -142,9 +142,7 @@ def _ste(fn):
     """Make a fake quantizer straight-through under autograd (same forward values)."""
 
     def wrapped(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if x.requires_grad and torch.is_grad_enabled():
-            return _StraightThrough.apply(x, fn(x.detach(), *args, **kwargs))
-        return fn(x, *args, **kwargs)
+        return straight_through(x, lambda v: fn(v, *args, **kwargs))
 
     wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     wrapped.__wrapped__ = fn

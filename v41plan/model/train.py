@@ -207,7 +207,7 @@ class TrainModel:
         ids = batch.ids
         B, S = ids.shape
         N = B * S
-        if cfg.compress_ratios and 2 in cfg.compress_ratios and S % 2:
+        if 2 in cfg.compress_ratios and S % 2:
             raise ValueError(f"sequence length {S} must be even (ratio-2 pairs)")
         w = self.processed()
         for obj in (*self.attn, *self.moe, *self.engram_layers.values()):

@@ -36,12 +36,11 @@ from pathlib import Path
 import numpy as np
 
 from v41plan.validation.lm_eval_model import TASKS_DIR, V41PlanLM
-from v41plan.validation.quality_tasks import GENERATION
+from v41plan.validation.quality_tasks import GENERATION, TASK_METRICS
 
-TASKS = ("v41plan_kv_recall_mc", "v41plan_copy_gen", "v41plan_arith_gen")
-METRICS = {"v41plan_kv_recall_mc": "acc", "v41plan_copy_gen": "exact_match"}
-METRICS["v41plan_arith_gen"] = "exact_match"
+METRICS = TASK_METRICS
 """Each task's metric (lm-eval's name)."""
+TASKS = tuple(METRICS)
 CHANCE = {"v41plan_kv_recall_mc": 0.25, "v41plan_copy_gen": 0.0, "v41plan_arith_gen": 0.0}
 """Chance level of each task's metric (four choices; exact match of a free generation)."""
 

@@ -119,6 +119,9 @@ _TASKS = {
 }
 """Task file stem -> (lm-eval output type, its document fields, its metric)."""
 
+TASK_METRICS = {f"v41plan_{name}": metric for name, (_t, _f, metric) in _TASKS.items()}
+"""lm-eval task name -> its metric."""
+
 
 def task_yaml(name: str) -> str:
     """The lm-eval task file of ``name`` (a ``GENERATORS`` key): its documents come from the

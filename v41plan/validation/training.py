@@ -23,10 +23,8 @@ import json
 import math
 import random
 import struct
-import sys
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -139,10 +137,6 @@ class Corpus:
             nxt, nxt_ans = self._doc("arith_gen")
             ids, ans = ids + nxt, ans + nxt_ans
         return ids[: self.seq_tokens + 1], ans[: self.seq_tokens + 1]
-
-    def sequence(self) -> list[int]:
-        """``sequence_marked``'s tokens."""
-        return self.sequence_marked()[0]
 
     def batch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens ``[n, seq_tokens + 1]`` (int64) and their answer marks (bool)."""
@@ -425,16 +419,3 @@ def write_loss_png(
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
     png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
     Path(path).write_bytes(png)
-
-
-def sequences_preview(cfg: ModelConfig, seed: int, seq_tokens: int, n: int) -> Iterator[str]:
-    """The first ``n`` training sequences as text (eos shown as a newline): what the model
-    reads."""
-    c = Corpus(cfg, seed, seq_tokens)
-    for _ in range(n):
-        ids = c.sequence()
-        yield bytes(t if t < 256 else 10 for t in ids).decode("utf-8", errors="replace")
-
-
-if __name__ == "__main__":  # pragma: no cover - the CLI is ``v41plan train``
-    sys.exit("run `v41plan train --help`")
