@@ -18,6 +18,7 @@ from pathlib import Path
 
 from v41plan.cli.args import EXIT_FAILED, EXIT_OK, Refused, path_exists, spec_arg
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES
+from v41plan.serving.admission import add_kernel_flags, kernel_options
 
 CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
 DTYPES = ("float32", "float64", "bfloat16")
@@ -141,12 +142,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: cuda when available, else cpu",
     )
     e.add_argument("--dtype", default="float32", choices=DTYPES, help="executor dtype")
-    e.add_argument(
-        "--kernel-backend",
-        default="torch",
-        choices=["torch", "triton"],
-        help="pool-touching kernels: the torch reference or Triton (CUDA)",
-    )
+    add_kernel_flags(e)
     e.add_argument(
         "--kv-transfer-config",
         type=_json_object,
@@ -418,7 +414,7 @@ def build_engine(args: argparse.Namespace, world_size: int, spec=None):
         "dtype": args.dtype,
         "seed": args.engine_seed,
         "random_weights_seed": args.random_weights_seed,
-        "kernel_backend": args.kernel_backend,
+        **kernel_options(args),
     }
     if args.kv_transfer_config is not None:
         options["kv_transfer_config"] = args.kv_transfer_config

@@ -69,14 +69,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Linear:
     """``y = x @ W^T`` with an optional FP8 activation fake-quant per 32 along K (W8A8 / W4A8)."""
 
-    def __init__(self, weight: torch.Tensor, act_quant: bool = True):
+    def __init__(self, weight: torch.Tensor, act_quant: bool = True, quantizer=fake_fp8):
         self.weight = weight
         self.act_quant = act_quant
+        self.quantizer = quantizer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
-            x = fake_fp8(x, 32)
+            x = self.quantizer(x, 32)
         return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """What the layers call for their FP8 activation quantizer and their linears: the
+    reference's by default; the paged runtime passes fused ones (a one-launch quantizer, W8A8
+    GEMMs over weights kept as published) with the same arithmetic."""
+
+    fake_fp8: Any = fake_fp8
+    """``fake_fp8(x, block)``, bit-exact with ``quant.fake_fp8``."""
+    linear: Any = None
+    """``linear(weight, dtype, act_quant) -> callable [N, in] -> [N, out]``; None: ``Linear``
+    over ``weight.to(dtype)`` with this ``fake_fp8``."""
+
+    def make_linear(self, weight: Any, dtype: torch.dtype, act_quant: bool = True):
+        """A linear over ``weight`` computing in ``dtype``."""
+        if self.linear is not None:
+            return self.linear(weight, dtype, act_quant)
+        return Linear(weight.to(dtype), act_quant, self.fake_fp8)
+
+
+REFERENCE_KERNELS = LayerKernels()
 
 
 def yarn_freqs(rd: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -288,8 +311,10 @@ class Attention:
         prefix: str,
         dtype: torch.dtype,
         tp: Any = ONE_RANK,
+        kernels: LayerKernels = REFERENCE_KERNELS,
     ):
         self.cfg, self.info, self.dtype, self.tp = cfg, info, dtype, tp
+        self.kernels = kernels
         self.prefix = prefix
         self.ratio, self.role = info.ratio, info.role
         self.d, self.rd = cfg.head_dim, cfg.qk_rope_head_dim
@@ -301,7 +326,7 @@ class Attention:
             self.rope = Rope(self.rd, cfg.rope_theta, None)
         self.bind(w)
         # the RoPE table lives beside the weights: no host-to-device copy per call
-        self.rope.freqs = self.rope.freqs.to(self.wq_a.weight.device)
+        self.rope.freqs = self.rope.freqs.to(self.q_norm.device)
 
     def bind(self, w: dict[str, torch.Tensor]) -> None:
         """Point the layer at the weights in ``w`` (the constructor's dict; training rebinds
@@ -309,14 +334,15 @@ class Attention:
         cfg, info, dtype = self.cfg, self.info, self.dtype
         a = acc_dtype(dtype)
         p = self.prefix + ".attn."
-        self.wq_a = Linear(w[p + "wq_a.weight"].to(dtype))
+        lin = self.kernels.make_linear
+        self.wq_a = lin(w[p + "wq_a.weight"], dtype)
         self.q_norm = w[p + "q_norm.weight"]
-        self.wq_b = Linear(w[p + "wq_b.weight"].to(dtype))
+        self.wq_b = lin(w[p + "wq_b.weight"], dtype)
         self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
-        self.wkv = Linear(w[p + "wkv.weight"].to(dtype))
+        self.wkv = lin(w[p + "wkv.weight"], dtype)
         self.kv_norm = w[p + "kv_norm.weight"]
         self.wo_a = w[p + "wo_a.weight"].to(dtype)
-        self.wo_b = Linear(w[p + "wo_b.weight"].to(dtype))
+        self.wo_b = lin(w[p + "wo_b.weight"], dtype)
         self.sink = w[p + "attn_sink"].to(a)
         if info.role == "full":
             # Ratio 2 projects in fp32 (float64 here when computing in float64, then rounded).
@@ -327,7 +353,7 @@ class Attention:
             self.idx_wk = w[p + "indexer.wk.weight"].to(dtype)
             self.idx_k_norm = w[p + "indexer.k_norm.weight"]
         if info.role in ("full", "reindex"):
-            self.idx_wq_b = Linear(w[p + "indexer.wq_b.weight"].to(dtype))
+            self.idx_wq_b = lin(w[p + "indexer.wq_b.weight"], dtype)
             self.idx_weights_proj = w[p + "indexer.weights_proj.weight"].to(dtype)
             self.ihd = cfg.index_head_dim
             self.nih = self.idx_weights_proj.shape[0]  # this rank's index heads
@@ -347,7 +373,7 @@ class Attention:
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Window KV ``[N,d]``: wkv, kv_norm, RoPE, FP8 QAT over all lanes (block 32)."""
         kv = rms_norm(self.wkv(x), self.kv_norm, self.eps)
-        return fake_fp8(apply_rope(kv, cos, sin), 32)
+        return self.kernels.fake_fp8(apply_rope(kv, cos, sin), 32)
 
     # compressor
     def compress_project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -494,8 +520,10 @@ class MoE:
         prefix: str,
         dtype: torch.dtype,
         tp: Any = ONE_RANK,
+        kernels: LayerKernels = REFERENCE_KERNELS,
     ):
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
+        self.kernels = kernels
         self.prefix = prefix
         self.limit = cfg.swiglu_limit
         self.bind(w)
@@ -511,9 +539,10 @@ class MoE:
         self.w3 = w[p + "experts.w3"].to(dtype)
         self.w2 = w[p + "experts.w2"].to(dtype)  # [E, D, I]
         # the shared expert reads the routed experts' quantized input (quantized once)
-        self.s1 = Linear(w[p + "shared_experts.w1.weight"].to(dtype), act_quant=False)
-        self.s3 = Linear(w[p + "shared_experts.w3.weight"].to(dtype), act_quant=False)
-        self.s2 = Linear(w[p + "shared_experts.w2.weight"].to(dtype))
+        lin = self.kernels.make_linear
+        self.s1 = lin(w[p + "shared_experts.w1.weight"], dtype, act_quant=False)
+        self.s3 = lin(w[p + "shared_experts.w3.weight"], dtype, act_quant=False)
+        self.s2 = lin(w[p + "shared_experts.w2.weight"], dtype)
         # expert parallel: this rank holds the router's experts [first, first + count)
         self.expert_count = self.w1.shape[0]
         whole = self.expert_count == cfg.n_routed_experts
@@ -547,11 +576,12 @@ class MoE:
         weights, ids = self.route(x, forced_ids)
         if self.expert_count != weights.shape[1]:
             weights = weights[:, self.expert_first : self.expert_first + self.expert_count]
-        xq = fake_fp8(x, 32).to(self.dtype)
+        q8 = self.kernels.fake_fp8
+        xq = q8(x, 32).to(self.dtype)
         h1 = torch.einsum("nd,eid->eni", xq, self.w1)
         h3 = torch.einsum("nd,eid->eni", xq, self.w3)
         act = (self._swiglu(h1, h3) * weights.T[:, :, None].to(a)).to(self.dtype)
-        y = torch.einsum("eni,edi->end", fake_fp8(act, 32), self.w2).to(a).sum(0)
+        y = torch.einsum("eni,edi->end", q8(act, 32), self.w2).to(a).sum(0)
         shared = self.s2(self._swiglu(self.s1(xq), self.s3(xq)).to(self.dtype))
         # one reduction per layer: routed + shared partials, in acc, rounded after the sum
         return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids
@@ -563,15 +593,23 @@ class MoE:
 class EngramLayer:
     """Gated Engram injection: one fused ``wkv`` to hc keys + one value, per-stream sigmoid gate."""
 
-    def __init__(self, cfg: Any, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: Any,
+        w: dict[str, torch.Tensor],
+        prefix: str,
+        dtype: torch.dtype,
+        kernels: LayerKernels = REFERENCE_KERNELS,
+    ):
         self.cfg, self.dtype, self.prefix = cfg, dtype, prefix
+        self.kernels = kernels
         self.bind(w)
 
     def bind(self, w: dict[str, torch.Tensor]) -> None:
         """Point the layer at the weights in ``w`` (see ``Attention.bind``)."""
         a = acc_dtype(self.dtype)
         p = self.prefix + ".engram."
-        self.wkv = Linear(w[p + "wkv.weight"].to(self.dtype))
+        self.wkv = self.kernels.make_linear(w[p + "wkv.weight"], self.dtype)
         self.wqk = w[p + "q_weight"].to(a) * w[p + "k_weight"].to(a)
 
     def __call__(

@@ -43,15 +43,15 @@ from v41plan.model.layers import (
     Attention,
     EngramLayer,
     HcParams,
+    LayerKernels,
+    Linear,
     MoE,
     acc_dtype,
     apply_rope,
     hc_collapse,
-    hc_expand,
-    hc_predict,
     rms_norm,
 )
-from v41plan.model.quant import dequant_fp8_blocks
+from v41plan.model.quant import QuantWeight, dequant_fp8_blocks
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
 from v41plan.runtime.engram_device import DEVICE_TABLE_BYTES, DeviceEngram, table_bytes
 from v41plan.runtime.kernels.torch_ref import TorchBackend
@@ -312,6 +312,40 @@ class Pieces:
     extra: dict = field(default_factory=dict)
 
 
+DENSE_IMPLS = ("torch", "triton")
+"""``RuntimeModel(dense=...)``: the dense pieces' kernels (the torch compositions, the
+reference; or the fused Triton kernels of ``kernels.triton_dense``)."""
+MOE_IMPLS = ("dense", "grouped")
+"""``RuntimeModel(moe=...)``: every expert on every row (``layers.MoE``, the reference) or the
+selected experts only (``resident.GroupedMoE``: W4A8 Triton over resident FP4 experts on CUDA,
+else the torch grouped product)."""
+
+
+def dense_ops(name: str):
+    """The dense-piece functions ``dense`` names (``DENSE_IMPLS``)."""
+    if name == "triton":
+        from v41plan.runtime.kernels.triton_dense import TritonDense
+
+        return TritonDense
+    from v41plan.runtime.kernels.dense_ref import TorchDense
+
+    return TorchDense
+
+
+def _linear_factory(quantizer):
+    """``LayerKernels.linear``: a ``ResidentLinear`` over a weight kept as published (the W8A8
+    Triton GEMM on CUDA), else ``Linear`` with ``quantizer``."""
+
+    def make(weight, dtype: torch.dtype, act_quant: bool = True):
+        if isinstance(weight, QuantWeight):
+            from v41plan.runtime.resident import ResidentLinear
+
+            return ResidentLinear(weight, dtype, act_quant, quantizer=quantizer)
+        return Linear(weight.to(dtype), act_quant, quantizer)
+
+    return make
+
+
 def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     return x if idx is None else x[idx]
 
@@ -342,8 +376,17 @@ class RuntimeModel:
         backend=None,
         tp: TPGroup = SINGLE,
         engram_on_device: bool | None = None,
+        dense: str = "torch",
+        moe: str = "dense",
     ):
         check_formats(kv_cache_dtype, index_cache_dtype)
+        if dense not in DENSE_IMPLS:
+            raise ValueError(f"dense={dense!r}; accepted: {', '.join(DENSE_IMPLS)}")
+        if moe not in MOE_IMPLS:
+            raise ValueError(f"moe={moe!r}; accepted: {', '.join(MOE_IMPLS)}")
+        resident = any(isinstance(t, QuantWeight) for t in weights.values())
+        if resident and moe != "grouped":
+            raise ValueError("weights kept as published (resident) run with moe='grouped'")
         self.spec = cache_spec
         self.cfg = cfg = cfg or config_from_cache_spec(cache_spec)
         self.geometry = cache_spec.geometry(kv_cache_dtype, index_cache_dtype)
@@ -357,12 +400,21 @@ class RuntimeModel:
         """The widest step the model runs: ``max_tokens`` rows, ``max_bs`` requests, block
         tables of ``table_width`` PAGEs (every step's tables are padded to it)."""
         self.engram = engram
+        self.dense = dense_ops(dense)
+        """The mHC sites, the expand and the FP8 activation quantizer (``TorchDense``, the
+        reference compositions, or ``TritonDense``: one launch each, same call shapes)."""
+        self.moe_impl = moe
+        self.resident = resident
+        """Whether the FP8 linears and FP4 experts are kept as published (``QuantWeight``)."""
+        kernels = LayerKernels(self.dense.fake_fp8, _linear_factory(self.dense.fake_fp8))
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]
         self.head = w["head.weight"].to(self.acc)
         self.attn: list[Attention] = []
-        self.moe: list[MoE] = []
+        self.moe: list = []
+        """Per layer ``MoE`` (dense over experts, the reference) or ``GroupedMoE`` (the
+        selected experts only)."""
         self.hc_attn: list[HcParams] = []
         self.hc_ffn: list[HcParams] = []
         self.attn_norm: list[torch.Tensor] = []
@@ -370,8 +422,14 @@ class RuntimeModel:
         self.engram_layers: dict[int, EngramLayer] = {}
         for info in cfg.layers:
             p = f"layers.{info.index}"
-            self.attn.append(Attention(cfg, info, w, p, dtype, tp=tp))
-            self.moe.append(MoE(cfg, w, p, dtype, tp=tp))
+            self.attn.append(Attention(cfg, info, w, p, dtype, tp=tp, kernels=kernels))
+            if moe == "grouped":
+                from v41plan.runtime.resident import GroupedMoE
+
+                q8 = self.dense.fake_fp8
+                self.moe.append(GroupedMoE(cfg, w, p, dtype, tp=tp, quantizer=q8))
+            else:
+                self.moe.append(MoE(cfg, w, p, dtype, tp=tp, kernels=kernels))
             self.hc_attn.append(
                 HcParams(*(w[f"{p}.hc_attn_{k}"].to(self.acc) for k in ("fn", "base", "scale")))
             )
@@ -381,7 +439,7 @@ class RuntimeModel:
             self.attn_norm.append(w[f"{p}.attn_norm.weight"])
             self.ffn_norm.append(w[f"{p}.ffn_norm.weight"])
             if info.engram:
-                self.engram_layers[info.index] = EngramLayer(cfg, w, p, dtype)
+                self.engram_layers[info.index] = EngramLayer(cfg, w, p, dtype, kernels)
         self._engram_shapes = self._engram_table_shapes()
         if engram_on_device is None:  # tables that fit go to the device
             engram_on_device = bool(self._engram_shapes) and (
@@ -897,10 +955,10 @@ class RuntimeModel:
                 fr.X[need] = new
         att = self.attn[L]
         Xn = _take(fr.X, need)
-        a_pre, a_post, a_C = hc_predict(
-            Xn, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
-        )
-        xin = rms_norm(hc_collapse(Xn, _take(fr.pre, need)), self.attn_norm[L], eps)
+        a_pre, a_post, a_C, xin = self.dense.mhc_site(
+            Xn, _take(fr.pre, need), self.hc_attn[L], self.attn_norm[L],
+            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps,
+        )  # fmt: skip
         cos, sin = att.rope.cos_sin(_take(fr.pos, need), self.dtype)
         kv = att.window_kv(_take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
         if rw is None:
@@ -964,25 +1022,33 @@ class RuntimeModel:
         at, ff = p.at, p.ff
         l_at, l_ff = p.extra["l_at"], p.extra["l_ff"]
         y = self.attn[L].output(p.o, _take(p.cos, l_at), _take(p.sin, l_at))
-        new = hc_expand(y, _take(fr.X, at), _take(p.a_post, l_at), _take(p.a_C, l_at))
-        if at is None:
-            fr.X = new
+        site = (self.hc_ffn[L], self.ffn_norm[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        if at is None and ff is None and p.need is None:
+            # every row runs both sublayers (decode, replay off): the expand and the FFN site in
+            # one call
+            Xf, f_pre, f_post, f_C, xf = self.dense.mhc_expand_site(
+                y, fr.X, p.a_post, p.a_C, p.a_pre, *site, eps
+            )
+            fr.X = Xf
         else:
-            fr.X[at] = new
-        if _count(ff, fr.X.shape[0]) == 0:
-            return
-        Xf = _take(fr.X, ff)
-        f_pre, f_post, f_C = hc_predict(
-            Xf, self.hc_ffn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
-        )
-        xf = rms_norm(hc_collapse(Xf, _take(p.a_pre, l_ff)), self.ffn_norm[L], eps)
+            new = self.dense.hc_expand(
+                y, _take(fr.X, at), _take(p.a_post, l_at), _take(p.a_C, l_at)
+            )
+            if at is None:
+                fr.X = new
+            else:
+                fr.X[at] = new
+            if _count(ff, fr.X.shape[0]) == 0:
+                return
+            Xf = _take(fr.X, ff)
+            f_pre, f_post, f_C, xf = self.dense.mhc_site(Xf, _take(p.a_pre, l_ff), *site, eps)
         flat_ff = ff if fr.full else fr.rows[_take(self._arange[: fr.X.shape[0]], ff)]
         forced = self.forced_experts.get(L)
         if forced is not None:
             forced = _take(forced.to(self.device), flat_ff)
         yf, ids = self.moe[L](xf, forced)
         self._routed[L] = (flat_ff, ids)
-        new = hc_expand(yf, Xf, f_post, f_C)
+        new = self.dense.hc_expand(yf, Xf, f_post, f_C)
         if ff is None:
             fr.X, fr.pre = new, f_pre
         else:

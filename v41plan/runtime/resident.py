@@ -50,8 +50,11 @@ class ResidentLinear:
         dtype: torch.dtype,
         act_quant: bool = True,
         impl: str = "auto",
+        quantizer=fake_fp8,
     ):
         self.dtype, self.act_quant = dtype, act_quant
+        self.quantizer = quantizer
+        """The torch path's activation quantizer (bit-exact with ``quant.fake_fp8``)."""
         dev = weight.device
         if impl == "auto":
             impl = "triton" if triton_ready(weight, dev, dtype) and act_quant else "torch"
@@ -75,7 +78,7 @@ class ResidentLinear:
 
             return w8a8_linear(x, self.weight.codes, self.weight.scales, self.dtype)
         if self.act_quant:
-            x = fake_fp8(x, 32)
+            x = self.quantizer(x, 32)
         return F.linear(x.to(self.dtype), self.weight)
 
     def quantized(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
@@ -105,8 +108,11 @@ class GroupedMoE:
         impl: str = "auto",
         mm_impl: str = "auto",
         dot: str | None = None,
+        quantizer=fake_fp8,
     ):
         a = acc_dtype(dtype)
+        self.quantizer = quantizer
+        """The torch path's FP8 activation quantizer (bit-exact with ``quant.fake_fp8``)."""
         p = prefix + ".ffn."
         self.cfg, self.dtype, self.tp, self.dot, self.mm_impl = cfg, dtype, tp, dot, mm_impl
         self.gate_w = w[p + "gate.weight"].to(a)
@@ -122,9 +128,10 @@ class GroupedMoE:
         else:
             self.w1, self.w3, self.w2 = (_dense(e, dtype) for e in (e1, e3, e2))
         lin = "triton" if impl == "triton" else "torch"
-        self.s1 = ResidentLinear(w[p + "shared_experts.w1.weight"], dtype, False, lin)
-        self.s3 = ResidentLinear(w[p + "shared_experts.w3.weight"], dtype, False, lin)
-        self.s2 = ResidentLinear(w[p + "shared_experts.w2.weight"], dtype, True, lin)
+        sw = (w[p + f"shared_experts.w{n}.weight"] for n in (1, 3, 2))
+        self.s1, self.s3, self.s2 = (
+            ResidentLinear(t, dtype, aq, lin, quantizer) for t, aq in zip(sw, (False, False, True))
+        )
         self.limit = cfg.swiglu_limit
         # expert parallel: this rank holds the router's experts [first, first + count)
         self.expert_count = self.w1.shape[0]
@@ -165,10 +172,11 @@ class GroupedMoE:
                 dot=self.dot,
             )
             return self.tp.all_reduce(y).to(self.dtype), ids
-        xq = fake_fp8(x, 32).to(self.dtype)
+        xq = self.quantizer(x, 32).to(self.dtype)
         y = grouped_moe_torch(
-            xq, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit, self.mm_impl
-        )
+            xq, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit, self.mm_impl,
+            quantizer=self.quantizer,
+        )  # fmt: skip
         shared = self.s2(swiglu(self.s1(xq), self.s3(xq), self.limit, a).to(self.dtype))
         # one reduction per layer: routed + shared partials, in acc, rounded after the sum
         return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids

@@ -13,7 +13,13 @@ from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheS
 from v41plan.model.config import ConfigError
 from v41plan.runtime.kv_connector import KV_CONNECTORS
 
-__all__ = ["ConfigError", "EngineOptions", "check_options", "default_tensor_parallel_size"]
+__all__ = [
+    "ConfigError",
+    "EngineOptions",
+    "check_options",
+    "default_tensor_parallel_size",
+    "resolve_kernels",
+]
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,19 @@ class EngineOptions:
     kv_transfer_config: dict | None = None
     """A KV connector under the device prefix cache: ``{"kv_connector": "local", "bytes": N,
     "path": DIR}`` or ``{"kv_connector": "lmcache_mp", "host": H, "port": P}`` (None: none)."""
-    kernel_backend: str = "torch"
-    """The pool-touching kernels: ``torch`` (the reference, and the only CPU path) or
-    ``triton`` (CUDA; float64 steps fall back to the torch ops)."""
+    kernel_backend: str = "auto"
+    """The pool-touching kernels: ``torch`` (the reference, and the only CPU path), ``triton``
+    (CUDA; float64 steps fall back to the torch ops) or ``auto`` (``triton`` on CUDA unless the
+    dtype is float64, else ``torch``)."""
+    dense_kernels: str = "auto"
+    """The mHC sites, the expand and the FP8 activation quantizer: ``torch`` (the reference
+    compositions), ``triton`` (one fused launch each, CUDA) or ``auto`` (as ``kernel_backend``)."""
+    moe_impl: str = "auto"
+    """``dense`` (every expert on every row, the reference), ``grouped`` (the selected experts
+    only) or ``auto`` (``grouped`` on CUDA unless the dtype is float64, else ``dense``)."""
+    resident_weights: bool | None = None
+    """Keep the FP8 linears and FP4 experts on the device as published (W8A8 / W4A8 Triton
+    kernels; needs ``moe_impl`` grouped, CUDA, bf16 or float32); None: on where those hold."""
 
 
 # Options refused whatever their value, unless equal to the value shown (the "off" value).
@@ -70,7 +86,9 @@ _REFUSED: dict[str, tuple[object, str]] = {
     "multimodal_speculation": (False, "multimodal speculation is not supported; accepted: False"),
 }
 CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
-KERNEL_BACKENDS = ("torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+DENSE_KERNELS = ("auto", "torch", "triton")
+MOE_IMPLS = ("auto", "dense", "grouped")
 _KV_TRANSFER_KEYS = {
     "local": {"kv_connector": str, "bytes": int, "path": str},
     "lmcache_mp": {"kv_connector": str, "host": str, "port": int, "timeout_s": (int, float),
@@ -261,6 +279,30 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         raise _fail(
             "kernel_backend", "triton", "the Triton kernels need CUDA; accepted on cpu: torch"
         )
+    if o.dense_kernels not in DENSE_KERNELS:
+        raise _fail("dense_kernels", o.dense_kernels, f"accepted: {', '.join(DENSE_KERNELS)}")
+    if o.dense_kernels == "triton" and o.device == "cpu":
+        raise _fail(
+            "dense_kernels", "triton", "the Triton kernels need CUDA; accepted on cpu: torch"
+        )
+    if o.moe_impl not in MOE_IMPLS:
+        raise _fail("moe_impl", o.moe_impl, f"accepted: {', '.join(MOE_IMPLS)}")
+    if o.resident_weights not in (None, True, False):
+        raise _fail("resident_weights", o.resident_weights, "accepted: True, False, None (auto)")
+    if o.resident_weights:
+        if o.device == "cpu":
+            raise _fail(
+                "resident_weights", True, "the W8A8/W4A8 kernels need CUDA; accepted on cpu: False"
+            )
+        if o.dtype == "float64":
+            raise _fail(
+                "resident_weights", True, "float64 runs dequantised weights; accepted: False"
+            )
+        if o.moe_impl == "dense":
+            raise _fail(
+                "resident_weights", True, "resident FP4 experts run grouped; with moe_impl='dense' "
+                "accepted: False",
+            )  # fmt: skip
     num_pages = o.num_pages or o.max_num_seqs * (-(-max_len // page) + 1) + 16
     return EngineOptions(
         **{
@@ -285,3 +327,67 @@ def default_tensor_parallel_size(spec: CacheSpec, world_size: int, expert_parall
         if world_size in accepted_sizes(spec.model_config, expert_parallel, world_size)
         else 1
     )
+
+
+def resolve_kernels(o: EngineOptions, device_type: str) -> dict:
+    """The kernel choices ``o``'s ``auto`` values take on ``device_type`` (``cpu``/``cuda``):
+    ``{"kernel_backend", "dense_kernels", "moe_impl", "resident_weights"}``. The fast kernels
+    run on CUDA in bf16 or float32; float64 (the exact validation mode) and the CPU keep the
+    torch reference."""
+    fast = device_type == "cuda" and o.dtype != "float64"
+    backend = o.kernel_backend if o.kernel_backend != "auto" else ("triton" if fast else "torch")
+    dense = o.dense_kernels if o.dense_kernels != "auto" else ("triton" if fast else "torch")
+    moe = o.moe_impl if o.moe_impl != "auto" else ("grouped" if fast else "dense")
+    resident = o.resident_weights
+    if resident is None:
+        resident = fast and moe == "grouped"
+    return {
+        "kernel_backend": backend,
+        "dense_kernels": dense,
+        "moe_impl": moe,
+        "resident_weights": bool(resident),
+    }
+
+
+def add_kernel_flags(parser) -> None:
+    """The kernel-choice flags every engine command shares (``--kernel-backend``,
+    ``--dense-kernels``, ``--moe-impl``, ``--resident-weights``)."""
+    import argparse
+
+    parser.add_argument(
+        "--kernel-backend",
+        choices=KERNEL_BACKENDS,
+        default="auto",
+        help="pool-touching kernels: torch (the reference), triton (CUDA) or auto (triton on "
+        "CUDA unless --dtype float64)",
+    )
+    parser.add_argument(
+        "--dense-kernels",
+        choices=DENSE_KERNELS,
+        default="auto",
+        help="mHC sites, expand and FP8 activation quantizer: torch, triton (CUDA) or auto",
+    )
+    parser.add_argument(
+        "--moe-impl",
+        choices=MOE_IMPLS,
+        default="auto",
+        help="dense (every expert on every row), grouped (selected experts only) or auto "
+        "(grouped on CUDA unless float64)",
+    )
+    parser.add_argument(
+        "--resident-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep FP8/FP4 weights as published on the device (W8A8/W4A8 kernels; default: on "
+        "where CUDA, bf16/float32 and a grouped MoE allow it)",
+    )
+
+
+def kernel_options(args) -> dict:
+    """The engine options of ``add_kernel_flags``' flags."""
+    return {
+        "kernel_backend": args.kernel_backend,
+        "dense_kernels": args.dense_kernels,
+        "moe_impl": args.moe_impl,
+        "resident_weights": args.resident_weights,
+    }

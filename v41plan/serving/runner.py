@@ -54,12 +54,21 @@ class PagedRunner:
         from v41plan.model.sharding import shard_weights
         from v41plan.runtime.collectives import tp_group
         from v41plan.runtime.paged_model import RuntimeModel
+        from v41plan.serving.admission import resolve_kernels
 
         self.spec = spec
         self.options = options
+        self.kernels = resolve_kernels(options, device.type)
+        """The kernel choices the options' ``auto`` values resolved to on this device."""
         self.vocab_size = int(spec.model_config["vocab_size"])
         P = spec.replay.hash_block_tokens
-        weights = ckpt.weights if ckpt.weights is not None else ckpt.process(dtype, device)
+        if ckpt.weights is not None:
+            weights = ckpt.weights
+        elif self.kernels["resident_weights"]:
+            # the grouped wo_a runs on bf16 values in the published model
+            weights = ckpt.process(dtype, device, resident=True, dequantize=("attn.wo_a.weight",))
+        else:
+            weights = ckpt.process(dtype, device)
         self.engram = ckpt.engram_host()
         self.tp = tp_group(options.tensor_parallel_size, device.type)
         weights = shard_weights(weights, ckpt.config, self.tp, options.enable_expert_parallel)
@@ -73,8 +82,10 @@ class PagedRunner:
             max_bs=options.max_num_seqs,
             table_width=-(-options.max_model_len // P) + 1,
             dtype=dtype, device=device, cfg=ckpt.config, tp=self.tp,
-            backend=_backend(options.kernel_backend, device),
+            backend=_backend(self.kernels["kernel_backend"], device),
+            dense=self.kernels["dense_kernels"], moe=self.kernels["moe_impl"],
         )  # fmt: skip
+        self.kernels["resident_weights"] = self.model.resident  # as loaded
         from v41plan.runtime.graphs import build_cuda_graphs
 
         # FULL / PIECEWISE decode graphs on CUDA (None under eager execution or on CPU).

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from v41plan.runtime.dist import all_equal, init_distributed, shutdown
+from v41plan.serving.admission import add_kernel_flags, kernel_options
 from v41plan.serving.block_manager import chain_hashes
 from v41plan.serving.engine import LLM, resolve_spec
 from v41plan.serving.sampling import SamplingParams
@@ -704,12 +705,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="default: cuda when available, else cpu",
     )
-    ap.add_argument(
-        "--kernel-backend",
-        choices=["torch", "triton"],
-        default="torch",
-        help="pool-touching kernels (triton: CUDA; float64 steps fall back to torch)",
-    )
+    add_kernel_flags(ap)
     ap.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -801,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_pages": 4 * 24 + 64,
         "dtype": args.dtype,
         "device": args.device,
-        "kernel_backend": args.kernel_backend,
+        **kernel_options(args),
     }
     from v41plan.serving.admission import ConfigError, check_options
 
@@ -827,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
         "dtype": args.dtype,
-        "kernel_backend": args.kernel_backend,
+        **kernel_options(args),
         "transfers": {},
     }
     passed = True

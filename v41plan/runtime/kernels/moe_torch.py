@@ -143,12 +143,14 @@ def grouped_moe_torch(
     limit: float,
     impl: str = "auto",
     block_m: int = 1,
+    quantizer=fake_fp8,
 ) -> torch.Tensor:
     """The routed experts' sum ``[N, D]`` in ``acc`` over the selected experts only.
 
     ``xq [N, D]`` the FP8-quantized input in the compute dtype, ``ids``/``weights [N, k]`` the
     routing (global expert ids, final weights), ``w1``/``w3 [El, I, D]`` and ``w2 [El, D, I]``
     this rank's experts ``[expert_first, expert_first + El)`` (``I`` its intermediate slice).
+    ``quantizer``: the intermediate's FP8 fake-quantizer (bit-exact with ``quant.fake_fp8``).
     """
     dtype, acc = xq.dtype, acc_dtype(xq.dtype)
     _n, k = ids.shape
@@ -161,5 +163,5 @@ def grouped_moe_torch(
     rw = weights.reshape(-1)[flat].to(acc)
     act = (swiglu(h1, h3, limit, acc) * rw[:, None]).to(dtype)
     act = torch.where(valid[:, None], act, torch.zeros_like(act))  # padding rows: undefined
-    y_rows = grouped_mm(fake_fp8(act, 32), w2, rows, impl)
+    y_rows = grouped_mm(quantizer(act, 32), w2, rows, impl)
     return combine_rows(y_rows, rows, k, acc)

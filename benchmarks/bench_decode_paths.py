@@ -1,0 +1,294 @@
+"""Decode step by kernel path on the MEDIUM model (bf16, FULL CUDA graphs), in one process.
+
+    python3 benchmarks/bench_decode_paths.py [--checkpoint DIR] [--batch-sizes 1,8,64]
+        [--variants reference,backend,dense,grouped,resident] [--out report.json]
+
+Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, in this order:
+
+- ``reference``: the torch backend, the torch dense compositions, MoE dense over experts,
+  dequantised bf16 weights (what ``kernel_backend="torch"`` ran before the fast paths);
+- ``backend``: ``TritonBackend`` for the pool-touching ops (attention, scorer, scatters);
+- ``dense``: plus the fused mHC site / expand / FP8 quantizer kernels (``TritonDense``);
+- ``grouped``: plus the grouped MoE over the selected experts only (torch ``_grouped_mm``);
+- ``resident``: plus weights kept as published (W8A8 Triton linears, W4A8 grouped MoE): the
+  engine's ``auto`` choice on CUDA.
+
+Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
+timed as the replay of its captured FULL graph (device events) and as a graph step (host
+``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward;
+graph tokens against eager tokens (the capture is exact) and the logits against the reference
+variant's at the same step (each variant prefilled the same tokens through its own kernels, so
+the pools differ by their roundings: a stated figure, not a check). The ceilings are measured in
+this process and every row carries ``floor_ms`` (``medium_model.step_floor``, weights in their
+shipped formats) and ``of_floor`` = floor / replay. Writes ``$OUT/bench_decode_paths.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ceilings import ceilings_line, measure_ceilings
+from medium_model import load_spec, pool_row_bytes, step_floor, time_device, time_host
+from report_io import write_report
+
+VARIANTS = {
+    "reference": ("torch", "torch", "dense", False),
+    "backend": ("triton", "torch", "dense", False),
+    "dense": ("triton", "triton", "dense", False),
+    "grouped": ("triton", "triton", "grouped", False),
+    "resident": ("triton", "triton", "grouped", True),
+}
+"""Variant name -> (kernel backend, dense kernels, MoE, resident weights)."""
+
+
+def _weights(spec, checkpoint, resident: bool):
+    """``(cfg, weights on CUDA, Engram host)``: bf16 dequantised, or resident as published."""
+    from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
+
+    if checkpoint:
+        ckpt = load_checkpoint(checkpoint, spec, dtype=None)
+    else:
+        cfg = config_from_cache_spec(spec)
+        ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    if resident:
+        w = ckpt.process(torch.bfloat16, "cuda", resident=True, dequantize=("attn.wo_a.weight",))
+    else:
+        w = ckpt.process(torch.bfloat16, "cuda")
+    return ckpt.config, w, ckpt.engram_host(), ckpt.report
+
+
+def _kernels(fn) -> int:
+    """Device kernels one call of ``fn`` launches (``torch.profiler``; copies and memsets
+    apart)."""
+    from torch.autograd import DeviceType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+
+
+def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
+    """Rows of one variant (see the module doc); fills ``ref_logits`` for the reference."""
+    from v41plan.planner.step import RequestInput, StepInput, plan_step
+    from v41plan.runtime.graphs import CudaGraphs, capture_buckets
+    from v41plan.runtime.kernels import torch_ref
+    from v41plan.runtime.paged_model import RuntimeModel
+
+    backend, dense, moe, resident = VARIANTS[name]
+    t0 = time.perf_counter()
+    cfg, weights, engram, load_report = _weights(spec, args.checkpoint, resident)
+    if backend == "triton":
+        from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+        kb = TritonBackend()
+    else:
+        kb = torch_ref.TorchBackend()
+    max_bs = max(sizes)
+    P = spec.replay.hash_block_tokens
+    need = -(-(args.context + 8) // P)
+    chunk = 8192
+    m = RuntimeModel(
+        spec, weights, engram, kv_cache_dtype=args.kv_cache_dtype,
+        index_cache_dtype=args.index_cache_dtype, num_pages=max_bs * need + 8, num_slots=max_bs,
+        max_tokens=max(chunk, max_bs), max_bs=max_bs, table_width=need + 1,
+        dtype=torch.bfloat16, device="cuda", cfg=cfg, backend=kb, dense=dense, moe=moe,
+    )  # fmt: skip
+    del weights
+    load_s = time.perf_counter() - t0
+    row_bytes = pool_row_bytes(m.geometry)
+    buckets = [b for b in capture_buckets(spec, max_bs, max_bs) if b[0] in sizes]
+    runner = CudaGraphs(m, spec, buckets, "FULL")
+    t0 = time.perf_counter()
+    runner.capture()
+    capture_s = time.perf_counter() - t0
+
+    rng = np.random.default_rng(0)
+    reqs = [(i, tuple(range(i * need, (i + 1) * need))) for i in range(max_bs)]
+    ids = [rng.integers(0, 256, args.context + 4) for _ in range(max_bs)]
+    per_fwd = max(1, chunk // args.context)
+    t0 = time.perf_counter()
+    for lo in range(0, max_bs, per_fwd):  # prefill every request to the context (eager)
+        group = range(lo, min(max_bs, lo + per_fwd))
+        for i in group:
+            m.pools.reset_slot(i)
+        plan = plan_step(
+            StepInput(
+                tuple(
+                    RequestInput(
+                        slot=i,
+                        block_table=reqs[i][1],
+                        prompt_len=args.context,
+                        start=0,
+                        chunk_len=args.context,
+                        phase="prefill",
+                        fresh_slot=True,
+                    )
+                    for i in group
+                )
+            ),
+            spec,
+            decoder_replay=True,
+        )
+        m.forward(plan, np.concatenate([ids[i][: args.context] for i in group]))
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+
+    rows = []
+    for bs in sizes:
+        step = StepInput(
+            tuple(
+                RequestInput(
+                    slot=i,
+                    block_table=reqs[i][1],
+                    prompt_len=args.context,
+                    start=args.context,
+                    chunk_len=1,
+                    phase="decode",
+                )
+                for i in range(bs)
+            ),
+            running_bs=bs,
+            running_tokens=bs,
+            block_table_width=m.table_width,
+        )
+        plan = plan_step(step, spec)
+        tok = np.array([ids[i][args.context] for i in range(bs)])
+        snap, mirror = m.pools.backing.clone(), m.pools.cursor_host.copy()
+
+        def restore(snap=snap, mirror=mirror):
+            m.pools.backing.copy_(snap)
+            m.pools.cursor_host[:] = mirror
+
+        want = m.forward(plan, tok).logits.float()
+        restore()
+        got = runner.run(m.prepare(plan, tok)).logits.float()
+        restore()
+        kernels = _kernels(lambda plan=plan, tok=tok: m.forward(plan, tok))
+        restore()
+        g = runner.graphs[m.prepare(plan, tok).key]
+        replay_s = time_device(g.replay, args.iters)
+        step_s = time_host(
+            lambda plan=plan, tok=tok: runner.run(m.prepare(plan, tok)).logits, args.iters
+        )
+        restore()
+        del snap
+        if name == "reference":
+            ref_logits[bs] = want
+        ref = ref_logits.get(bs)
+        vs_ref = {}
+        if ref is not None:
+            err = (want - ref).norm() / ref.norm()
+            vs_ref = {
+                "logits_rel_l2_vs_reference": float(err),
+                "argmax_equal_vs_reference": float((want.argmax(-1) == ref.argmax(-1)).mean()),
+            }
+        fl = step_floor(cfg, plan, ceil, rows=row_bytes, index_cache_dtype=args.index_cache_dtype)
+        rows.append(
+            {
+                "variant": name,
+                "kernel_backend": backend,
+                "dense_kernels": dense,
+                "moe_impl": moe,
+                "resident_weights": resident,
+                "batch": bs,
+                "context": args.context,
+                "replay_ms": replay_s * 1e3,
+                "graph_step_ms": step_s * 1e3,
+                "kernels_per_layer": kernels / cfg.num_layers,
+                "graph_tokens_equal_eager": bool(torch.equal(want.argmax(-1), got.argmax(-1))),
+                "graph_max_logit_diff": float((want - got).abs().max()),
+                **vs_ref,
+                "floor_ms": fl["floor_s"] * 1e3,
+                "bound": fl["bound"],
+                "of_floor": fl["floor_s"] / replay_s,
+                "weight_bytes": load_report["resident_bytes"],
+                "checkpoint_bytes": load_report["checkpoint_bytes"],
+                "load_s": load_s,
+                "capture_s": capture_s,
+                "prefill_s": prefill_s,
+            }
+        )
+        print(
+            f"{name:>9} {bs:>4} {rows[-1]['replay_ms']:>9.3f} {rows[-1]['graph_step_ms']:>9.3f} "
+            f"{rows[-1]['kernels_per_layer']:>8.1f} {rows[-1]['floor_ms']:>8.3f} "
+            f"{rows[-1]['of_floor']:>8.4f} {rows[-1]['graph_tokens_equal_eager']!s:>6} "
+            f"{vs_ref.get('logits_rel_l2_vs_reference', float('nan')):>9.2e} "
+            f"{vs_ref.get('argmax_equal_vs_reference', float('nan')):>6.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None, help="default: seeded random weights")
+    ap.add_argument("--context", type=int, default=256, help="tokens each request holds")
+    ap.add_argument("--batch-sizes", default="1,8,64")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode_paths.py: needs a CUDA device; this machine has none", file=sys.stderr)
+        return 2
+    names = [v for v in args.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        print(f"bench_decode_paths.py: unknown variant {bad[0]!r}; accepted: {', '.join(VARIANTS)}")
+        return 2
+    from v41plan.validation.provenance import provenance
+
+    ceil = measure_ceilings()
+    print(ceilings_line(ceil))
+    spec = load_spec()
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    print(
+        f"{'variant':>9} {'bs':>4} {'replay ms':>9} {'step ms':>9} {'k/layer':>8} {'floor ms':>8} "
+        f"{'of_floor':>8} {'g==e':>6} {'rel vs ref':>9} {'argmax':>6}"
+    )
+    rows: list[dict] = []
+    ref_logits: dict = {}
+    report = {
+        "provenance": provenance(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "spec": spec.name,
+        "dtype": "bfloat16",
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+        "ceilings": ceil,
+        "rows": rows,
+    }
+    for name in names:
+        try:
+            rows.extend(run_variant(name, spec, args, ceil, sizes, ref_logits))
+            gc.collect()
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest run
+            import traceback
+
+            traceback.print_exc()
+            report.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+            gc.collect()
+            torch.cuda.empty_cache()
+        write_report(report, args.out, "bench_decode_paths.json")  # after every variant
+    return 1 if report.get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
