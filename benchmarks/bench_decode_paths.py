@@ -193,7 +193,9 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
             err = (want - ref).norm() / ref.norm()
             vs_ref = {
                 "logits_rel_l2_vs_reference": float(err),
-                "argmax_equal_vs_reference": float((want.argmax(-1) == ref.argmax(-1)).mean()),
+                "argmax_equal_vs_reference": float(
+                    (want.argmax(-1) == ref.argmax(-1)).float().mean()
+                ),
             }
         fl = step_floor(cfg, plan, ceil, rows=row_bytes, index_cache_dtype=args.index_cache_dtype)
         rows.append(
