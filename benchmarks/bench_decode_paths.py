@@ -209,7 +209,7 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                 "context": args.context,
                 "replay_ms": replay_s * 1e3,
                 "graph_step_ms": step_s * 1e3,
-                "kernels_per_layer": kernels / cfg.num_layers,
+                "kernels_per_layer": kernels / cfg.num_hidden_layers,
                 "graph_tokens_equal_eager": bool(torch.equal(want.argmax(-1), got.argmax(-1))),
                 "graph_max_logit_diff": float((want - got).abs().max()),
                 **vs_ref,
