@@ -137,27 +137,41 @@ def main(argv=None) -> int:
     cfg = config_from_cache_spec(spec)
     ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
     w = ckpt.process(torch.float32, args.device)
-    kb = make_crosscheck(args.tol)
     P = spec.replay.hash_block_tokens
     n = args.tokens
     pages = -(-(n + 2) // P) + 1
-    m = RuntimeModel(
-        spec, w, ckpt.engram_host(), num_pages=pages + 4, num_slots=2, max_tokens=n + 8,
-        max_bs=2, table_width=pages, dtype=torch.float32, device=args.device, cfg=cfg, backend=kb,
-    )  # fmt: skip
     ids = np.random.default_rng(4).integers(0, 256, n + 1)
     table = tuple(range(pages))
-    m.reset_slot(0)
-    first = RequestInput(
-        slot=0, block_table=table, prompt_len=n, start=0, chunk_len=n, phase="prefill",
-        fresh_slot=True,
-    )  # fmt: skip
-    m.forward(plan_step(StepInput((first,)), spec), ids[:n])
-    one = RequestInput(slot=0, block_table=table, prompt_len=n, start=n, chunk_len=1,
-                       phase="decode")  # fmt: skip
-    m.forward(plan_step(StepInput((one,)), spec), ids[n:])
+    kb = make_crosscheck(args.tol)
+    from v41plan.runtime.kernels.torch_ref import TorchBackend
+    from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+    logits = {}
+    for name, backend in (("crosscheck", kb), ("torch", TorchBackend()),
+                          ("triton", TritonBackend())):  # fmt: skip
+        m = RuntimeModel(
+            spec, w, ckpt.engram_host(), num_pages=pages + 4, num_slots=2, max_tokens=n + 8,
+            max_bs=2, table_width=pages, dtype=torch.float32, device=args.device, cfg=cfg,
+            backend=backend,
+        )  # fmt: skip
+        m.reset_slot(0)
+        first = RequestInput(
+            slot=0, block_table=table, prompt_len=n, start=0, chunk_len=n, phase="prefill",
+            fresh_slot=True,
+        )  # fmt: skip
+        a = m.forward(plan_step(StepInput((first,)), spec), ids[:n]).logits.double().cpu()
+        one = RequestInput(slot=0, block_table=table, prompt_len=n, start=n, chunk_len=1,
+                           phase="decode")  # fmt: skip
+        b = m.forward(plan_step(StepInput((one,)), spec), ids[n:]).logits.double().cpu()
+        logits[name] = (a, b)
+    forwards = {}
+    for name in ("crosscheck", "triton"):
+        rel = [float((g - w_).norm() / w_.norm()) for g, w_ in zip(logits[name], logits["torch"])]
+        forwards[name] = rel
+        print(f"whole forward, {name} vs torch backend: logits rel L2 prefill {rel[0]:.2e}, "
+              f"decode {rel[1]:.2e}")  # fmt: skip
     report = {"provenance": provenance(), "spec": spec.name, "device": args.device,
-              "tokens": n, "ops": {}}  # fmt: skip
+              "tokens": n, "whole_forward_rel_l2": forwards, "ops": {}}  # fmt: skip
     print(f"{'op':24s} {'calls':>5} {'max rel':>9} {'first call > tol':>16}  shapes")
     for op, calls in kb.log.items():
         bad = [c for c in calls if c["max_rel"] > args.tol]
