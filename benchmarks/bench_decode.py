@@ -19,7 +19,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,9 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import ceilings_line, measure_ceilings
 from medium_model import (
+    decode_requests,
+    decode_step,
     load_spec,
     load_weights,
     pool_row_bytes,
+    prefill_to_context,
     step_floor,
     time_device,
     time_host,
@@ -121,7 +123,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode.py: needs a CUDA device, and this machine has none", file=sys.stderr)
         return 2
-    from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.graphs import CudaGraphs, capture_buckets
     from v41plan.runtime.paged_model import RuntimeModel
     from v41plan.validation.provenance import provenance
@@ -156,55 +157,13 @@ def main(argv=None) -> int:
     )
     capture = runner.capture()
 
-    rng = np.random.default_rng(0)
-    reqs = [(i, tuple(range(i * need, (i + 1) * need))) for i in range(max_bs)]
-    ids = [rng.integers(0, 256, args.context + 4) for _ in range(max_bs)]
-    per_fwd = max(1, chunk // args.context)
-    for lo in range(0, max_bs, per_fwd):  # prefill every request to the context (eager)
-        group = range(lo, min(max_bs, lo + per_fwd))
-        for i in group:
-            m.pools.reset_slot(i)
-        plan = plan_step(
-            StepInput(
-                tuple(
-                    RequestInput(
-                        slot=i,
-                        block_table=reqs[i][1],
-                        prompt_len=args.context,
-                        start=0,
-                        chunk_len=args.context,
-                        phase="prefill",
-                        fresh_slot=True,
-                    )
-                    for i in group
-                )
-            ),
-            spec,
-            decoder_replay=True,
-        )
-        m.forward(plan, np.concatenate([ids[i][: args.context] for i in group]))
+    reqs, ids = decode_requests(spec, max_bs, args.context)
+    prefill_to_context(m, spec, reqs, ids, args.context, chunk)
     torch.cuda.synchronize()
 
     rows = []
     for bs in sizes:
-        step = StepInput(
-            tuple(
-                RequestInput(
-                    slot=i,
-                    block_table=reqs[i][1],
-                    prompt_len=args.context,
-                    start=args.context,
-                    chunk_len=1,
-                    phase="decode",
-                )
-                for i in range(bs)
-            ),
-            running_bs=bs,
-            running_tokens=bs,
-            block_table_width=m.table_width,
-        )
-        plan = plan_step(step, spec)
-        tok = np.array([ids[i][args.context] for i in range(bs)])
+        plan, tok = decode_step(m, spec, reqs, ids, args.context, bs)
         # both paths run the step from the same pool state: the device bytes and the host
         # mirror of the cursors, which prepare reads instead of the device
         snap, mirror = m.pools.backing.clone(), m.pools.cursor_host.copy()

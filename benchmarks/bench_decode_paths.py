@@ -31,14 +31,22 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import ceilings_line, measure_ceilings
-from medium_model import load_spec, pool_row_bytes, step_floor, time_device, time_host
+from medium_model import (
+    decode_requests,
+    decode_step,
+    load_spec,
+    pool_row_bytes,
+    prefill_to_context,
+    step_floor,
+    time_device,
+    time_host,
+)
 from report_io import write_report
 
 VARIANTS = {
@@ -82,7 +90,6 @@ def _kernels(fn) -> int:
 
 def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
     """Rows of one variant (see the module doc); fills ``ref_logits`` for the reference."""
-    from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.graphs import CudaGraphs, capture_buckets
     from v41plan.runtime.kernels import torch_ref
     from v41plan.runtime.paged_model import RuntimeModel
@@ -115,57 +122,15 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
     runner.capture()
     capture_s = time.perf_counter() - t0
 
-    rng = np.random.default_rng(0)
-    reqs = [(i, tuple(range(i * need, (i + 1) * need))) for i in range(max_bs)]
-    ids = [rng.integers(0, 256, args.context + 4) for _ in range(max_bs)]
-    per_fwd = max(1, chunk // args.context)
+    reqs, ids = decode_requests(spec, max_bs, args.context)
     t0 = time.perf_counter()
-    for lo in range(0, max_bs, per_fwd):  # prefill every request to the context (eager)
-        group = range(lo, min(max_bs, lo + per_fwd))
-        for i in group:
-            m.pools.reset_slot(i)
-        plan = plan_step(
-            StepInput(
-                tuple(
-                    RequestInput(
-                        slot=i,
-                        block_table=reqs[i][1],
-                        prompt_len=args.context,
-                        start=0,
-                        chunk_len=args.context,
-                        phase="prefill",
-                        fresh_slot=True,
-                    )
-                    for i in group
-                )
-            ),
-            spec,
-            decoder_replay=True,
-        )
-        m.forward(plan, np.concatenate([ids[i][: args.context] for i in group]))
+    prefill_to_context(m, spec, reqs, ids, args.context, chunk)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
 
     rows = []
     for bs in sizes:
-        step = StepInput(
-            tuple(
-                RequestInput(
-                    slot=i,
-                    block_table=reqs[i][1],
-                    prompt_len=args.context,
-                    start=args.context,
-                    chunk_len=1,
-                    phase="decode",
-                )
-                for i in range(bs)
-            ),
-            running_bs=bs,
-            running_tokens=bs,
-            block_table_width=m.table_width,
-        )
-        plan = plan_step(step, spec)
-        tok = np.array([ids[i][args.context] for i in range(bs)])
+        plan, tok = decode_step(m, spec, reqs, ids, args.context, bs)
         snap, mirror = m.pools.backing.clone(), m.pools.cursor_host.copy()
 
         def restore(snap=snap, mirror=mirror):

@@ -95,6 +95,66 @@ def time_device(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(ts)
 
 
+def decode_requests(spec, max_bs: int, context: int, seed: int = 0):
+    """``(block tables, token ids)`` of ``max_bs`` requests of ``context`` tokens (plus a few to
+    decode): request ``i`` holds slot ``i`` and its own run of PAGEs."""
+    import numpy as np
+
+    need = -(-(context + 8) // spec.replay.hash_block_tokens)
+    rng = np.random.default_rng(seed)
+    tables = [tuple(range(i * need, (i + 1) * need)) for i in range(max_bs)]
+    return tables, [rng.integers(0, 256, context + 4) for _ in range(max_bs)]
+
+
+def prefill_to_context(m, spec, tables, ids, context: int, chunk: int = 8192) -> None:
+    """Prefill every request fresh to ``context`` tokens, eagerly, ``chunk // context``
+    requests a forward (decoder replay on)."""
+    import numpy as np
+
+    from v41plan.planner.step import RequestInput, StepInput, plan_step
+
+    per_fwd = max(1, chunk // context)
+    for lo in range(0, len(tables), per_fwd):
+        group = range(lo, min(len(tables), lo + per_fwd))
+        for i in group:
+            m.pools.reset_slot(i)
+        reqs = tuple(
+            RequestInput(
+                slot=i,
+                block_table=tables[i],
+                prompt_len=context,
+                start=0,
+                chunk_len=context,
+                phase="prefill",
+                fresh_slot=True,
+            )
+            for i in group
+        )
+        plan = plan_step(StepInput(reqs), spec, decoder_replay=True)
+        m.forward(plan, np.concatenate([ids[i][:context] for i in group]))
+
+
+def decode_step(m, spec, tables, ids, context: int, bs: int):
+    """``(plan, token ids)`` of one decode step of the first ``bs`` requests at ``context``."""
+    import numpy as np
+
+    from v41plan.planner.step import RequestInput, StepInput, plan_step
+
+    reqs = tuple(
+        RequestInput(
+            slot=i,
+            block_table=tables[i],
+            prompt_len=context,
+            start=context,
+            chunk_len=1,
+            phase="decode",
+        )
+        for i in range(bs)
+    )
+    si = StepInput(reqs, running_bs=bs, running_tokens=bs, block_table_width=m.table_width)
+    return plan_step(si, spec), np.array([ids[i][context] for i in range(bs)])
+
+
 # ---- floors ------------------------------------------------------------------------------------
 _ATTN = ("attn.wq_a", "attn.q_norm", "attn.wq_b", "attn.wo_a", "attn.wo_b", "attn.attn_sink")
 _ATTN += ("attn.indexer.wq_b", "attn.indexer.weights_proj")

@@ -79,3 +79,36 @@ def test_the_readme_tables_are_the_committed_json_recomputed():
     import readme_floor_tables
 
     assert readme_floor_tables.main(["--check", str(ROOT / "README.md")]) == 0
+
+
+def test_decode_benchmarks_setup_runs_a_real_step():
+    """``decode_requests`` / ``prefill_to_context`` / ``decode_step`` (the decode benchmarks'
+    setup) on tiny in float64: the batched decode step after the grouped prefills gives, request
+    by request, the logits of that request prefilled (decoder replay on, as the benchmarks run
+    it) and decoded alone."""
+    from tests.runtime.paged_helpers import runtime
+    from v41plan.planner.step import RequestInput, StepInput, plan_step
+
+    spec = model("tiny")[0]
+    context, bs = 40, 3
+    tables, ids = mm.decode_requests(spec, bs, context)
+    m = runtime("tiny", "bf16", "fp8", num_pages=bs * len(tables[0]) + 8, table_width=4)
+    mm.prefill_to_context(m, spec, tables, ids, context, chunk=2 * context)
+    plan, tok = mm.decode_step(m, spec, tables, ids, context, bs)
+    assert plan.scheduled_tokens == bs and list(tok) == [ids[i][context] for i in range(bs)]
+    got = m.forward(plan, tok).logits
+    for i in range(bs):
+        one = runtime("tiny", "bf16", "fp8", num_pages=8, table_width=4)
+        table = tuple(range(len(tables[i])))
+        one.reset_slot(0)
+        first = RequestInput(
+            slot=0, block_table=table, prompt_len=context, start=0, chunk_len=context,
+            phase="prefill", fresh_slot=True,
+        )  # fmt: skip
+        one.forward(plan_step(StepInput((first,)), spec, decoder_replay=True), ids[i][:context])
+        dec = RequestInput(
+            slot=0, block_table=table, prompt_len=context, start=context, chunk_len=1,
+            phase="decode",
+        )  # fmt: skip
+        want = one.forward(plan_step(StepInput((dec,)), spec), ids[i][context : context + 1])
+        assert torch.allclose(got[i], want.logits[0], rtol=1e-9, atol=1e-9), i
