@@ -212,6 +212,12 @@ def test_tp2_matches_world_size_1_with_fp4_planes(tiny_checkpoint, tmp_path):
     _check(res, 2)
 
 
+def test_tp2_grouped_moe_matches_the_dense_world_size_1(tiny_checkpoint, tmp_path):
+    """The grouped MoE (selected experts only) sharded over two ranks, whole experts and
+    sliced intermediates, against the dense-over-experts model on one rank."""
+    _check(_launch(2, tiny_checkpoint, tmp_path / "tp2_grouped.json", "--moe", "grouped"), 2)
+
+
 @pytest.mark.slow
 def test_tp4_matches_world_size_1_in_both_expert_arrangements(tiny_checkpoint, tmp_path):
     _check(_launch(4, tiny_checkpoint, tmp_path / "tp4.json"), 4)

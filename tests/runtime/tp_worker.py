@@ -129,8 +129,9 @@ def run(model: RuntimeModel) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(logits), torch.cat(sels)
 
 
-def build(spec, ckpt, weights, tp: TPGroup, args) -> RuntimeModel:
-    """A runtime model over ``weights`` (the full set or this rank's shard)."""
+def build(spec, ckpt, weights, tp: TPGroup, args, moe: str | None = None) -> RuntimeModel:
+    """A runtime model over ``weights`` (the full set or this rank's shard); ``moe`` defaults
+    to ``--moe``."""
     return RuntimeModel(
         spec,
         weights,
@@ -145,6 +146,7 @@ def build(spec, ckpt, weights, tp: TPGroup, args) -> RuntimeModel:
         dtype=DTYPE,
         cfg=ckpt.config,
         tp=tp,
+        moe=moe or args.moe,
     )
 
 
@@ -161,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-cache-dtype", default="fp8")
     ap.add_argument("--no-quant", action="store_true", help="activation/cache quantizers off")
     ap.add_argument("--engine", action="store_true", help="also compare engine generations")
+    ap.add_argument(
+        "--moe", default="dense", choices=["dense", "grouped"],
+        help="the sharded models' MoE (the world-size-1 base is always the dense reference)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     set_fake_quant(not args.no_quant)
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = load_cache_spec_unchecked(args.spec)
     ckpt = load_checkpoint(args.checkpoint, spec, dtype=DTYPE)
     result: dict = {"world_size": tp.size, "quant": not args.no_quant, "arrangements": {}}
-    base = run(build(spec, ckpt, ckpt.weights, SINGLE, args)) if tp.rank == 0 else None
+    base = run(build(spec, ckpt, ckpt.weights, SINGLE, args, "dense")) if tp.rank == 0 else None
     for arr in args.arrangements.split(","):
         shard = shard_weights(ckpt.weights, ckpt.config, tp, expert_parallel=(arr == "ep"))
         logits, sels = run(build(spec, ckpt, shard, tp, args))
