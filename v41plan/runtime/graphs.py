@@ -415,6 +415,8 @@ class CudaGraphs:
                 captured(f"layer {L} post[t={t}]", lambda L=L, p=p: m.layer_post(L, inputs, fr, p))
         out = captured(f"head[t={t}]", lambda: m.head_rows(inputs, fr.X, fr.pre))
         self.pieces[inputs.key] = {
+            "frame": fr,
+            "captured_memo": frozenset(fr.memo),
             "graphs": graphs,
             "frames": frames,
             "pieces": pieces,
@@ -451,6 +453,10 @@ class CudaGraphs:
         m = self.model
         c = self.pieces[inputs.key]
         graphs = iter(c["graphs"])
+        # the frame's memo entries the eager attention made last step are of last step's inputs
+        memo = c["frame"].memo  # (the layers' frame copies share it)
+        for k in [k for k in memo if k not in c["captured_memo"]]:
+            del memo[k]
         next(graphs).replay()  # embedding and addressing
         self.stats["replays"] += 1
         cand, sel = None, {}

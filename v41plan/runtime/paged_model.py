@@ -279,10 +279,24 @@ class Frame:
     pages: torch.Tensor
     kv: torch.Tensor
     """This stage's window-KV rows of the current layer ``[n, d]``."""
+    memo: dict = field(default_factory=dict)
+    """What every layer of the stage would compute alike from the step's inputs (frame rows
+    of a row set, RoPE tables, per-row window bounds), computed by the first layer that asks:
+    a layer then launches only its own work. Keys name the inputs (tensors by ``id``: each is
+    held by the step's inputs or by this dict for the frame's life)."""
 
     def local(self, flat: torch.Tensor | None) -> torch.Tensor | None:
         """Frame rows of flat rows (``ALL`` stays ``ALL``)."""
-        return flat if flat is None or self.full else self.loc[flat]
+        if flat is None or self.full:
+            return flat
+        return self.once(("local", id(flat)), lambda: self.loc[flat])
+
+    def once(self, key, fn):
+        """``fn()``, computed once per frame for ``key``."""
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = fn()
+        return value
 
 
 @dataclass
@@ -452,6 +466,8 @@ class RuntimeModel:
         ``run()``); None: the host half stages every row's table rows in ``prepare``."""
         self._engram_ids: torch.Tensor | None = None
         self._arange = torch.arange(max(max_tokens, max_bs), device=self.device)
+        self._no_rows = self._arange[:0]
+        """The empty row set (one tensor: frame memo keys name row sets by ``id``)."""
         self.workspace = {
             "decode": Workspace(self.device, self._decode_capacity(), growable=False),
             "step": Workspace(self.device, 0, growable=True),
@@ -914,7 +930,7 @@ class RuntimeModel:
         """Frame rows of a sub-step: ``ALL``, an index tensor, or an empty index tensor."""
         rows = si.rows.get((L, sub))
         if rows is NO_ROWS:
-            return self._arange[:0]
+            return self._no_rows
         return fr.local(rows)
 
     def layer_pre(self, L: int, si: StepInputs, fr: Frame) -> Pieces | None:
@@ -926,7 +942,7 @@ class RuntimeModel:
         n = fr.X.shape[0]
         at = self._row_set(si, fr, L, "attention")
         rw = self._row_set(si, fr, L, "ring_write")
-        cp = self._row_set(si, fr, L, "compress") if info.role == "full" else self._arange[:0]
+        cp = self._row_set(si, fr, L, "compress") if info.role == "full" else self._no_rows
         ff = self._row_set(si, fr, L, "ffn")
         n_rw, n_cp = _count(rw, n), _count(cp, n)
         need = cp if n_cp >= n_rw else rw
@@ -936,9 +952,10 @@ class RuntimeModel:
         if need is None:  # local rows of each set within ``need``: the identity
             l_rw, l_cp, l_at, l_ff = rw, cp, at, ff
         else:
-            loc = torch.full((n,), -1, dtype=torch.long, device=self.device)
-            loc[need] = self._arange[:n_need]
-            l_rw, l_cp, l_at, l_ff = (None if s is None else loc[s] for s in (rw, cp, at, ff))
+            l_rw, l_cp, l_at, l_ff = fr.once(
+                ("within", *(None if x is None else id(x) for x in (need, rw, cp, at, ff))),
+                lambda: self._within(n, need, n_need, (rw, cp, at, ff)),
+            )
         if info.engram and (si.engram_codes or si.engram_row0 is not None):
             li = cfg.engram_layer_ids.index(L)
             flat = need if fr.full else _take(fr.rows, need)
@@ -959,7 +976,10 @@ class RuntimeModel:
             Xn, _take(fr.pre, need), self.hc_attn[L], self.attn_norm[L],
             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps,
         )  # fmt: skip
-        cos, sin = att.rope.cos_sin(_take(fr.pos, need), self.dtype)
+        cos, sin = fr.once(
+            ("rope", info.ratio > 0, None if need is None else id(need)),
+            lambda: att.rope.cos_sin(_take(fr.pos, need), self.dtype),
+        )  # every layer of a RoPE kind has the same table
         kv = att.window_kv(_take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
         if rw is None:
             fr.kv = kv
@@ -987,7 +1007,10 @@ class RuntimeModel:
         n = fr.X.shape[0]
         ring = pools.ring(L)
         rw = p.rw
-        ring_from = self._ring_write_from(info, si, fr.b, fr.bid)
+        ring_from = fr.once(
+            ("ring_from", info.segment == "decoder"),
+            lambda: self._ring_write_from(info, si, fr.b, fr.bid),
+        )
         if si.decode:  # decode: write the ring row first, then read the window from the ring
             kb.ring_write(
                 ring,
@@ -1149,6 +1172,31 @@ class RuntimeModel:
             self.index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page
         )
 
+    def _within(self, n: int, need: torch.Tensor, n_need: int, sets) -> tuple:
+        """Each row set's rows within ``need`` (frame rows -> rows of ``need``)."""
+        loc = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        loc[need] = self._arange[:n_need]
+        return tuple(None if s is None else loc[s] for s in sets)
+
+    def _window_bounds(self, si: StepInputs, fr: Frame, at, decoder: bool) -> tuple:
+        """Per query row ``at`` (frame rows): ``(position, batch id, flat row, window_lo,
+        ring_until)``: the window ``[max(window_lo, pos - W + 1), pos]``, read from the ring
+        below ``ring_until`` and from this forward's rows above."""
+        pa, ba, bida = _take(fr.pos, at), _take(fr.b, at), _take(fr.bid, at)
+        flat = at if fr.full else _take(fr.rows, at)
+        pr = si.per_request
+        if si.decode:
+            return pa, bida, flat, torch.zeros_like(pa), pa + 1
+        fs = pr["forward_start"][ba]
+        scu = pr["swa_cached_until"][ba]
+        floor = pr["swa_replay_start"][ba] if decoder else pr["encoder_window_floor"][ba]
+        above = pa >= scu
+        ring_until = torch.where(above, scu, fs)
+        window_lo = torch.where(above, floor, torch.maximum(floor, fs))
+        if decoder:  # a replayed tail reads only its own rows
+            ring_until = torch.where(pr["tail_start"][ba] >= 0, fs, ring_until)
+        return pa, bida, flat, window_lo, ring_until
+
     def _attention(self, L, si: StepInputs, fr: Frame, p: Pieces, cand, sel):
         """Index selection and sparse attention of the query rows ``p.at`` (frame rows) into
         ``p.o``; selections and the candidate mask are kept by flat row."""
@@ -1157,25 +1205,11 @@ class RuntimeModel:
         W = cfg.sliding_window
         t = si.t
         at = p.at
-        pa, ba, bida = _take(fr.pos, at), _take(fr.b, at), _take(fr.bid, at)
-        flat = at if fr.full else _take(fr.rows, at)
-        pr = si.per_request
-        if si.decode:
-            window_lo = torch.zeros_like(pa)
-            ring_until = pa + 1
-        else:
-            fs = pr["forward_start"][ba]
-            scu = pr["swa_cached_until"][ba]
-            floor = (
-                pr["swa_replay_start"][ba]
-                if info.segment == "decoder"
-                else pr["encoder_window_floor"][ba]
-            )
-            above = pa >= scu
-            ring_until = torch.where(above, scu, fs)
-            window_lo = torch.where(above, floor, torch.maximum(floor, fs))
-            if info.segment == "decoder":  # a replayed tail reads only its own rows
-                ring_until = torch.where(pr["tail_start"][ba] >= 0, fs, ring_until)
+        key = None if at is None else id(at)
+        pa, bida, flat, window_lo, ring_until = fr.once(
+            ("window", key, info.segment == "decoder"),
+            lambda: self._window_bounds(si, fr, at, info.segment == "decoder"),
+        )
         plane = ids = pages = None
         rows_per_page = 0
         if info.ratio > 0:
@@ -1184,7 +1218,7 @@ class RuntimeModel:
             if si.index_pages is not None:
                 pages = pages[:, : si.index_pages[info.ratio]]
             if info.role in ("full", "reindex"):
-                bound = (pa + 1) // info.ratio
+                bound = fr.once(("bound", key, info.ratio), lambda: (pa + 1) // info.ratio)
                 planes = self.index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
                     ids, cmask = tp_score_candidates_topk(
