@@ -224,3 +224,18 @@ def test_random_weights_amplify_op_differences():
         res.append(m.forward(step(spec, [(0, range(3), 40, 0, 40, "prefill", True)]), ids).logits)
     rel = float((res[1] - res[0]).norm() / res[0].norm())
     assert rel > 1e-2, rel
+
+
+def test_decode_op_census_counts_every_layer():
+    """``scripts/decode_op_census.py``: one sparse attention and one ring write a layer, the
+    mHC sites as fused calls, and the remaining operations attributed to their sources."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import decode_op_census
+
+    r = decode_op_census.census("tiny", "dense")
+    f = r["fused_calls_per_layer"]
+    assert f["sparse_attention"] == 1 and f["ring_write"] == 1 and f["mhc_site"] == 1
+    assert {"rope", "norm", "router", "moe", "linear"} <= set(r["groups"])
+    assert r["other_ops_per_layer"] == pytest.approx(
+        sum(g["per_layer"] for g in r["groups"].values())
+    )
