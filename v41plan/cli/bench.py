@@ -26,6 +26,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_decode.py",
         "decode step eager vs FULL graph at batch 1/8/64 on MEDIUM (CUDA)",
     ),
+    "decode_paths": (
+        "bench_decode_paths.py",
+        "decode step per kernel path (reference ... resident weights) on MEDIUM (CUDA)",
+    ),
     "prefill": ("bench_prefill.py", "8K-token prefill, decoder replay on vs off, on MEDIUM (CUDA)"),
     "serve": (
         "bench_serve.py",
