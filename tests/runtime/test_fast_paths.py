@@ -87,13 +87,14 @@ def test_resident_weights_on_cpu_run_the_dequantised_arithmetic():
 
 def test_auto_kernel_choices():
     o = EngineOptions()
+    eager = {"compilation_level": 0, "compile_backend": None}
     assert resolve_kernels(o, "cpu") == {
         "kernel_backend": "torch", "dense_kernels": "torch", "moe_impl": "dense",
-        "resident_weights": False,
+        "resident_weights": False, **eager,
     }  # fmt: skip
     fast = {
         "kernel_backend": "triton", "dense_kernels": "triton", "moe_impl": "grouped",
-        "resident_weights": True,
+        "resident_weights": True, **eager,
     }  # fmt: skip
     assert resolve_kernels(EngineOptions(dtype="bfloat16"), "cuda") == fast
     assert resolve_kernels(o, "cuda") == fast  # float32 too
@@ -102,10 +103,22 @@ def test_auto_kernel_choices():
     mixed = EngineOptions(moe_impl="dense", kernel_backend="torch")
     assert resolve_kernels(mixed, "cuda") == {
         "kernel_backend": "torch", "dense_kernels": "triton", "moe_impl": "dense",
-        "resident_weights": False,
+        "resident_weights": False, **eager,
     }  # fmt: skip
     off = EngineOptions(resident_weights=False)
     assert resolve_kernels(off, "cuda")["resident_weights"] is False
+    # level 3 is the default under CUDA graphs (float64 stays eager), level 0 under eager
+    graphs = {"enforce_eager": False, "cudagraph_mode": "FULL"}
+    compiled = {"compilation_level": 3, "compile_backend": "inductor"}
+    for mode in ("FULL", "PIECEWISE"):
+        g = EngineOptions(enforce_eager=False, cudagraph_mode=mode)
+        assert resolve_kernels(g, "cuda") == {**fast, **compiled}
+    assert resolve_kernels(EngineOptions(**graphs, dtype="float64"), "cuda") == {
+        **resolve_kernels(o, "cpu")
+    }
+    assert resolve_kernels(EngineOptions(**graphs, compilation_level=0), "cuda") == fast
+    forced = EngineOptions(compilation_level=3, compile_backend="aot_eager")
+    assert resolve_kernels(forced, "cpu")["compile_backend"] == "aot_eager"
 
 
 @pytest.mark.parametrize(
@@ -140,6 +153,7 @@ def test_engine_grouped_moe_tokens_equal_dense():
         llm = LLM(spec, None, device="cpu", dtype="float64", moe_impl=moe, max_num_seqs=2)
         assert llm.runner.kernels["moe_impl"] == ("dense" if moe == "auto" else "grouped")
         toks.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+    assert [len(t) for t in toks[0]] == [6, 6]
     assert toks[0] == toks[1]
 
 

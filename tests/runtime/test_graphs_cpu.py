@@ -253,15 +253,12 @@ def test_eager_options_and_cpu_models_build_no_graphs():
     "opts,msg",
     [
         ({"cudagraph_mode": "FULL"}, "enforce_eager=False"),
-        (
-            {"enforce_eager": False, "cudagraph_mode": "PIECEWISE", "compilation_level": 3},
-            "FULL graphs or eager",
-        ),
+        ({"compile_backend": "tvm"}, "accepted: inductor, aot_eager, eager"),
         (
             {"enforce_eager": False, "cudagraph_mode": "SOMETIMES"},
             "accepted: NONE, FULL, PIECEWISE",
         ),
-        ({"compilation_level": 2}, "accepted: 0, 3"),
+        ({"compilation_level": 2}, "accepted: 0, 3, None"),
     ],
 )
 def test_admission_refuses_graph_combinations_before_loading(opts, msg):
@@ -272,6 +269,7 @@ def test_admission_refuses_graph_combinations_before_loading(opts, msg):
         {"enforce_eager": False, "cudagraph_mode": "FULL", "compilation_level": 3},
         {"compilation_level": 3},
         {"enforce_eager": False, "cudagraph_mode": "PIECEWISE"},
+        {"enforce_eager": False, "cudagraph_mode": "PIECEWISE", "compilation_level": 3},
     ):
         check_options(ok, spec)
 

@@ -394,15 +394,29 @@ def test_prompt_logprobs_independent_of_chunking():
 def test_bad_requests_fail_alone():
     llm = fake_llm(max_model_len=200)
     outs = llm.generate(
-        [prompt(30), [1, 2, 999], prompt(250), prompt(20), []],
-        [GREEDY, GREEDY, GREEDY, SamplingParams(temperature=-1.0), GREEDY],
+        [prompt(30), [1, 2, 999], prompt(250), prompt(20), [], [1, 2.0, 3], [True, 2]],
+        [GREEDY, GREEDY, GREEDY, SamplingParams(temperature=-1.0), GREEDY, GREEDY, GREEDY],
     )
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 6
     assert "999" in outs[1].error
     assert "max_model_len" in outs[2].error
     assert "temperature" in outs[3].error
     assert "empty" in outs[4].error
+    assert "2.0 is not an integer" in outs[5].error
+    assert "True is not an integer" in outs[6].error
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
+
+
+def test_numpy_integer_prompts_are_admitted():
+    """Token ids as numpy integers (an array's elements) run as the same Python ints."""
+    import numpy as np
+
+    llm = fake_llm()
+    ids = prompt(30)
+    a, b = llm.generate([ids, list(np.asarray(ids, dtype=np.int64))], [GREEDY, GREEDY])
+    assert a.error is None and b.error is None
+    assert len(a.outputs[0].token_ids) == 6 and a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert all(type(t) is int for t in b.prompt_token_ids)
 
 
 def test_penalties_fail_alone_and_logprobs_are_served():

@@ -472,11 +472,15 @@ class Attention:
     # output
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE at the query positions, grouped ``wo_a`` (no activation quant), ``wo_b``."""
+        return self.tp.all_reduce(self.output_local(o, cos, sin))
+
+    def output_local(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``output`` before its all-reduce: this rank's partial sum (all of it on one rank)."""
         o = apply_rope(o, cos, sin, inverse=True)
         n, G = o.shape[0], self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's groups
         o = o.reshape(n, G, -1)
         z = torch.einsum("ngk,grk->ngr", o, self.wo_a.reshape(G, self.cfg.o_lora_rank, -1))
-        return self.tp.all_reduce(self.wo_b(z.reshape(n, -1)))
+        return self.wo_b(z.reshape(n, -1))
 
 
 # --- MoE ----------------------------------------------------------------------------------
@@ -572,6 +576,15 @@ class MoE:
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output ``[N, D]`` in dtype, selected expert ids ``[N, k]``)."""
+        y, ids = self.local(x, forced_ids)
+        # one reduction per layer: routed + shared partials, in acc, rounded after the sum
+        return self.tp.all_reduce(y).to(self.dtype), ids
+
+    def local(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's routed + shared partial ``[N, D]`` in ``acc``, expert ids ``[N, k]``):
+        ``__call__`` before its all-reduce."""
         a = acc_dtype(self.dtype)
         weights, ids = self.route(x, forced_ids)
         if self.expert_count != weights.shape[1]:
@@ -583,8 +596,7 @@ class MoE:
         act = (self._swiglu(h1, h3) * weights.T[:, :, None].to(a)).to(self.dtype)
         y = torch.einsum("eni,edi->end", q8(act, 32), self.w2).to(a).sum(0)
         shared = self.s2(self._swiglu(self.s1(xq), self.s3(xq)).to(self.dtype))
-        # one reduction per layer: routed + shared partials, in acc, rounded after the sum
-        return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids
+        return y + shared.to(a), ids
 
 
 # --- Engram (device half of the arithmetic) -----------------------------------------------

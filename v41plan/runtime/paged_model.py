@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 from v41plan.model import quant
@@ -47,12 +46,10 @@ from v41plan.model.layers import (
     Linear,
     MoE,
     acc_dtype,
-    apply_rope,
-    hc_collapse,
-    rms_norm,
 )
-from v41plan.model.quant import QuantWeight, dequant_fp8_blocks
+from v41plan.model.quant import QuantWeight, fake_fp8
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
+from v41plan.runtime.compiled import DensePieces
 from v41plan.runtime.engram_device import DEVICE_TABLE_BYTES, DeviceEngram, table_bytes
 from v41plan.runtime.kernels.torch_ref import TorchBackend
 from v41plan.runtime.pools import Pools
@@ -392,6 +389,7 @@ class RuntimeModel:
         engram_on_device: bool | None = None,
         dense: str = "torch",
         moe: str = "dense",
+        compile_backend: str | None = None,
     ):
         check_formats(kv_cache_dtype, index_cache_dtype)
         if dense not in DENSE_IMPLS:
@@ -420,7 +418,12 @@ class RuntimeModel:
         self.moe_impl = moe
         self.resident = resident
         """Whether the FP8 linears and FP4 experts are kept as published (``QuantWeight``)."""
-        kernels = LayerKernels(self.dense.fake_fp8, _linear_factory(self.dense.fake_fp8))
+        self.pieces = DensePieces(compile_backend)
+        """The dense pieces between the backend ops: the layers' methods (eager), or the same
+        under ``torch.compile`` (``compile_backend``: ``compilation_level=3``)."""
+        # inside a compiled region the reference quantizer compiles into the kernels around it
+        q8 = fake_fp8 if compile_backend is not None else self.dense.fake_fp8
+        kernels = LayerKernels(q8, _linear_factory(q8))
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]
@@ -440,8 +443,8 @@ class RuntimeModel:
             if moe == "grouped":
                 from v41plan.runtime.resident import GroupedMoE
 
-                q8 = self.dense.fake_fp8
-                self.moe.append(GroupedMoE(cfg, w, p, dtype, tp=tp, quantizer=q8))
+                q8g = self.dense.fake_fp8  # its permutation stays eager
+                self.moe.append(GroupedMoE(cfg, w, p, dtype, tp=tp, quantizer=q8g))
             else:
                 self.moe.append(MoE(cfg, w, p, dtype, tp=tp, kernels=kernels))
             self.hc_attn.append(
@@ -963,9 +966,9 @@ class RuntimeModel:
                 codes, scales = self.engram_device.gather(li, _take(self._engram_ids[:, li], flat))
             else:
                 codes, scales = _take(si.engram_codes[li], flat), _take(si.engram_scales[li], flat)
-            codes, scales = codes.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
-            emb = dequant_fp8_blocks(codes, scales, self.dtype)
-            new = self.engram_layers[L](_take(fr.X, need), emb)
+            new = self.pieces.engram(
+                self.engram_layers[L], _take(fr.X, need), codes, scales, self.dtype
+            )
             if need is None:
                 fr.X = new
             else:
@@ -978,9 +981,9 @@ class RuntimeModel:
         )  # fmt: skip
         cos, sin = fr.once(
             ("rope", info.ratio > 0, None if need is None else id(need)),
-            lambda: att.rope.cos_sin(_take(fr.pos, need), self.dtype),
+            lambda: self.pieces.cos_sin(att.rope, _take(fr.pos, need), self.dtype),
         )  # every layer of a RoPE kind has the same table
-        kv = att.window_kv(_take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
+        kv = self.pieces.window_kv(att, _take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
         if rw is None:
             fr.kv = kv
         else:
@@ -990,13 +993,11 @@ class RuntimeModel:
         if _count(at, n):
             x = _take(xin, l_at)
             c, s = _take(cos, l_at), _take(sin, l_at)
-            p.q, qr = att.q_path(x, c, s)
-            if info.ratio > 0 and info.role in ("full", "reindex"):
-                p.qi = apply_rope(att.idx_wq_b(qr).reshape(x.shape[0], att.nih, att.ihd), c, s)
-                p.wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
+            index = info.ratio > 0 and info.role in ("full", "reindex")
+            p.q, p.qi, p.wts = self.pieces.query(att, x, c, s, index)
             p.o = torch.empty_like(p.q)
         if info.role == "full" and _count(cp, n):
-            p.v, p.g = att.compress_project(_take(xin, l_cp))
+            p.v, p.g = self.pieces.compress_project(att, _take(xin, l_cp))
         return p
 
     def layer_attention(self, L, si: StepInputs, fr: Frame, p: Pieces, cand, sel) -> torch.Tensor:
@@ -1044,7 +1045,8 @@ class RuntimeModel:
         eps = cfg.rms_norm_eps
         at, ff = p.at, p.ff
         l_at, l_ff = p.extra["l_at"], p.extra["l_ff"]
-        y = self.attn[L].output(p.o, _take(p.cos, l_at), _take(p.sin, l_at))
+        att = self.attn[L]
+        y = att.tp.all_reduce(self.pieces.output(att, p.o, _take(p.cos, l_at), _take(p.sin, l_at)))
         site = (self.hc_ffn[L], self.ffn_norm[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         if at is None and ff is None and p.need is None:
             # every row runs both sublayers (decode, replay off): the expand and the FFN site in
@@ -1069,7 +1071,7 @@ class RuntimeModel:
         forced = self.forced_experts.get(L)
         if forced is not None:
             forced = _take(forced.to(self.device), flat_ff)
-        yf, ids = self.moe[L](xf, forced)
+        yf, ids = self.pieces.moe(self.moe[L], xf, forced)
         self._routed[L] = (flat_ff, ids)
         new = self.dense.hc_expand(yf, Xf, f_post, f_C)
         if ff is None:
@@ -1084,13 +1086,12 @@ class RuntimeModel:
         eps = self.cfg.rms_norm_eps
         last = si.per_request["last_rows"]
         lr = last.clamp(min=0)
-        x = rms_norm(hc_collapse(X[lr], pre[lr]), self.norm, eps)
-        logits = F.linear(x.to(self.acc), self.head) * (last >= 0).unsqueeze(1)
+        logits = self.pieces.head(X[lr], pre[lr], self.norm, self.head, eps)
+        logits = logits * (last >= 0).unsqueeze(1)
         logits = logits.masked_fill(si.last_undefined.unsqueeze(1), float("nan"))
         row_logits = None
         if si.all_row_logits:
-            xa = rms_norm(hc_collapse(X, pre), self.norm, eps)
-            row_logits = F.linear(xa.to(self.acc), self.head)
+            row_logits = self.pieces.head(X, pre, self.norm, self.head, eps)
             if si.undefined_rows is not None:
                 # Under decoder replay only the rows of requests that ran every layer (decode or
                 # a full-rows scoring request) are defined; the rest read as NaN.

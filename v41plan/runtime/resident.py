@@ -74,7 +74,10 @@ class ResidentLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, out]`` in ``dtype``."""
         if self.impl == "triton":
-            from v41plan.runtime.kernels.triton_gemm import w8a8_linear
+            if torch.compiler.is_compiling():  # inside a compiled region: the opaque custom op
+                from v41plan.runtime.kernels.ops import w8a8_linear
+            else:
+                from v41plan.runtime.kernels.triton_gemm import w8a8_linear
 
             return w8a8_linear(x, self.weight.codes, self.weight.scales, self.dtype)
         if self.act_quant:
@@ -148,8 +151,13 @@ class GroupedMoE:
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output ``[N, D]`` in dtype, selected expert ids ``[N, k]``)."""
-        a = acc_dtype(self.dtype)
         ids, wts = self.route(x, forced_ids)
+        return self.experts(x, ids, wts), ids
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """Routed + shared experts of a routing (``route``'s ids and weights), all-reduced,
+        ``[N, D]`` in dtype."""
+        a = acc_dtype(self.dtype)
         if self.impl == "triton":
             from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8
             from v41plan.runtime.kernels.triton_quant import act_quant_fp8
@@ -171,7 +179,7 @@ class GroupedMoE:
                 add=shared,
                 dot=self.dot,
             )
-            return self.tp.all_reduce(y).to(self.dtype), ids
+            return self.tp.all_reduce(y).to(self.dtype)
         xq = self.quantizer(x, 32).to(self.dtype)
         y = grouped_moe_torch(
             xq, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit, self.mm_impl,
@@ -179,4 +187,4 @@ class GroupedMoE:
         )  # fmt: skip
         shared = self.s2(swiglu(self.s1(xq), self.s3(xq), self.limit, a).to(self.dtype))
         # one reduction per layer: routed + shared partials, in acc, rounded after the sum
-        return self.tp.all_reduce(y + shared.to(a)).to(self.dtype), ids
+        return self.tp.all_reduce(y + shared.to(a)).to(self.dtype)

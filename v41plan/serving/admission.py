@@ -30,7 +30,13 @@ class EngineOptions:
     index_cache_dtype: str = "fp8"
     enforce_eager: bool = True
     cudagraph_mode: str = "NONE"
-    compilation_level: int = 0
+    compilation_level: int | None = None
+    """The dense pieces between the kernel-backend ops: 0 eager, 3 compiled with
+    ``torch.compile`` (``runtime.compiled``); None: 3 where CUDA graphs are on and the dtype is
+    not float64 (the exact validation mode stays eager), else 0."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend of level 3: ``inductor`` (generated kernels), ``aot_eager``
+    or ``eager`` (tracing only, no code generation: checks that the regions trace whole)."""
     enable_expert_parallel: bool = False
     tensor_parallel_size: int = 1
     max_num_seqs: int = 8
@@ -89,6 +95,8 @@ CUDAGRAPH_MODES = ("NONE", "FULL", "PIECEWISE")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DENSE_KERNELS = ("auto", "torch", "triton")
 MOE_IMPLS = ("auto", "dense", "grouped")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""``compile_backend``'s values (``runtime.compiled.COMPILE_BACKENDS``)."""
 _KV_TRANSFER_KEYS = {
     "local": {"kv_connector": str, "bytes": int, "path": str},
     "lmcache_mp": {"kv_connector": str, "host": str, "port": int, "timeout_s": (int, float),
@@ -192,12 +200,10 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         raise _fail("cudagraph_mode", o.cudagraph_mode, f"accepted: {', '.join(CUDAGRAPH_MODES)}")
     if mode != "NONE" and o.enforce_eager:
         raise _fail("cudagraph_mode", o.cudagraph_mode, "graph modes need enforce_eager=False")
-    if o.compilation_level not in (0, 3):
-        raise _fail("compilation_level", o.compilation_level, "accepted: 0, 3")
-    if o.compilation_level == 3 and mode == "PIECEWISE":
-        raise _fail(
-            "compilation_level", 3, "level 3 is admitted with FULL graphs or eager execution only"
-        )
+    if o.compilation_level not in (None, 0, 3):
+        raise _fail("compilation_level", o.compilation_level, "accepted: 0, 3, None (auto)")
+    if o.compile_backend not in COMPILE_BACKENDS:
+        raise _fail("compile_backend", o.compile_backend, f"accepted: {', '.join(COMPILE_BACKENDS)}")
     d = spec.dims
     tp = o.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1 or (tp != world_size and tp != 1):
@@ -331,9 +337,10 @@ def default_tensor_parallel_size(spec: CacheSpec, world_size: int, expert_parall
 
 def resolve_kernels(o: EngineOptions, device_type: str) -> dict:
     """The kernel choices ``o``'s ``auto`` values take on ``device_type`` (``cpu``/``cuda``):
-    ``{"kernel_backend", "dense_kernels", "moe_impl", "resident_weights"}``. The fast kernels
-    run on CUDA in bf16 or float32; float64 (the exact validation mode) and the CPU keep the
-    torch reference."""
+    ``{"kernel_backend", "dense_kernels", "moe_impl", "resident_weights", "compilation_level",
+    "compile_backend"}`` (the backend None at level 0). The fast kernels run on CUDA in bf16 or
+    float32; float64 (the exact validation mode) and the CPU keep the torch reference; level 3
+    is the default under CUDA graphs."""
     fast = device_type == "cuda" and o.dtype != "float64"
     backend = o.kernel_backend if o.kernel_backend != "auto" else ("triton" if fast else "torch")
     dense = o.dense_kernels if o.dense_kernels != "auto" else ("triton" if fast else "torch")
@@ -341,11 +348,17 @@ def resolve_kernels(o: EngineOptions, device_type: str) -> dict:
     resident = o.resident_weights
     if resident is None:
         resident = fast and moe == "grouped"
+    level = o.compilation_level
+    if level is None:
+        graphs = not o.enforce_eager and str(o.cudagraph_mode).split(".")[-1].upper() != "NONE"
+        level = 3 if graphs and device_type == "cuda" and o.dtype != "float64" else 0
     return {
         "kernel_backend": backend,
         "dense_kernels": dense,
         "moe_impl": moe,
         "resident_weights": bool(resident),
+        "compilation_level": level,
+        "compile_backend": o.compile_backend if level == 3 else None,
     }
 
 
@@ -381,6 +394,20 @@ def add_kernel_flags(parser) -> None:
         help="keep FP8/FP4 weights as published on the device (W8A8/W4A8 kernels; default: on "
         "where CUDA, bf16/float32 and a grouped MoE allow it)",
     )
+    parser.add_argument(
+        "--compilation-level",
+        type=int,
+        choices=(0, 3),
+        default=None,
+        help="dense pieces eager (0) or under torch.compile (3); default: 3 with CUDA graphs "
+        "unless --dtype float64, else 0",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        choices=COMPILE_BACKENDS,
+        default="inductor",
+        help="torch.compile backend of level 3 (aot_eager/eager: tracing only)",
+    )
 
 
 def kernel_options(args) -> dict:
@@ -390,4 +417,6 @@ def kernel_options(args) -> dict:
         "dense_kernels": args.dense_kernels,
         "moe_impl": args.moe_impl,
         "resident_weights": args.resident_weights,
+        "compilation_level": args.compilation_level,
+        "compile_backend": args.compile_backend,
     }

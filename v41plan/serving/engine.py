@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SeqT
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 
 from v41plan.geometry.resolve import resolve_spec
@@ -151,7 +152,10 @@ class LLM:
         """Raise ``ValueError`` naming what is wrong with a request (the admission check)."""
         if not ids:
             raise ValueError("empty prompt")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is not an integer")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside [0, {self.vocab_size})")
         params.validate(self.vocab_size)
@@ -186,6 +190,7 @@ class LLM:
             seq.finish_reason = "error"
             seq.error = str(exc)
             return seq
+        ids[:] = map(int, ids)  # numpy integers are admitted; the sequence holds Python ints
         self.scheduler.add(seq)
         return seq
 

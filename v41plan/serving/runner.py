@@ -84,6 +84,7 @@ class PagedRunner:
             dtype=dtype, device=device, cfg=ckpt.config, tp=self.tp,
             backend=_backend(self.kernels["kernel_backend"], device),
             dense=self.kernels["dense_kernels"], moe=self.kernels["moe_impl"],
+            compile_backend=self.kernels["compile_backend"],
         )  # fmt: skip
         self.kernels["resident_weights"] = self.model.resident  # as loaded
         from v41plan.runtime.graphs import build_cuda_graphs

@@ -1,0 +1,82 @@
+"""``compilation_level=3`` on the CPU: the dense pieces under ``torch.compile`` trace whole
+(``fullgraph=True``: a graph break raises), give the eager pieces' logits bit for bit with a
+backend that generates no code, and compile a bounded number of graphs however many prompt
+lengths follow. ``tests/gpu/test_compiled_gpu.py`` runs them through Inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v41plan.runtime import compiled
+from v41plan.serving import admission
+
+from .paged_helpers import model, runtime, token_ids
+from .test_fast_paths import _prefill_decode
+
+
+@pytest.mark.parametrize("moe", ["dense", "grouped"])
+def test_compiled_pieces_equal_eager_without_recompiles(moe):
+    """float64, ``aot_eager`` (dynamo + AOTAutograd, the graphs Inductor would receive): every
+    prefill and decode logit equals the eager model's; after the first two prompt lengths (a
+    static and a dynamic compile per region) new lengths compile nothing."""
+    spec = model("tiny")[0]
+    ref = runtime("tiny", "bf16", "fp8", moe=moe)
+    fast = runtime("tiny", "bf16", "fp8", moe=moe, compile_backend="aot_eager")
+    assert fast.pieces.compiled and not ref.pieces.compiled
+    counts = []
+    for n in (21, 13, 30, 17):
+        ids = token_ids(n + 1, 3)
+        ra, rb, rex = _prefill_decode(ref, spec, ids)
+        fa, fb, fex = _prefill_decode(fast, spec, ids)
+        assert torch.equal(ra, fa) and torch.equal(rb, fb), n
+        assert all(torch.equal(rex[L], fex[L]) for L in rex)
+        counts.append(fast.pieces.graphs)
+    assert counts[0] > 0
+    assert counts[1] == counts[2] == counts[3], counts  # lengths 30 and 17: no new graph
+
+
+def test_compile_backends_agree_with_admission():
+    assert admission.COMPILE_BACKENDS == compiled.COMPILE_BACKENDS
+    with pytest.raises(ValueError, match="compile backend 'tvm'"):
+        compiled.DensePieces("tvm")
+
+
+def test_w8a8_custom_op_has_a_shape_function():
+    """The resident W8A8 GEMM is opaque to the compiler: its fake implementation gives the
+    output's shape and dtype without running the kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from v41plan.runtime.kernels import ops
+
+    ops.register()
+    with FakeTensorMode():
+        x = torch.empty(5, 64, dtype=torch.bfloat16)
+        codes = torch.empty(96, 64, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(3, 2, dtype=torch.uint8)
+        y = torch.ops.v41plan.w8a8_linear(x, codes, scales, torch.bfloat16)
+    assert tuple(y.shape) == (5, 96) and y.dtype == torch.bfloat16
+
+
+def test_engine_level_3_generates_level_0_tokens():
+    """The engine with ``compilation_level=3`` (the tracing-only ``eager`` backend on the CPU)
+    generates the level-0 tokens, and reports what it compiled."""
+    from v41plan.serving.engine import LLM
+    from v41plan.serving.sampling import SamplingParams
+
+    spec = model("tiny")[0]
+    prompts = [list(token_ids(37, 7)), list(token_ids(19, 8))]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    toks = []
+    for level in (0, 3):
+        llm = LLM(
+            spec, None, device="cpu", dtype="float64", max_num_seqs=2,
+            compilation_level=level, compile_backend="eager",
+        )  # fmt: skip
+        assert llm.runner.kernels["compilation_level"] == level
+        assert llm.runner.model.pieces.compiled == (level == 3)
+        toks.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+        if level == 3:
+            assert llm.runner.model.pieces.graphs > 0
+    assert [len(t) for t in toks[0]] == [5, 5]
+    assert toks[0] == toks[1]

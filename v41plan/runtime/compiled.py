@@ -1,0 +1,160 @@
+"""``compilation_level=3``: the dense pieces of ``RuntimeModel.run`` under ``torch.compile``.
+
+``DensePieces`` holds the functions ``run()`` calls for its dense work, outside the kernel
+backend: the window-KV rows, the query and index query, the compressor projections, the output
+projection, the router and the dense-over-experts MoE, the RoPE tables, Engram injection and the
+head. Eager (``backend=None``) they are the layers' own methods, so level 0 is the reference
+arithmetic. Compiled, each is one ``torch.compile(fullgraph=True)`` region (a graph break is an
+error, not a silent fallback), and every layer of the model shares it: the functions take the
+layer object and read its weights as graph inputs, so guards match on shapes and dtypes, not on
+which layer calls.
+
+What stays outside the regions: the kernel backend's pool ops (called between them), the fused
+Triton mHC sites (one launch each already), the grouped MoE's expert product and the
+tensor-parallel all-reduces. A Triton GEMM called inside a region (the W8A8 linear over resident
+weights) goes through the custom op ``v41plan::w8a8_linear`` (``kernels.ops``), opaque to the
+compiler and capturable.
+
+Shapes: the token dimension is the only one that varies. A region compiles for the first width
+it sees, once more with that dimension dynamic at the second (``dynamic=None``, dynamo's
+automatic dynamic shapes), and once for a single row (dynamo specializes sizes 0 and 1); a new
+prompt length or capture bucket after that reuses the dynamic graph. ``graphs`` counts the
+compiles, ``compile_s`` the time the backend spent in them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from v41plan.model.layers import MoE, apply_rope, hc_collapse, rms_norm
+from v41plan.model.quant import dequant_fp8_blocks
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""``torch.compile`` backends level 3 takes: ``inductor`` (generated Triton / C++ kernels, the
+default), ``aot_eager`` and ``eager`` (tracing without code generation: what the CPU suite runs
+to prove the regions trace whole)."""
+
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-function recompile limit while the pieces compile (its default, 8, is below
+what the layer roles, forced decisions and single-row specializations can add up to)."""
+
+
+def window_kv(att, x, cos, sin):
+    """Window-KV rows ``[N, d]`` (``Attention.window_kv``)."""
+    return att.window_kv(x, cos, sin)
+
+
+def query(att, x, cos, sin, index: bool):
+    """(q ``[N, H, d]``, index query ``[N, nih, ihd]`` or None, index head weights ``[N, nih]``
+    or None): the query path and, on layers with an indexer, its query and head weights."""
+    q, qr = att.q_path(x, cos, sin)
+    if not index:
+        return q, None, None
+    qi = apply_rope(att.idx_wq_b(qr).reshape(x.shape[0], att.nih, att.ihd), cos, sin)
+    wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
+    return q, qi, wts
+
+
+def compress_project(att, x):
+    """The compressor's per-token projections (``Attention.compress_project``)."""
+    return att.compress_project(x)
+
+
+def output(att, o, cos, sin):
+    """The output projection before its all-reduce (``Attention.output_local``)."""
+    return att.output_local(o, cos, sin)
+
+
+def moe_local(moe, x, forced):
+    """A dense-over-experts MoE before its all-reduce (``MoE.local``): partial ``[N, D]`` in
+    ``acc``, expert ids."""
+    return moe.local(x, forced)
+
+
+def route(moe, x, forced):
+    """The router of a grouped MoE: (ids, weights)."""
+    return moe.route(x, forced)
+
+
+def cos_sin(rope, positions, dtype: torch.dtype):
+    """A RoPE table ``(cos, sin)`` at ``positions`` (``Rope.cos_sin``)."""
+    return rope.cos_sin(positions, dtype)
+
+
+def engram(layer, X, codes, scales, dtype: torch.dtype):
+    """Streams ``X`` with the Engram value of the gathered table rows (E4M3 codes and E8M0
+    scales, as uint8) injected."""
+    emb = dequant_fp8_blocks(
+        codes.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu), dtype
+    )
+    return layer(X, emb)
+
+
+def head(X, pre, norm, head_w, eps: float):
+    """Logits of the rows' streams: mHC collapse, final RMSNorm, the LM head (in ``head_w``'s
+    dtype)."""
+    x = rms_norm(hc_collapse(X, pre), norm, eps)
+    return F.linear(x.to(head_w.dtype), head_w)
+
+
+_PIECES = (window_kv, query, compress_project, output, moe_local, route, cos_sin, engram, head)
+
+
+class DensePieces:
+    """The dense pieces ``RuntimeModel.run`` calls, eager (``backend=None``) or compiled with
+    the ``torch.compile`` backend named (``COMPILE_BACKENDS``)."""
+
+    def __init__(self, backend: str | None = None):
+        if backend is not None and backend not in COMPILE_BACKENDS:
+            raise ValueError(
+                f"compile backend {backend!r}; accepted: {', '.join(COMPILE_BACKENDS)}"
+            )
+        self.backend = backend
+        self.graphs = 0
+        """Graphs compiled so far (every region, every shape it compiled for)."""
+        self.compile_s = 0.0
+        """Seconds the compile backend spent (dynamo's tracing not included)."""
+        for fn in _PIECES:
+            setattr(self, fn.__name__, fn if backend is None else self._compile(fn))
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the pieces run compiled."""
+        return self.backend is not None
+
+    def _compile(self, fn):
+        from torch._dynamo import lookup_backend
+
+        from v41plan.runtime.kernels import ops
+
+        ops.register()
+        _raise_recompile_limit()
+        inner = lookup_backend(self.backend)
+
+        def counted(gm, example_inputs):
+            t0 = time.perf_counter()
+            out = inner(gm, example_inputs)
+            self.graphs += 1
+            self.compile_s += time.perf_counter() - t0
+            return out
+
+        return torch.compile(fn, backend=counted, fullgraph=True, dynamic=None)
+
+    def moe(self, moe, x, forced):
+        """(MoE output ``[N, D]`` in its dtype, expert ids): the dense MoE compiled whole, a
+        grouped MoE's router compiled and its experts (the grouped product) eager."""
+        if isinstance(moe, MoE):
+            y, ids = self.moe_local(moe, x, forced)
+            return moe.tp.all_reduce(y).to(moe.dtype), ids
+        ids, wts = self.route(moe, x, forced)
+        return moe.experts(x, ids, wts), ids
+
+
+def _raise_recompile_limit() -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
+            setattr(cfg, name, RECOMPILE_LIMIT)
