@@ -203,7 +203,9 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     if o.compilation_level not in (None, 0, 3):
         raise _fail("compilation_level", o.compilation_level, "accepted: 0, 3, None (auto)")
     if o.compile_backend not in COMPILE_BACKENDS:
-        raise _fail("compile_backend", o.compile_backend, f"accepted: {', '.join(COMPILE_BACKENDS)}")
+        raise _fail(
+            "compile_backend", o.compile_backend, f"accepted: {', '.join(COMPILE_BACKENDS)}"
+        )
     d = spec.dims
     tp = o.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1 or (tp != world_size and tp != 1):
