@@ -1,7 +1,8 @@
 """Decode step by kernel path on the MEDIUM model (bf16, FULL CUDA graphs), in one process.
 
     python3 benchmarks/bench_decode_paths.py [--checkpoint DIR] [--batch-sizes 1,8,64]
-        [--variants reference,backend,dense,grouped,resident] [--out report.json]
+        [--variants reference,backend,dense,grouped,resident,dense_compiled,compiled]
+        [--out report.json]
 
 Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, in this order:
 
@@ -11,11 +12,17 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``dense``: plus the fused mHC site / expand / FP8 quantizer kernels (``TritonDense``);
 - ``grouped``: plus the grouped MoE over the selected experts only (torch ``_grouped_mm``);
 - ``resident``: plus weights kept as published (W8A8 Triton linears, W4A8 grouped MoE): the
-  engine's ``auto`` choice on CUDA.
+  engine's ``auto`` choice on CUDA under eager execution;
+- ``dense_compiled``: ``dense`` with ``compilation_level=3`` (the dense pieces, the dense MoE
+  included, under Inductor);
+- ``compiled``: ``resident`` with ``compilation_level=3``: the engine's ``auto`` choice under
+  CUDA graphs.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
-``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward;
+``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward,
+and of them the dense ones: launched outside the kernel-backend ops and the grouped MoE's
+expert product, which run inside ``record_function`` ranges here (``labelled_backend``);
 graph tokens against eager tokens (the capture is exact) and the logits against the reference
 variant's at the same step (each variant prefilled the same tokens through its own kernels, so
 the pools differ by their roundings: a stated figure, not a check). The ceilings are measured in
@@ -50,13 +57,37 @@ from medium_model import (
 from report_io import write_report
 
 VARIANTS = {
-    "reference": ("torch", "torch", "dense", False),
-    "backend": ("triton", "torch", "dense", False),
-    "dense": ("triton", "triton", "dense", False),
-    "grouped": ("triton", "triton", "grouped", False),
-    "resident": ("triton", "triton", "grouped", True),
+    "reference": ("torch", "torch", "dense", False, None),
+    "backend": ("triton", "torch", "dense", False, None),
+    "dense": ("triton", "triton", "dense", False, None),
+    "grouped": ("triton", "triton", "grouped", False, None),
+    "resident": ("triton", "triton", "grouped", True, None),
+    "dense_compiled": ("triton", "triton", "dense", False, "inductor"),
+    "compiled": ("triton", "triton", "grouped", True, "inductor"),
 }
-"""Variant name -> (kernel backend, dense kernels, MoE, resident weights)."""
+"""Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
+
+BACKEND_RANGE = "backend."
+"""Prefix of the ``record_function`` ranges around backend ops (and the grouped experts)."""
+
+
+class labelled_backend:
+    """A kernel backend whose every op runs inside a ``record_function`` range named
+    ``backend.<op>``, so a profile tells its kernels from the dense pieces'."""
+
+    def __init__(self, kb):
+        self._kb = kb
+
+    def __getattr__(self, name):
+        attr = getattr(self._kb, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            with torch.profiler.record_function(BACKEND_RANGE + name):
+                return attr(*a, **k)
+
+        return call
 
 
 def _weights(spec, checkpoint, resident: bool):
@@ -76,16 +107,33 @@ def _weights(spec, checkpoint, resident: bool):
     return ckpt.config, w, ckpt.engram_host(), ckpt.report
 
 
-def _kernels(fn) -> int:
-    """Device kernels one call of ``fn`` launches (``torch.profiler``; copies and memsets
-    apart)."""
+def _kernels(fn) -> tuple[int, int | None]:
+    """(device kernels one call of ``fn`` launches, those launched inside a ``backend.`` range)
+    (``torch.profiler``; copies and memsets apart). The second is None when the profile links
+    no kernel to the host event that launched it."""
     from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+    events = prof.events()
+    names = [e.name for e in events if e.device_type == DeviceType.CUDA]
+    total = sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+    linked = inside = 0
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        for k in getattr(e, "kernels", ()):
+            if k.name.startswith(("Memcpy", "Memset")):
+                continue
+            linked += 1
+            p = e
+            while p is not None and not p.name.startswith(BACKEND_RANGE):
+                p = p.cpu_parent
+            inside += p is not None
+    return total, (inside if linked else None)
 
 
 def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
@@ -94,7 +142,7 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
     from v41plan.runtime.kernels import torch_ref
     from v41plan.runtime.paged_model import RuntimeModel
 
-    backend, dense, moe, resident = VARIANTS[name]
+    backend, dense, moe, resident, compile_backend = VARIANTS[name]
     t0 = time.perf_counter()
     cfg, weights, engram, load_report = _weights(spec, args.checkpoint, resident)
     if backend == "triton":
@@ -112,15 +160,18 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
         index_cache_dtype=args.index_cache_dtype, num_pages=max_bs * need + 8, num_slots=max_bs,
         max_tokens=max(chunk, max_bs), max_bs=max_bs, table_width=need + 1,
         dtype=torch.bfloat16, device="cuda", cfg=cfg, backend=kb, dense=dense, moe=moe,
+        compile_backend=compile_backend,
     )  # fmt: skip
     del weights
     load_s = time.perf_counter() - t0
     row_bytes = pool_row_bytes(m.geometry)
     buckets = [b for b in capture_buckets(spec, max_bs, max_bs) if b[0] in sizes]
     runner = CudaGraphs(m, spec, buckets, "FULL")
+    graphs0, compile0 = m.pieces.graphs, m.pieces.compile_s
     t0 = time.perf_counter()
     runner.capture()
     capture_s = time.perf_counter() - t0
+    compiled_graphs, compile_s = m.pieces.graphs - graphs0, m.pieces.compile_s - compile0
 
     reqs, ids = decode_requests(spec, max_bs, args.context)
     t0 = time.perf_counter()
@@ -143,7 +194,20 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
         restore()
         graph_equal = bool(torch.equal(want.argmax(-1), got.argmax(-1)))
         graph_diff = float((want - got).abs().max())
-        kernels = _kernels(lambda plan=plan, tok=tok: m.forward(plan, tok))
+        m.backend = labelled_backend(kb)
+        moe_call = [type(x).experts for x in m.moe[:1] if hasattr(type(x), "experts")]
+        if moe_call:  # the grouped expert product counts with the backend's ops
+            cls = type(m.moe[0])
+
+            def experts(self, *a, _f=moe_call[0]):
+                with torch.profiler.record_function(BACKEND_RANGE + "moe"):
+                    return _f(self, *a)
+
+            cls.experts = experts
+        kernels, backend_kernels = _kernels(lambda plan=plan, tok=tok: m.forward(plan, tok))
+        m.backend = kb
+        if moe_call:
+            cls.experts = moe_call[0]
         restore()
         g = runner.graphs[m.prepare(plan, tok).key]
         replay_s = time_device(g.replay, args.iters)
@@ -177,6 +241,12 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                 "replay_ms": replay_s * 1e3,
                 "graph_step_ms": step_s * 1e3,
                 "kernels_per_layer": kernels / cfg.num_hidden_layers,
+                "dense_kernels_per_layer": None
+                if backend_kernels is None
+                else (kernels - backend_kernels) / cfg.num_hidden_layers,
+                "compilation_level": 3 if compile_backend else 0,
+                "compiled_graphs": compiled_graphs,
+                "compile_s": compile_s,
                 "graph_tokens_equal_eager": graph_equal,
                 "graph_max_logit_diff": graph_diff,
                 **vs_ref,
@@ -191,8 +261,10 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
             }
         )
         print(
-            f"{name:>9} {bs:>4} {rows[-1]['replay_ms']:>9.3f} {rows[-1]['graph_step_ms']:>9.3f} "
-            f"{rows[-1]['kernels_per_layer']:>8.1f} {rows[-1]['floor_ms']:>8.3f} "
+            f"{name:>14} {bs:>4} {rows[-1]['replay_ms']:>9.3f} {rows[-1]['graph_step_ms']:>9.3f} "
+            f"{rows[-1]['kernels_per_layer']:>8.1f} "
+            f"{rows[-1]['dense_kernels_per_layer'] or float('nan'):>8.1f} "
+            f"{rows[-1]['floor_ms']:>8.3f} "
             f"{rows[-1]['of_floor']:>8.4f} {rows[-1]['graph_tokens_equal_eager']!s:>6} "
             f"{vs_ref.get('logits_rel_l2_vs_reference', float('nan')):>9.2e} "
             f"{vs_ref.get('argmax_equal_vs_reference', float('nan')):>6.2f}",
@@ -227,7 +299,8 @@ def main(argv=None) -> int:
     spec = load_spec()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     print(
-        f"{'variant':>9} {'bs':>4} {'replay ms':>9} {'step ms':>9} {'k/layer':>8} {'floor ms':>8} "
+        f"{'variant':>14} {'bs':>4} {'replay ms':>9} {'step ms':>9} {'k/layer':>8} {'dense':>8} "
+        f"{'floor ms':>8} "
         f"{'of_floor':>8} {'g==e':>6} {'rel vs ref':>9} {'argmax':>6}"
     )
     rows: list[dict] = []

@@ -55,6 +55,7 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
     from v41plan.model.checkpoint import LoadedCheckpoint, random_state
     from v41plan.model.config import config_from_cache_spec
     from v41plan.planner.step import RequestInput, StepInput, plan_step
+    from v41plan.runtime import compiled as CP
     from v41plan.runtime import paged_model as PM
     from v41plan.runtime import resident as RS
     from v41plan.serving.engine import resolve_spec
@@ -71,20 +72,20 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
     saved = []
     for label, names in patches.items():
         for name in names:
-            for mod in (ML, PM, RS):
+            for mod in (ML, PM, RS, CP):
                 if hasattr(mod, name):
                     saved.append((mod, name, getattr(mod, name)))
                     setattr(mod, name, _labelled(getattr(mod, name), "MODEL::" + label))
     saved.append((ML.Linear, "__call__", ML.Linear.__call__))
     ML.Linear.__call__ = _labelled(ML.Linear.__call__, "MODEL::linear")
-    saved.append((ML.Attention, "output", ML.Attention.output))
-    ML.Attention.output = _labelled(ML.Attention.output, "MODEL::output")
+    saved.append((ML.Attention, "output_local", ML.Attention.output_local))
+    ML.Attention.output_local = _labelled(ML.Attention.output_local, "MODEL::output")
     saved.append((ML.Rope, "cos_sin", ML.Rope.cos_sin))
     ML.Rope.cos_sin = _labelled(ML.Rope.cos_sin, "MODEL::rope")
-    saved.append((ML.MoE, "__call__", ML.MoE.__call__))
-    ML.MoE.__call__ = _labelled(ML.MoE.__call__, "MODEL::moe")
-    saved.append((RS.GroupedMoE, "__call__", RS.GroupedMoE.__call__))
-    RS.GroupedMoE.__call__ = _labelled(RS.GroupedMoE.__call__, "MODEL::moe")
+    saved.append((ML.MoE, "local", ML.MoE.local))
+    ML.MoE.local = _labelled(ML.MoE.local, "MODEL::moe")
+    saved.append((RS.GroupedMoE, "experts", RS.GroupedMoE.experts))
+    RS.GroupedMoE.experts = _labelled(RS.GroupedMoE.experts, "MODEL::moe")
     try:
         P = spec.replay.hash_block_tokens
         n = 40

@@ -3,7 +3,7 @@
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
 # provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
-#   STEPS="profile tests tiny40 ckpt decode prefill medium fasttests crosscheck paths kernels dense gemm sampler serve scorer" \
+#   STEPS="profile tests tiny40 ckpt decode prefill medium fasttests crosscheck compiled paths startup kernels dense gemm sampler serve scorer" \
 #     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests about 190 s, kernels 70 s, tiny40 both transfers about 230 s, ckpt 20 s,
@@ -54,7 +54,12 @@ run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/
     --output "$OUT/validate_medium_graph$SUFFIX.json"
 run_step fasttests 300 python3 -m pytest tests/gpu/test_fast_paths_gpu.py -q -s -p no:cacheprovider --durations=5
 run_step crosscheck 120 python3 scripts/crosscheck_backend.py --out "$OUT/crosscheck_tiny40.json"
-run_step paths 420 python3 benchmarks/bench_decode_paths.py --out "$OUT/bench_decode_paths.json"
+run_step compiled 300 python3 -m pytest tests/gpu/test_compiled_gpu.py \
+    "tests/gpu/test_fast_paths_gpu.py::test_engine_auto_kernels_graph_tokens_equal_eager" \
+    -q -s -p no:cacheprovider --durations=8
+run_step paths 420 python3 benchmarks/bench_decode_paths.py ${VARIANTS:+--variants "$VARIANTS"} \
+    --out "$OUT/bench_decode_paths.json"
+run_step startup 420 python3 benchmarks/bench_startup.py --out "$OUT/bench_startup.json"
 run_step kernels 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json"
 run_step dense 120 python3 benchmarks/bench_dense_kernels.py --out "$OUT/bench_dense_kernels.json"
 run_step gemm 200 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --out "$OUT/bench_gemm_moe.json"

@@ -127,27 +127,39 @@ def test_fast_paths_run_every_variant(spec_name):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_engine_auto_kernels_graph_tokens_equal_eager(dtype):
-    """The engine's defaults on CUDA pick the fast path; its FULL-graph decode generates the
-    eager engine's tokens, every decode step a replay."""
+@pytest.mark.parametrize("dtype, level", [("bfloat16", None), ("float32", 0)])
+def test_engine_auto_kernels_graph_tokens_equal_eager(dtype, level):
+    """The engine's defaults on CUDA pick the fast path (level 3 under graphs); its FULL-graph
+    decode generates the tokens of an eager engine running the same kernels, every decode step
+    a replay. The eager engine is given the graph engine's compilation level (eager's own
+    default is 0, whose roundings differ from Inductor's fused kernels)."""
     from v41plan.serving.engine import LLM
     from v41plan.serving.sampling import SamplingParams
 
     rng = np.random.default_rng(2)
-    prompts = [list(rng.integers(0, 256, n)) for n in (37, 12, 70)]
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (37, 12, 70)]
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    fast = {
+        "kernel_backend": "triton", "dense_kernels": "triton", "moe_impl": "grouped",
+        "resident_weights": True,
+    }  # fmt: skip
+    want_level = 3 if level is None else level
     out = {}
-    for graph in (False, True):
+    for graph in (True, False):
         llm = LLM(
             "tiny40", None, device="cuda", dtype=dtype, max_num_seqs=8,
             enforce_eager=not graph, cudagraph_mode="FULL" if graph else "NONE",
+            compilation_level=level if graph else want_level,
         )  # fmt: skip
         assert llm.runner.kernels == {
-            "kernel_backend": "triton", "dense_kernels": "triton", "moe_impl": "grouped",
-            "resident_weights": True,
-        }  # fmt: skip
-        out[graph] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            **fast,
+            "compilation_level": want_level,
+            "compile_backend": "inductor" if want_level == 3 else None,
+        }
+        outs = llm.generate(prompts, sp)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        out[graph] = [o.outputs[0].token_ids for o in outs]
+        assert [len(t) for t in out[graph]] == [8, 8, 8]
         if graph:
             stats = llm.runner.graph_stats()["stats"]
             assert stats.get("graph_steps", 0) > 0 and not stats.get("eager_decode_steps"), stats

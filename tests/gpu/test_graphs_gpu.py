@@ -32,8 +32,9 @@ def _weights(spec_name: str):
     return spec, cfg, ckpt.process(torch.float32, "cuda"), ckpt.engram_host()
 
 
-def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float32):
-    """Two CUDA runtime models over the same random weights."""
+def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float32, **kw):
+    """Two CUDA runtime models over the same random weights (``kw``: more ``RuntimeModel``
+    arguments)."""
     from v41plan.runtime.paged_model import RuntimeModel
 
     spec, cfg, wc, eng = _weights(spec_name)
@@ -46,6 +47,7 @@ def _models(spec_name: str, kv: str = "bf16", ix: str = "fp8", dtype=torch.float
         "dtype": dtype,
         "device": "cuda",
         "cfg": cfg,
+        **kw,
     }
     return (
         spec,
@@ -66,12 +68,12 @@ def _prefill(spec, m, ids):
     m.forward(plan, np.concatenate([ids[s][: PROMPTS[s]] for s in range(3)]))
 
 
-def _graph_vs_eager(spec_name: str, mode: str, kv: str = "bf16", ix: str = "fp8"):
+def _graph_vs_eager(spec_name: str, mode: str, kv: str = "bf16", ix: str = "fp8", **kw):
     from tests.runtime.paged_helpers import token_ids
     from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.graphs import CudaGraphs, capture_buckets, pad_decode_step, select_bucket
 
-    spec, _, (eager, graphed) = _models(spec_name, kv, ix)
+    spec, _, (eager, graphed) = _models(spec_name, kv, ix, **kw)
     runner = CudaGraphs(graphed, spec, capture_buckets(spec, 4, 64), mode)
     report = runner.capture()
     ids = [token_ids(p + DECODES, seed) for seed, p in enumerate(PROMPTS)]

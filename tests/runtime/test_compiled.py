@@ -24,7 +24,7 @@ def test_compiled_pieces_equal_eager_without_recompiles(moe):
     ref = runtime("tiny", "bf16", "fp8", moe=moe)
     fast = runtime("tiny", "bf16", "fp8", moe=moe, compile_backend="aot_eager")
     assert fast.pieces.compiled and not ref.pieces.compiled
-    counts = []
+    counts = [fast.pieces.graphs]
     for n in (21, 13, 30, 17):
         ids = token_ids(n + 1, 3)
         ra, rb, rex = _prefill_decode(ref, spec, ids)
@@ -32,8 +32,8 @@ def test_compiled_pieces_equal_eager_without_recompiles(moe):
         assert torch.equal(ra, fa) and torch.equal(rb, fb), n
         assert all(torch.equal(rex[L], fex[L]) for L in rex)
         counts.append(fast.pieces.graphs)
-    assert counts[0] > 0
-    assert counts[1] == counts[2] == counts[3], counts  # lengths 30 and 17: no new graph
+    assert counts[1] > counts[0] or moe == "grouped"  # the first test compiles the shared ones
+    assert counts[2] == counts[3] == counts[4], counts  # lengths 30 and 17: no new graph
 
 
 def test_compile_backends_agree_with_admission():

@@ -18,8 +18,10 @@ compiler and capturable.
 Shapes: the token dimension is the only one that varies. A region compiles for the first width
 it sees, once more with that dimension dynamic at the second (``dynamic=None``, dynamo's
 automatic dynamic shapes), and once for a single row (dynamo specializes sizes 0 and 1); a new
-prompt length or capture bucket after that reuses the dynamic graph. ``graphs`` counts the
-compiles, ``compile_s`` the time the backend spent in them.
+prompt length or capture bucket after that reuses the dynamic graph. The compiled functions
+and their caches are shared by every model of the process (guards match tensor properties, so
+another model's weights of the same shapes reuse a graph); ``graphs`` counts the compiles,
+``compile_s`` the time the backend spent in them.
 """
 
 from __future__ import annotations
@@ -103,6 +105,44 @@ def head(X, pre, norm, head_w, eps: float):
 _PIECES = (window_kv, query, compress_project, output, moe_local, route, cos_sin, engram, head)
 
 
+class _Counted:
+    """A ``torch.compile`` backend that counts its compiles and their time (one per backend
+    name, shared by every model: dynamo keys its caches by the backend object, so models of one
+    process share their compiled graphs)."""
+
+    def __init__(self, name: str):
+        from torch._dynamo import lookup_backend
+
+        self.name = name
+        self.inner = lookup_backend(name)
+        self.graphs = 0
+        self.compile_s = 0.0
+
+    def __call__(self, gm, example_inputs):
+        t0 = time.perf_counter()
+        out = self.inner(gm, example_inputs)
+        self.graphs += 1
+        self.compile_s += time.perf_counter() - t0
+        return out
+
+
+_BACKENDS: dict[str, _Counted] = {}
+_COMPILED: dict[tuple[str, str], object] = {}
+
+
+def _compiled(fn, backend: str):
+    """``fn`` under ``torch.compile`` with the counting backend ``backend`` (made once)."""
+    key = (fn.__name__, backend)
+    if key not in _COMPILED:
+        from v41plan.runtime.kernels import ops
+
+        ops.register()
+        _raise_recompile_limit()
+        counted = _BACKENDS.setdefault(backend, _Counted(backend))
+        _COMPILED[key] = torch.compile(fn, backend=counted, fullgraph=True, dynamic=None)
+    return _COMPILED[key]
+
+
 class DensePieces:
     """The dense pieces ``RuntimeModel.run`` calls, eager (``backend=None``) or compiled with
     the ``torch.compile`` backend named (``COMPILE_BACKENDS``)."""
@@ -113,35 +153,25 @@ class DensePieces:
                 f"compile backend {backend!r}; accepted: {', '.join(COMPILE_BACKENDS)}"
             )
         self.backend = backend
-        self.graphs = 0
-        """Graphs compiled so far (every region, every shape it compiled for)."""
-        self.compile_s = 0.0
-        """Seconds the compile backend spent (dynamo's tracing not included)."""
         for fn in _PIECES:
-            setattr(self, fn.__name__, fn if backend is None else self._compile(fn))
+            setattr(self, fn.__name__, fn if backend is None else _compiled(fn, backend))
 
     @property
     def compiled(self) -> bool:
         """Whether the pieces run compiled."""
         return self.backend is not None
 
-    def _compile(self, fn):
-        from torch._dynamo import lookup_backend
+    @property
+    def graphs(self) -> int:
+        """Graphs this process compiled with this backend so far (every region, every shape;
+        shared with the other models of the process)."""
+        return _BACKENDS[self.backend].graphs if self.backend in _BACKENDS else 0
 
-        from v41plan.runtime.kernels import ops
-
-        ops.register()
-        _raise_recompile_limit()
-        inner = lookup_backend(self.backend)
-
-        def counted(gm, example_inputs):
-            t0 = time.perf_counter()
-            out = inner(gm, example_inputs)
-            self.graphs += 1
-            self.compile_s += time.perf_counter() - t0
-            return out
-
-        return torch.compile(fn, backend=counted, fullgraph=True, dynamic=None)
+    @property
+    def compile_s(self) -> float:
+        """Seconds the compile backend spent in them (dynamo's tracing and the kernels'
+        first-launch autotuning not included)."""
+        return _BACKENDS[self.backend].compile_s if self.backend in _BACKENDS else 0.0
 
     def moe(self, moe, x, forced):
         """(MoE output ``[N, D]`` in its dtype, expert ids): the dense MoE compiled whole, a

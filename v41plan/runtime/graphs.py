@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
@@ -277,21 +278,32 @@ class CudaGraphs:
         P = pools.geometry.page_tokens
         max_q = max(q for _, q in self.buckets)
         max_bs = max(bs for bs, _ in self.buckets)
-        for bs, q in self.buckets:  # warm-up: every kernel at every width runs once eagerly
+        n = len(self.buckets)
+        what = "compiles the dense pieces, " if m.pieces.compiled else ""
+        log.info("warm-up (%severy kernel at every width): %d buckets", what, n)
+        t0 = time.perf_counter()
+        graphs0 = m.pieces.graphs
+        for i, (bs, q) in enumerate(self.buckets):  # warm-up: every kernel at every width once
             for sampling in self.samplings:
                 m.run(self._synthetic(bs, q, sampling))
+            log.info("warm-up %d/%d: bucket (%d, %d) in %.1f s", i + 1, n, bs, q,
+                     time.perf_counter() - t0)  # fmt: skip
         api.synchronize()
         find_triton_kernels()
+        warmup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.pool = api.pool()
         self._prime()
-        for bs, q in sorted(self.buckets, reverse=True):  # largest first: others reuse its pool
+        for i, (bs, q) in enumerate(sorted(self.buckets, reverse=True)):  # largest first
             for sampling in self.samplings:
                 inputs = self._synthetic(bs, q, sampling)
                 if self.mode == "FULL":
                     self._capture_full(bs, q, inputs)
                 else:
                     self._capture_pieces(bs, q, inputs)
+            log.info("captured %d/%d: bucket (%d, %d)", i + 1, n, bs, q)
         api.synchronize()
+        capture_s = time.perf_counter() - t0
         first_page = math.ceil((W + max_q) / P)
         after = pools.backing
         untouched_pages = self._pages_equal(before, after, first_page)
@@ -316,6 +328,9 @@ class CudaGraphs:
             "new_segments_in_capture": sum(a["new_segments"] for a in self.allocations),
             "segments_outside_graph_pool": [o for a in self.allocations for o in a["outside_pool"]],
             "pool_ids_reported": all(a["pool_ids_reported"] for a in self.allocations),
+            "warmup_s": warmup_s,
+            "capture_s": capture_s,
+            "compiled_graphs": m.pieces.graphs - graphs0,
         }
         if not (untouched_pages and untouched_slots):
             raise CaptureGuardError(f"capture changed bytes it must not touch: {self.report}")

@@ -19,6 +19,8 @@ random checkpoint in memory, and wraps it in ``PagedRunner``.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
 
 import numpy as np
@@ -35,6 +37,8 @@ from v41plan.serving.batch import (
     step_token_ids,
     to_step_input,
 )
+
+log = logging.getLogger(__name__)
 
 
 class PagedRunner:
@@ -56,6 +60,7 @@ class PagedRunner:
         from v41plan.runtime.paged_model import RuntimeModel
         from v41plan.serving.admission import resolve_kernels
 
+        t_build = time.perf_counter()
         self.spec = spec
         self.options = options
         self.kernels = resolve_kernels(options, device.type)
@@ -91,6 +96,18 @@ class PagedRunner:
 
         # FULL / PIECEWISE decode graphs on CUDA (None under eager execution or on CPU).
         self.graphs = build_cuda_graphs(self.model, spec, options)
+        self.startup = {"build_s": time.perf_counter() - t_build}
+        """Seconds of the start: ``build_s`` (weights to the device and the model), with CUDA
+        graphs ``warmup_s`` (every captured width eagerly once; at level 3 that compiles the
+        dense pieces), ``capture_s`` and ``compiled_graphs``."""
+        if self.graphs is not None:
+            rep = self.graphs.report
+            self.startup.update({k: rep[k] for k in ("warmup_s", "capture_s", "compiled_graphs")})
+            log.info(
+                "start: %.1f s (warm-up %.1f s, %d graphs compiled at level %d; capture %.1f s)",
+                self.startup["build_s"], rep["warmup_s"], rep["compiled_graphs"],
+                self.kernels["compilation_level"], rep["capture_s"],
+            )  # fmt: skip
         self.flags = {
             "encoder_replay": bool(options.encoder_swa_bounded_replay),
             "decoder_replay": bool(options.decoder_swa_bounded_replay),

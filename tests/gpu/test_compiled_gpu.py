@@ -1,0 +1,125 @@
+"""``compilation_level=3`` through Inductor on a GPU: every compiled dense piece against the
+eager piece on the same inputs (recorded from a real forward), FULL and PIECEWISE graphs of
+the compiled model against its eager forward, and no recompiles for new prompt lengths.
+
+Skipped without CUDA. ``tests/runtime/test_compiled.py`` checks the tracing on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PIECE_REL_L2 = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
+"""Per-piece bound on ``|compiled - eager| / |eager|`` (L2 over the outputs). Inductor keeps
+the matmuls (the same cuBLAS / W8A8 calls) but fuses the norms, RoPE and quantizers into its
+own kernels, whose reductions sum in another order: about one unit in the last place, except
+where that moves a value across an FP8 (E4M3, 3 significand bits) rounding boundary and the
+element changes by one FP8 step (up to 2**-3 relative). A few such flips per thousand lanes
+stay well inside these bounds; a wrong piece (a missing norm, a wrong scale) is of order 1."""
+
+
+class _Recorder:
+    """Stands in for ``RuntimeModel.pieces``: runs the eager pieces and records each call's
+    inputs (tensors cloned: the runtime updates some in place afterwards) and outputs."""
+
+    def __init__(self, pieces):
+        self.pieces, self.calls = pieces, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.pieces, name)
+        if name == "moe":  # MoE goes through its own pieces (moe_local / route)
+            return lambda moe, x, forced: type(self.pieces).moe(self, moe, x, forced)
+
+        def call(*args):
+            saved = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            out = fn(*args)
+            self.calls.append((name, saved, _tensors(out)))
+            return out
+
+        return call
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out.clone()]
+    return [o.clone() for o in out if isinstance(o, torch.Tensor)]
+
+
+def _fast_model(dtype, resident: bool, compile_backend=None):
+    from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.runtime.kernels.triton_backend import TritonBackend
+    from v41plan.runtime.paged_model import RuntimeModel
+    from v41plan.serving.engine import resolve_spec
+
+    spec = resolve_spec("tiny40")
+    cfg = config_from_cache_spec(spec)
+    ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    kw = {"resident": True, "dequantize": ("attn.wo_a.weight",)} if resident else {}
+    m = RuntimeModel(
+        spec, ckpt.process(dtype, "cuda", **kw), ckpt.engram_host(), num_pages=24, num_slots=4,
+        max_tokens=96, max_bs=4, table_width=12, dtype=dtype, device="cuda", cfg=cfg,
+        backend=TritonBackend(), dense="triton", moe="grouped" if resident else "dense",
+        compile_backend=compile_backend,
+    )  # fmt: skip
+    return spec, m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("resident", [False, True])
+def test_inductor_pieces_match_the_eager_pieces(dtype, resident):
+    from tests.runtime.paged_helpers import step, token_ids
+    from v41plan.runtime.compiled import DensePieces
+
+    spec, m = _fast_model(dtype, resident)
+    rec = _Recorder(m.pieces)
+    m.pieces = rec
+    ids = token_ids(41, 3)
+    m.reset_slot(0)
+    m.forward(step(spec, [(0, range(8), 40, 0, 40, "prefill", True)]), ids[:40])
+    m.forward(step(spec, [(0, range(8), 40, 40, 1, "decode")]), ids[40:41])
+    compiled = DensePieces("inductor")
+    worst: dict[str, float] = {}
+    for name, args, want in rec.calls:
+        got = _tensors(getattr(compiled, name)(*args))
+        assert [g.shape for g in got] == [w.shape for w in want], name
+        for g, w in zip(got, want, strict=True):
+            if not w.is_floating_point():  # expert ids: the router's choice
+                continue
+            err = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+            worst[name] = max(worst.get(name, 0.0), err)
+    print("worst rel L2 by piece:", {k: f"{v:.2e}" for k, v in sorted(worst.items())})
+    assert {"window_kv", "query", "output", "cos_sin", "head"} <= worst.keys()
+    assert all(v <= PIECE_REL_L2[dtype] for v in worst.values()), worst
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_compiled_graphs_equal_the_compiled_eager_forward(mode):
+    """Capture of Inductor's kernels: no host sync, no first compile inside the capture, and
+    replays equal the eager forward of the same compiled pieces (PIECEWISE: the compiled dense
+    pieces as graphs, attention eager between them)."""
+    from tests.gpu.test_graphs_gpu import _graph_vs_eager
+
+    runner, report = _graph_vs_eager("tiny40", mode, compile_backend="inductor")
+    assert runner.model.pieces.compiled
+    assert report["pages_untouched"] and report["slots_untouched"]
+
+
+def test_new_prompt_lengths_compile_nothing():
+    from tests.runtime.paged_helpers import step, token_ids
+
+    spec, m = _fast_model(torch.bfloat16, True, compile_backend="inductor")
+    counts = []
+    for n in (23, 41, 9, 57, 30):
+        ids = token_ids(n + 1, n)
+        m.reset_slot(0)
+        m.forward(step(spec, [(0, range(8), n, 0, n, "prefill", True)]), ids[:n])
+        m.forward(step(spec, [(0, range(8), n, n, 1, "decode")]), ids[n : n + 1])
+        counts.append(m.pieces.graphs)
+    print("graphs after each prompt length:", counts, f"compile {m.pieces.compile_s:.1f} s")
+    assert counts[2] == counts[3] == counts[4], counts
+    assert np.all(np.diff(counts) >= 0)
