@@ -9,11 +9,12 @@ error, not a silent fallback), and every layer of the model shares it: the funct
 layer object and read its weights as graph inputs, so guards match on shapes and dtypes, not on
 which layer calls.
 
-What stays outside the regions: the kernel backend's pool ops (called between them), the fused
-Triton mHC sites (one launch each already), the grouped MoE's expert product and the
-tensor-parallel all-reduces. A Triton GEMM called inside a region (the W8A8 linear over resident
-weights) goes through the custom op ``v41plan::w8a8_linear`` (``kernels.ops``), opaque to the
-compiler and capturable.
+With the torch dense compositions (``dense="torch"``) the mHC sites and the expand compile too
+(``compiled_dense``). What stays outside the regions: the kernel backend's pool ops (called
+between them), the fused Triton mHC sites (one launch each already), the grouped MoE's expert
+product and the tensor-parallel all-reduces. A Triton GEMM called inside a region (the W8A8
+linear over resident weights) goes through the custom op ``v41plan::w8a8_linear``
+(``kernels.ops``), opaque to the compiler and capturable.
 
 Shapes: the token dimension is the only one that varies. A region compiles for the first width
 it sees, once more with that dimension dynamic at the second (``dynamic=None``, dynamo's
@@ -31,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from v41plan.model.layers import MoE, apply_rope, hc_collapse, rms_norm
+from v41plan.model.layers import MoE, acc_dtype, apply_rope, hc_collapse, rms_norm
 from v41plan.model.quant import dequant_fp8_blocks
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -95,6 +96,15 @@ def engram(layer, X, codes, scales, dtype: torch.dtype):
     return layer(X, emb)
 
 
+def embed(table, ids, hc: int, hidden: int, dtype: torch.dtype):
+    """Initial residual streams ``[N, hc, D]`` (the embedding row in every stream) and mHC
+    ``pre`` ``[N, hc]`` (one-hot on stream 0, in ``acc``)."""
+    X = table[ids].to(dtype)[:, None, :].expand(ids.shape[0], hc, hidden).contiguous()
+    pre = torch.zeros(ids.shape[0], hc, dtype=acc_dtype(dtype), device=ids.device)
+    pre[:, 0] = 1
+    return X, pre
+
+
 def head(X, pre, norm, head_w, eps: float):
     """Logits of the rows' streams: mHC collapse, final RMSNorm, the LM head (in ``head_w``'s
     dtype)."""
@@ -102,7 +112,9 @@ def head(X, pre, norm, head_w, eps: float):
     return F.linear(x.to(head_w.dtype), head_w)
 
 
-_PIECES = (window_kv, query, compress_project, output, moe_local, route, cos_sin, engram, head)
+_PIECES = (
+    window_kv, query, compress_project, output, moe_local, route, cos_sin, engram, embed, head,
+)  # fmt: skip
 
 
 class _Counted:
@@ -127,12 +139,12 @@ class _Counted:
 
 
 _BACKENDS: dict[str, _Counted] = {}
-_COMPILED: dict[tuple[str, str], object] = {}
+_COMPILED: dict[tuple[str, str, str], object] = {}
 
 
 def _compiled(fn, backend: str):
     """``fn`` under ``torch.compile`` with the counting backend ``backend`` (made once)."""
-    key = (fn.__name__, backend)
+    key = (fn.__module__, fn.__qualname__, backend)
     if key not in _COMPILED:
         from v41plan.runtime.kernels import ops
 
@@ -181,6 +193,17 @@ class DensePieces:
             return moe.tp.all_reduce(y).to(moe.dtype), ids
         ids, wts = self.route(moe, x, forced)
         return moe.experts(x, ids, wts), ids
+
+
+def compiled_dense(dense, backend: str | None):
+    """The mHC functions of ``dense`` (``RuntimeModel.dense``) for level 3: the torch
+    compositions compiled (the Sinkhorn loop unrolled into Inductor's kernels), the fused Triton
+    ones as they are (one launch each already)."""
+    if backend is None or dense.name != "torch":
+        return dense
+    names = ("hc_expand", "mhc_site", "mhc_expand_site")
+    fns = {n: staticmethod(_compiled(getattr(dense, n), backend)) for n in names}
+    return type("CompiledTorchDense", (dense,), fns)
 
 
 def _raise_recompile_limit() -> None:

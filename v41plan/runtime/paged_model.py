@@ -49,7 +49,7 @@ from v41plan.model.layers import (
 )
 from v41plan.model.quant import QuantWeight, fake_fp8
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
-from v41plan.runtime.compiled import DensePieces
+from v41plan.runtime.compiled import DensePieces, compiled_dense
 from v41plan.runtime.engram_device import DEVICE_TABLE_BYTES, DeviceEngram, table_bytes
 from v41plan.runtime.kernels.torch_ref import TorchBackend
 from v41plan.runtime.pools import Pools
@@ -412,7 +412,7 @@ class RuntimeModel:
         """The widest step the model runs: ``max_tokens`` rows, ``max_bs`` requests, block
         tables of ``table_width`` PAGEs (every step's tables are padded to it)."""
         self.engram = engram
-        self.dense = dense_ops(dense)
+        self.dense = compiled_dense(dense_ops(dense), compile_backend)
         """The mHC sites, the expand and the FP8 activation quantizer (``TorchDense``, the
         reference compositions, or ``TritonDense``: one launch each, same call shapes)."""
         self.moe_impl = moe
@@ -899,10 +899,9 @@ class RuntimeModel:
     def embed_rows(self, si: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial residual streams ``[t, hc, D]`` and mHC ``pre`` ``[t, hc]``."""
         cfg = self.cfg
-        X = self.embed[si.token_ids].to(self.dtype)
-        X = X[:, None, :].expand(si.t, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = torch.zeros(si.t, cfg.hc_mult, dtype=self.acc, device=self.device)
-        pre[:, 0] = 1
+        X, pre = self.pieces.embed(
+            self.embed, si.token_ids, cfg.hc_mult, cfg.hidden_size, self.dtype
+        )
         if self.engram_device is not None and si.engram_row0 is not None:
             # kept for the layers (a PIECEWISE replay of this piece writes the same tensor)
             self._engram_ids = self.engram_device.row_ids(
