@@ -80,3 +80,17 @@ def test_engine_level_3_generates_level_0_tokens():
             assert llm.runner.model.pieces.graphs > 0
     assert [len(t) for t in toks[0]] == [5, 5]
     assert toks[0] == toks[1]
+
+
+def test_fused_dense_custom_ops_fake_layouts_match_on_strided_inputs():
+    """The fused dense kernels' custom ops (called inside compiled regions when a layer holds
+    them) declare the layout they return: contiguous, whatever the input's strides (Inductor
+    asserts the declared strides; a permuted MoE intermediate once tripped it on the GPU)."""
+    from v41plan.runtime.kernels import triton_dense  # noqa: F401 - registers the ops
+
+    x = torch.randn(40, 8, 128, dtype=torch.float32).permute(1, 0, 2)
+    torch.library.opcheck(torch.ops.v41plan.fake_fp8.default, (x, 32))
+    y = torch.randn(6, 64)
+    X = torch.randn(4, 6, 64).transpose(0, 1)
+    post, C = torch.rand(6, 4), torch.rand(6, 4, 4)
+    torch.library.opcheck(torch.ops.v41plan.hc_expand.default, (y, X, post, C))

@@ -110,8 +110,17 @@ def find_triton_kernels() -> int:
 
     from triton.runtime.jit import JITFunction
 
-    _JIT_FUNCTIONS.extend(o for o in gc.get_objects() if isinstance(o, JITFunction))
+    _JIT_FUNCTIONS.extend(o for o in gc.get_objects() if _is_jit(o, JITFunction))
     return len(_JIT_FUNCTIONS)
+
+
+def _is_jit(o, jit_type) -> bool:
+    """``isinstance(o, jit_type)``, False for a dead weak proxy on the heap (compilers leave
+    some behind; ``isinstance`` on one raises ``ReferenceError``)."""
+    try:
+        return isinstance(o, jit_type)
+    except ReferenceError:
+        return False
 
 
 def _triton_cache_size() -> int:

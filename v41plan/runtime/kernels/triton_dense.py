@@ -734,12 +734,12 @@ def _fake_fp8_op(x: torch.Tensor, block: int) -> torch.Tensor:
     if _quant_kernel_ok(x, block):
         return _launch_quant(x, block, dequant=True)
     with Q.fake_quant(True):
-        return Q.fake_fp8(x, block).clone()
+        return Q.fake_fp8(x, block).contiguous().clone()
 
 
 @_fake_fp8_op.register_fake
 def _(x, block):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the kernel's output (not ``x``'s strides)
 
 
 @torch.library.custom_op("v41plan::hc_expand", mutates_args=())
@@ -749,12 +749,12 @@ def _hc_expand_op(
     """``layers.hc_expand(y, X, post, C)`` as one kernel."""
     if _expand_kernel_ok(y, X, post):
         return _launch_expand(y, X, post, C)
-    return dense_ref.hc_expand(y, X, post, C)
+    return dense_ref.hc_expand(y, X, post, C).contiguous()
 
 
 @_hc_expand_op.register_fake
 def _(y, X, post, C):
-    return torch.empty_like(X)
+    return X.new_empty(X.shape)  # contiguous, as the kernel's output
 
 
 def _empty_codes(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -868,7 +868,7 @@ def _mhc_expand_site_op(
 
 @_mhc_expand_site_op.register_fake
 def _(y, X, post_prev, C_prev, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb):
-    return (torch.empty_like(X), *_site_fake(X, qb))
+    return (X.new_empty(X.shape), *_site_fake(X, qb))
 
 
 # --- drop-in wrappers (the torch functions' call shapes) ------------------------------------
