@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         if args.checkpoint:
             cmd += ["--checkpoint", args.checkpoint]
         t0 = time.perf_counter()
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, check=False)
         line = next((x for x in res.stdout.splitlines() if x.startswith("STARTUP ")), None)
         if line is None:
             print(res.stdout[-3000:], res.stderr[-3000:], file=sys.stderr)

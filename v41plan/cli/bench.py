@@ -28,7 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "decode_paths": (
         "bench_decode_paths.py",
-        "decode step per kernel path (reference ... resident weights) on MEDIUM (CUDA)",
+        "decode step per kernel path (reference ... resident weights, level 3) on MEDIUM (CUDA)",
+    ),
+    "startup": (
+        "bench_startup.py",
+        "engine start: build, warm-up (level 3 compiles there), capture; caches cold and warm",
     ),
     "prefill": ("bench_prefill.py", "8K-token prefill, decoder replay on vs off, on MEDIUM (CUDA)"),
     "serve": (
