@@ -32,6 +32,8 @@ VIEWS = {
     "aten::unbind", "aten::split", "aten::chunk", "aten::narrow", "aten::empty",
     "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
 }  # fmt: skip
+REGION = "Torch-Compiled Region"
+"""The profiler range of a compiled region's call."""
 FUSED_DENSE = ("mhc_site", "mhc_expand_site", "hc_expand", "fake_fp8")
 FUSED_BACKEND = (
     "ring_write", "compress_groups", "main_scatter", "index_key_store", "score_topk",
@@ -47,8 +49,11 @@ def _labelled(fn, label):
     return wrapped
 
 
-def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
-    """Per-layer counts of one decode step (see the module doc)."""
+def census(
+    spec_name: str = "tiny40", moe: str = "dense", compile_backend: str | None = None
+) -> dict:
+    """Per-layer counts of one decode step (see the module doc); with ``compile_backend`` the
+    dense pieces run compiled (level 3) and what runs inside their regions counts apart."""
     import numpy as np
 
     from v41plan.model import layers as ML
@@ -70,22 +75,22 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
         "router": ("moe_route",),
     }
     saved = []
+    if compile_backend is not None:  # the regions are traced whole: no labels inside them
+        patches = {}
     for label, names in patches.items():
         for name in names:
             for mod in (ML, PM, RS, CP):
                 if hasattr(mod, name):
                     saved.append((mod, name, getattr(mod, name)))
                     setattr(mod, name, _labelled(getattr(mod, name), "MODEL::" + label))
-    saved.append((ML.Linear, "__call__", ML.Linear.__call__))
-    ML.Linear.__call__ = _labelled(ML.Linear.__call__, "MODEL::linear")
-    saved.append((ML.Attention, "output_local", ML.Attention.output_local))
-    ML.Attention.output_local = _labelled(ML.Attention.output_local, "MODEL::output")
-    saved.append((ML.Rope, "cos_sin", ML.Rope.cos_sin))
-    ML.Rope.cos_sin = _labelled(ML.Rope.cos_sin, "MODEL::rope")
-    saved.append((ML.MoE, "local", ML.MoE.local))
-    ML.MoE.local = _labelled(ML.MoE.local, "MODEL::moe")
-    saved.append((RS.GroupedMoE, "experts", RS.GroupedMoE.experts))
-    RS.GroupedMoE.experts = _labelled(RS.GroupedMoE.experts, "MODEL::moe")
+    methods = [
+        (ML.Linear, "__call__", "linear"), (ML.Attention, "output_local", "output"),
+        (ML.Rope, "cos_sin", "rope"), (ML.MoE, "local", "moe"),
+    ] if compile_backend is None else []  # fmt: skip
+    methods.append((RS.GroupedMoE, "experts", "moe"))  # eager at either level
+    for obj, name, label in methods:
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, _labelled(getattr(obj, name), "MODEL::" + label))
     try:
         P = spec.replay.hash_block_tokens
         n = 40
@@ -93,7 +98,7 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
         m = PM.RuntimeModel(
             spec, ckpt.process(torch.float32), ckpt.engram_host(), num_pages=pages + 4,
             num_slots=2, max_tokens=n + 8, max_bs=2, table_width=pages, dtype=torch.float32,
-            cfg=cfg, moe=moe,
+            cfg=cfg, moe=moe, compile_backend=compile_backend,
         )  # fmt: skip
 
         class Dense:
@@ -108,7 +113,7 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
             for name in ("wq_a", "wq_b", "wkv", "wo_b", "idx_wq_b"):
                 if hasattr(att, name):
                     getattr(att, name).quantizer = q8
-        for mo in m.moe:
+        for mo in m.moe if compile_backend is None else ():
             for name in ("s1", "s2", "s3"):
                 getattr(mo, name).quantizer = q8
             if hasattr(mo, "kernels"):
@@ -126,6 +131,12 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
         one = RequestInput(slot=0, block_table=table, prompt_len=n, start=n, chunk_len=1,
                            phase="decode")  # fmt: skip
         si = m.prepare(plan_step(StepInput((one,)), spec), ids[n:])
+        if compile_backend is not None:  # compile the decode shapes first (pools restored)
+            snap, mirror = m.pools.backing.clone(), m.pools.cursor_host.copy()
+            m.run(si)
+            m.pools.backing.copy_(snap)
+            m.pools.cursor_host[:] = mirror
+            si = m.prepare(plan_step(StepInput((one,)), spec), ids[n:])
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             m.run(si)
     finally:
@@ -133,15 +144,22 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
             setattr(obj, name, fn)
     fused: Counter = Counter()
     ops: dict[str, Counter] = defaultdict(Counter)
+    regions = 0
     for e in prof.events():
         if e.name.startswith("FUSED::"):
             fused[e.name[7:]] += 1
+            continue
+        if e.name.startswith(REGION):
+            p = e.cpu_parent
+            while p is not None and not p.name.startswith(("FUSED::", REGION)):
+                p = p.cpu_parent
+            regions += p is None  # a region called from a fused call counts with that call
             continue
         if not e.name.startswith("aten::") or e.name in VIEWS:
             continue
         label, par, nested = "runtime", e.cpu_parent, False
         while par is not None:
-            if par.name.startswith("FUSED::"):
+            if par.name.startswith(("FUSED::", REGION)):
                 nested = True
                 break
             if par.name.startswith("aten::"):
@@ -162,6 +180,8 @@ def census(spec_name: str = "tiny40", moe: str = "dense") -> dict:
         "spec": spec.name,
         "moe": moe,
         "layers": layers,
+        "compile_backend": compile_backend,
+        "compiled_regions_per_layer": regions / layers,
         "fused_calls_per_layer": {k: v / layers for k, v in fused.items()},
         "other_ops_per_layer": sum(sum(c.values()) for c in ops.values()) / layers,
         "groups": groups,
@@ -172,15 +192,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="tiny40")
     ap.add_argument("--moe", default="dense", choices=["dense", "grouped"])
+    ap.add_argument(
+        "--compile",
+        default=None,
+        choices=["eager", "aot_eager", "inductor"],
+        help="run the dense pieces compiled with this backend (level 3); their regions count "
+        "as one call each",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from v41plan.validation.provenance import provenance
 
     torch.set_num_threads(1)
-    r = census(args.spec, args.moe)
+    r = census(args.spec, args.moe, args.compile)
     r["provenance"] = provenance()
     fused = sum(r["fused_calls_per_layer"].values())
-    print(f"{r['spec']}, moe={r['moe']}: per decode layer {fused:.1f} fused calls and "
+    level = (
+        f", level 3 ({args.compile}): {r['compiled_regions_per_layer']:.1f} compiled regions,"
+        if args.compile
+        else ":"
+    )
+    print(f"{r['spec']}, moe={r['moe']}{level} per decode layer {fused:.1f} fused calls and "
           f"{r['other_ops_per_layer']:.1f} other operations")  # fmt: skip
     for g, v in r["groups"].items():
         top = ", ".join(

@@ -1,13 +1,14 @@
 """``compilation_level=3``: the dense pieces of ``RuntimeModel.run`` under ``torch.compile``.
 
 ``DensePieces`` holds the functions ``run()`` calls for its dense work, outside the kernel
-backend: the window-KV rows, the query and index query, the compressor projections, the output
-projection, the router and the dense-over-experts MoE, the RoPE tables, Engram injection and the
-head. Eager (``backend=None``) they are the layers' own methods, so level 0 is the reference
-arithmetic. Compiled, each is one ``torch.compile(fullgraph=True)`` region (a graph break is an
-error, not a silent fallback), and every layer of the model shares it: the functions take the
-layer object and read its weights as graph inputs, so guards match on shapes and dtypes, not on
-which layer calls.
+backend: the embedding, the window-KV rows, the query and index query, the compressor's
+projections and its closed groups' rows (pooling, RoPE, the index-key and main-row quantizers),
+the output projection, the router and the dense-over-experts MoE, the RoPE tables, Engram
+injection and the head. Eager (``backend=None``) they are the layers' own methods, so level 0 is
+the reference arithmetic. Compiled, each is one ``torch.compile(fullgraph=True)`` region (a
+graph break is an error, not a silent fallback), and every layer of the model shares it: the
+functions take the layer object and read its weights as graph inputs, so guards match on shapes
+and dtypes, not on which layer calls.
 
 With the torch dense compositions (``dense="torch"``) the mHC sites and the expand compile too
 (``compiled_dense``). What stays outside the regions: the kernel backend's pool ops (called
@@ -16,10 +17,10 @@ product and the tensor-parallel all-reduces. A Triton GEMM called inside a regio
 linear over resident weights) goes through the custom op ``v41plan::w8a8_linear``
 (``kernels.ops``), opaque to the compiler and capturable.
 
-Shapes: the token dimension is the only one that varies. A region compiles for the first width
-it sees, once more with that dimension dynamic at the second (``dynamic=None``, dynamo's
-automatic dynamic shapes), and once for a single row (dynamo specializes sizes 0 and 1); a new
-prompt length or capture bucket after that reuses the dynamic graph. The compiled functions
+Shapes: the token dimension is the only one that varies. The token arguments of a region are
+marked dynamic along it (``TOKEN_ARGS``), so a region compiles once for any width and once for a
+single row (dynamo specializes sizes 0 and 1); a new prompt length or capture bucket after that
+reuses the dynamic graph. The compiled functions
 and their caches are shared by every model of the process (guards match tensor properties, so
 another model's weights of the same shapes reuse a graph); ``graphs`` counts the compiles,
 ``compile_s`` the time the backend spent in them.
@@ -64,6 +65,20 @@ def query(att, x, cos, sin, index: bool):
 def compress_project(att, x):
     """The compressor's per-token projections (``Attention.compress_project``)."""
     return att.compress_project(x)
+
+
+def compressed_rows(att, vals, gates, rows, positions, index_fmt: str | None):
+    """(index keys, their scales or None, main-plane rows) of the groups closing at ``rows``:
+    the ratio-2 pooling of the closed pair (``gates`` given: ``vals``/``gates`` ``[N, 2, ...]``)
+    or the ratio-1 latent, RoPE at each group's first position, the index-key and FP4 main-row
+    quantizers."""
+    if gates is None:
+        latent = att.ratio1_latent(vals[rows])
+    else:
+        latent = att.pool(vals[rows, 0], gates[rows, 0], vals[rows, 1], gates[rows, 1])
+    cos, sin = att.rope.cos_sin(positions, att.dtype)
+    keys, key_scale = att.index_keys(latent, cos, sin, index_fmt)
+    return keys, key_scale, att.compressed_kv(latent, cos, sin)
 
 
 def output(att, o, cos, sin):
@@ -113,7 +128,8 @@ def head(X, pre, norm, head_w, eps: float):
 
 
 _PIECES = (
-    window_kv, query, compress_project, output, moe_local, route, cos_sin, engram, embed, head,
+    window_kv, query, compress_project, compressed_rows, output, moe_local, route, cos_sin,
+    engram, embed, head,
 )  # fmt: skip
 
 
@@ -150,16 +166,40 @@ _BACKENDS: dict[str, _Counted] = {}
 _COMPILED: dict[tuple[str, str, str], object] = {}
 
 
+TOKEN_ARGS = {
+    "window_kv": (1, 2, 3), "query": (1, 2, 3), "compress_project": (1,),
+    "compressed_rows": (1, 2, 3, 4), "output": (1, 2, 3), "moe_local": (1, 2), "route": (1, 2),
+    "cos_sin": (1,), "engram": (1, 2, 3), "embed": (1,), "head": (0, 1),
+    "hc_expand": (0, 1, 2, 3), "mhc_site": (0, 1), "mhc_expand_site": (0, 1, 2, 3, 4),
+}  # fmt: skip
+"""Per compiled function, the positions of its arguments whose first dimension is the token
+(or group) count: marked dynamic before the first compile, so the second width reuses it."""
+
+
 def _compiled(fn, backend: str):
-    """``fn`` under ``torch.compile`` with the counting backend ``backend`` (made once)."""
+    """``fn`` under ``torch.compile`` with the counting backend ``backend`` (made once), its
+    token arguments (``TOKEN_ARGS``) dynamic along their first dimension."""
     key = (fn.__module__, fn.__qualname__, backend)
     if key not in _COMPILED:
+        from torch._dynamo import maybe_mark_dynamic
+
         from v41plan.runtime.kernels import ops
 
         ops.register()
         _raise_recompile_limit()
         counted = _BACKENDS.setdefault(backend, _Counted(backend))
-        _COMPILED[key] = torch.compile(fn, backend=counted, fullgraph=True, dynamic=None)
+        c = torch.compile(fn, backend=counted, fullgraph=True, dynamic=None)
+        token_args = TOKEN_ARGS[fn.__name__]
+
+        def call(*args):
+            for i in token_args:
+                a = args[i]
+                if isinstance(a, torch.Tensor) and a.dim():
+                    maybe_mark_dynamic(a, 0)  # a single row still specializes (size 1)
+            return c(*args)
+
+        call.__name__ = fn.__name__
+        _COMPILED[key] = call
     return _COMPILED[key]
 
 

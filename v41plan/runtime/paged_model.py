@@ -1159,12 +1159,12 @@ class RuntimeModel:
                 pools.tail_scores[:, ti],
                 pools.sink_slot,
             )
-            latent = att.pool(pv[g_rows, 0], ps[g_rows, 0], pv[g_rows, 1], ps[g_rows, 1])
+            vals, gates = pv, ps
         else:
-            latent = att.ratio1_latent(v_full[g_rows])
-        cos, sin = att.rope.cos_sin(g_c * r, self.dtype)
-        keys, key_scale = att.index_keys(latent, cos, sin, self.index_fmt)
-        comp = att.compressed_kv(latent, cos, sin)
+            vals, gates = v_full, None
+        keys, key_scale, comp = self.pieces.compressed_rows(
+            att, vals, gates, g_rows, g_c * r, self.index_fmt
+        )
         addr = pools.row_address(L, si.block_tables, g_b, g_c)
         keep = g_b >= 0
         kb.main_scatter(pools.main[L], comp, addr.page, addr.row, keep, pools.sink_page)
@@ -1257,7 +1257,8 @@ class RuntimeModel:
                     sel[L] = s
             else:
                 ids = _take(sel[info.topk_owner], flat)
-            ids = torch.where((bida >= 0).unsqueeze(1), ids, -1)
+            live = fr.once(("live", key), lambda: (bida >= 0).unsqueeze(1))
+            ids = torch.where(live, ids, -1)
             plane, rows_per_page = pools.main[owner], pools.rows_per_page[owner]
         rows = self._arange[:t] if at is None else at
         kb.sparse_attention(
