@@ -40,7 +40,8 @@ run_step() {  # name, time limit in seconds, command...
 echo "provenance: $(python3 -m v41plan.validation.provenance)" | tee -a "$LOG"
 
 run_step profile 200 python3 scripts/gpu_profile_step.py --out "$OUT/gpu_profile_step.json"
-run_step tests 420 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15
+# GPU_TESTS: the test files or node ids of the step (default: all of tests/gpu)
+run_step tests 420 python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider --durations=15
 # one report per transfer when TRANSFER names one (medium's two transfers need two device calls)
 SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")${CASES:+_cases}
 CASE_ARGS=(${CASES:+--cases "$CASES"})
