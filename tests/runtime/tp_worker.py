@@ -2,7 +2,8 @@
 CPU):
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/runtime/tp_worker.py \\
-        --spec SPEC.yaml --checkpoint DIR --out result.json [--arrangements ep,tp] [--no-quant]
+        --spec SPEC.yaml --checkpoint DIR --out result.json [--arrangements ep,tp] [--no-quant] \\
+        [--moe grouped] [--compile aot_eager]
 
 Every rank loads the checkpoint, keeps its shard (``tp.shard_weights``) and runs the paged
 runtime model through a fixed teacher-forced schedule: two requests, chunked prefills mixed
@@ -147,6 +148,7 @@ def build(spec, ckpt, weights, tp: TPGroup, args, moe: str | None = None) -> Run
         cfg=ckpt.config,
         tp=tp,
         moe=moe or args.moe,
+        compile_backend=args.compile if tp is not SINGLE else None,
     )
 
 
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--moe", default="dense", choices=["dense", "grouped"],
         help="the sharded models' MoE (the world-size-1 base is always the dense reference)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compile", default=None, choices=["eager", "aot_eager", "inductor"],
+        help="the sharded models' dense pieces under torch.compile with this backend (level 3)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
