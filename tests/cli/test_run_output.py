@@ -93,3 +93,18 @@ def test_every_option_has_help_with_its_default_and_choices(name, parser):
             assert "default: None" not in rendered, (name, action.dest, rendered)
         for choice in action.choices or ():
             assert str(choice) in usage, (name, action.dest, choice)
+
+
+def test_run_and_serve_show_the_start_progress_once(capsys):
+    """``v41plan run`` / ``serve`` print the graph warm-up and capture progress (level 3
+    compiles there, minutes on a cold cache) on stderr, once however often ``main`` runs."""
+    import logging
+
+    from v41plan.cli import main as cli_main
+
+    cli_main._show_start_progress("run")
+    cli_main._show_start_progress("run")
+    logging.getLogger("v41plan.runtime.graphs").info("warm-up 1/2: bucket (1, 1) in 0.1 s")
+    logging.getLogger("v41plan.serving.runner").info("start: 3.0 s")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["v41plan run: warm-up 1/2: bucket (1, 1) in 0.1 s", "v41plan run: start: 3.0 s"]

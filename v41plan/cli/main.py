@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_REFUSED
     module = importlib.import_module(COMMANDS[args.command][0])
+    if args.command in ("run", "serve"):
+        _show_start_progress(args.command)
     try:
         return int(module.run(args) or 0)
     except Refused as exc:
@@ -73,6 +75,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
+
+
+def _show_start_progress(command: str) -> None:
+    """Print the engine start's progress lines (graph warm-up, where level 3 compiles, and
+    capture) on stderr, rank 0 only: a cold start takes minutes."""
+    import logging
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"v41plan {command}: %(message)s"))
+    handler.v41plan_start = True
+    for name in ("v41plan.runtime.graphs", "v41plan.serving.runner"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        # one handler however often main() runs in a process (the tests call it many times)
+        logger.handlers = [h for h in logger.handlers if not getattr(h, "v41plan_start", False)]
+        logger.addHandler(handler)
 
 
 if __name__ == "__main__":
