@@ -864,12 +864,22 @@ def main(argv: list[str] | None = None) -> int:
 
                 from v41plan.runtime.graphs import graph_validation
 
-                eager_base = dict(base_options, enforce_eager=True, cudagraph_mode="NONE")
+                # the eager runner runs the graph runner's dense pieces: the same compilation
+                # level (level 3 is the default under graphs only), so only capture differs
+                level = runner.kernels["compilation_level"]
+                eager_base = dict(
+                    base_options, enforce_eager=True, cudagraph_mode="NONE", compilation_level=level
+                )
                 t0 = time.perf_counter()
                 eager_runner = build_runner(
                     spec,
                     args.checkpoint,
-                    _replace(probe.options, enforce_eager=True, cudagraph_mode="NONE"),
+                    _replace(
+                        probe.options,
+                        enforce_eager=True,
+                        cudagraph_mode="NONE",
+                        compilation_level=level,
+                    ),
                 )
                 ve = Validator(
                     spec,
