@@ -148,9 +148,9 @@ class _Counted:
 
     def __call__(self, gm, example_inputs):
         t0 = time.perf_counter()
-        if self.name == "inductor":
-            import torch._inductor.config as inductor_config
+        import torch._inductor.config as inductor_config
 
+        if self.name == "inductor" and hasattr(inductor_config, "emulate_precision_casts"):
             # round where the arithmetic rounds (every cast to bf16), as eager does: fused
             # kernels otherwise keep the intermediates in float32
             with inductor_config.patch(emulate_precision_casts=True):
