@@ -8,6 +8,8 @@ interpreter on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -24,8 +26,19 @@ VARIANTS = {
 }
 
 
+@functools.cache
+def _state(spec_name: str) -> dict:
+    """The seeded random published state of ``spec_name``, made once (medium's takes tens of
+    seconds on the host; every variant reads it, ``from_state`` copies the dict)."""
+    from v41plan.model.checkpoint import random_state
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.serving.engine import resolve_spec
+
+    return random_state(config_from_cache_spec(resolve_spec(spec_name)), 0)
+
+
 def _model(spec_name: str, variant: str, dtype=torch.float32):
-    from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.model.checkpoint import LoadedCheckpoint
     from v41plan.model.config import config_from_cache_spec
     from v41plan.runtime.kernels.torch_ref import TorchBackend
     from v41plan.runtime.kernels.triton_backend import TritonBackend
@@ -35,7 +48,7 @@ def _model(spec_name: str, variant: str, dtype=torch.float32):
     v = VARIANTS[variant]
     spec = resolve_spec(spec_name)
     cfg = config_from_cache_spec(spec)
-    ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
+    ckpt = LoadedCheckpoint.from_state(cfg, _state(spec_name))
     kw = {"resident": True, "dequantize": ("attn.wo_a.weight",)} if v["resident"] else {}
     w = ckpt.process(dtype, "cuda", **kw)
     m = RuntimeModel(
