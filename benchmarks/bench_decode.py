@@ -30,6 +30,7 @@ from medium_model import (
     decode_step,
     load_spec,
     load_weights,
+    medium_report,
     pool_row_bytes,
     prefill_to_context,
     step_floor,
@@ -125,7 +126,6 @@ def main(argv=None) -> int:
         return 2
     from v41plan.runtime.graphs import CudaGraphs, capture_buckets
     from v41plan.runtime.paged_model import RuntimeModel
-    from v41plan.validation.provenance import provenance
 
     ceil = measure_ceilings()
     spec = load_spec()
@@ -219,19 +219,9 @@ def main(argv=None) -> int:
             r["engine_graph_steps"] = eng["graph_steps"]
             r["engine_eager_decode_steps"] = eng["eager_decode_steps"]
             torch.cuda.empty_cache()
-    report = {
-        "provenance": provenance(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "spec": spec.name,
-        "dtype": "bfloat16",
-        "kernel_backend": args.kernel_backend,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "index_cache_dtype": args.index_cache_dtype,
-        "ceilings": ceil,
-        "capture": capture,
-        "rows": rows,
-    }
+    report = medium_report(
+        spec, args, ceil, rows, kernel_backend=args.kernel_backend, capture=capture
+    )
     print(ceilings_line(ceil))
     print(
         f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'replay ms':>9} {'x step':>7} {'x replay':>8} "

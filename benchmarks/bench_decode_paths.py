@@ -48,6 +48,7 @@ from medium_model import (
     decode_requests,
     decode_step,
     load_spec,
+    medium_report,
     pool_row_bytes,
     prefill_to_context,
     step_floor,
@@ -292,7 +293,6 @@ def main(argv=None) -> int:
     if bad:
         print(f"bench_decode_paths.py: unknown variant {bad[0]!r}; accepted: {', '.join(VARIANTS)}")
         return 2
-    from v41plan.validation.provenance import provenance
 
     ceil = measure_ceilings()
     print(ceilings_line(ceil))
@@ -305,17 +305,7 @@ def main(argv=None) -> int:
     )
     rows: list[dict] = []
     ref_logits: dict = {}
-    report = {
-        "provenance": provenance(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "spec": spec.name,
-        "dtype": "bfloat16",
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "index_cache_dtype": args.index_cache_dtype,
-        "ceilings": ceil,
-        "rows": rows,
-    }
+    report = medium_report(spec, args, ceil, rows)
     for name in names:
         try:
             rows.extend(run_variant(name, spec, args, ceil, sizes, ref_logits))

@@ -24,7 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import ceilings_line, measure_ceilings
-from medium_model import load_spec, load_weights, pool_row_bytes, step_floor, time_host
+from medium_model import (
+    load_spec,
+    load_weights,
+    medium_report,
+    pool_row_bytes,
+    step_floor,
+    time_host,
+)
 from report_io import write_report
 
 
@@ -44,7 +51,6 @@ def main(argv=None) -> int:
         return 2
     from v41plan.planner.step import RequestInput, StepInput, plan_step
     from v41plan.runtime.paged_model import RuntimeModel
-    from v41plan.validation.provenance import provenance
 
     ceil = measure_ceilings()
     spec = load_spec()
@@ -112,19 +118,10 @@ def main(argv=None) -> int:
             }
         )
     same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
-    report = {
-        "provenance": provenance(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "spec": spec.name,
-        "dtype": "bfloat16",
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "index_cache_dtype": args.index_cache_dtype,
-        "ceilings": ceil,
-        "rows": rows,
-        "speedup_replay_on": rows[0]["ms"] / rows[1]["ms"],
-        "last_token_equal": same,
-    }
+    report = medium_report(
+        spec, args, ceil, rows,
+        speedup_replay_on=rows[0]["ms"] / rows[1]["ms"], last_token_equal=same,
+    )  # fmt: skip
     print(ceilings_line(ceil))
     print(
         f"{'replay':>6} {'tokens':>6} {'ms':>9} {'tok/s':>9} {'layer rows':>10} {'TFLOP':>7} "

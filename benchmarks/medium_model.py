@@ -65,6 +65,25 @@ def load_weights(spec, checkpoint: str | None, seed: int = 0):
     return ckpt.config, w, ckpt.engram_host()
 
 
+def medium_report(spec, args, ceilings: dict, rows: list, **extra) -> dict:
+    """The common head of a medium benchmark's report: provenance, device, torch, spec, compute
+    and cache dtypes, the ceilings and the (still filling) ``rows``, then ``extra``."""
+    from v41plan.validation.provenance import provenance
+
+    return {
+        "provenance": provenance(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "spec": spec.name,
+        "dtype": "bfloat16",
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+        "ceilings": ceilings,
+        "rows": rows,
+        **extra,
+    }
+
+
 def time_host(fn, iters: int, warmup: int = 2) -> float:
     """Median wall seconds of ``fn(); torch.cuda.synchronize()`` (host-bound work included)."""
     for _ in range(warmup):
