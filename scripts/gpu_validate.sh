@@ -58,7 +58,8 @@ run_step crosscheck 120 python3 scripts/crosscheck_backend.py --out "$OUT/crossc
 run_step compiled 300 python3 -m pytest tests/gpu/test_compiled_gpu.py \
     "tests/gpu/test_fast_paths_gpu.py::test_engine_auto_kernels_graph_tokens_equal_eager" \
     -q -s -p no:cacheprovider --durations=8
-run_step paths 420 python3 benchmarks/bench_decode_paths.py ${VARIANTS:+--variants "$VARIANTS"} \
+# VARIANTS: bench_decode_paths variants (all seven run past one device call; about 70-110 s each)
+run_step paths 420 python3 benchmarks/bench_decode_paths.py --variants "${VARIANTS:-resident,dense_compiled,compiled}" \
     --out "$OUT/bench_decode_paths.json"
 run_step startup 420 python3 benchmarks/bench_startup.py --out "$OUT/bench_startup.json"
 run_step kernels 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json"
