@@ -16,7 +16,10 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``dense_compiled``: ``dense`` with ``compilation_level=3`` (the dense pieces, the dense MoE
   included, under Inductor);
 - ``compiled``: ``resident`` with ``compilation_level=3``: the engine's ``auto`` choice under
-  CUDA graphs.
+  CUDA graphs;
+- ``compiled_torch_attention`` / ``dense_compiled_torch_attention``: ``compiled`` /
+  ``dense_compiled`` with the torch backend for the pool-touching ops (the fused-dense issue's
+  batch-1 target is stated for that backend).
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -26,7 +29,10 @@ expert product, which run inside ``record_function`` ranges here (``labelled_bac
 graph tokens against eager tokens (the capture is exact) and the logits against the reference
 variant's at the same step (each variant prefilled the same tokens through its own kernels, so
 the pools differ by their roundings: a stated figure, not a check). The ceilings are measured in
-this process and every row carries ``floor_ms`` (``medium_model.step_floor``, weights in their
+this process and every row carries ``kernel_table``: the ``--kernel-table`` kernels with the
+most device time in a profiled graph replay (per step: calls, microseconds), with
+``kernel_busy_ms`` (the sum of all kernel durations; replay minus busy is the launch and
+dependency gap), and ``floor_ms`` (``medium_model.step_floor``, weights in their
 shipped formats) and ``of_floor`` = floor / replay. Writes ``$OUT/bench_decode_paths.json``.
 """
 
@@ -65,6 +71,8 @@ VARIANTS = {
     "resident": ("triton", "triton", "grouped", True, None),
     "dense_compiled": ("triton", "triton", "dense", False, "inductor"),
     "compiled": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_torch_attention": ("torch", "triton", "grouped", True, "inductor"),
+    "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -135,6 +143,34 @@ def _kernels(fn) -> tuple[int, int | None]:
                 p = p.cpu_parent
             inside += p is not None
     return total, (inside if linked else None)
+
+
+def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
+    """``(the top kernels by device time per call of fn, kernel busy ms per call)`` from a
+    profile of ``steps`` calls (a graph replay's kernels are traced one by one); ``([], None)``
+    when the profiler records no kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    fn()
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            acc = by_name.setdefault(e.name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += e.device_time
+    if not by_name:
+        return [], None
+    busy_us = sum(v[1] for v in by_name.values()) / steps
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    table = [{"kernel": k[:120], "calls": v[0] / steps, "us": v[1] / steps} for k, v in ranked]
+    return table, busy_us / 1e3
 
 
 def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
@@ -216,6 +252,17 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
             lambda plan=plan, tok=tok: runner.run(m.prepare(plan, tok)).logits, args.iters
         )
         restore()
+        table, busy_ms, table_source = [], None, None
+        if args.kernel_table:
+            table, busy_ms = _kernel_table(g.replay, 3, args.kernel_table)
+            table_source = "graph_replay"
+            if not table:  # the profiler traced no kernel of the replay: the eager forward's
+                restore()
+                table, busy_ms = _kernel_table(
+                    lambda plan=plan, tok=tok: m.forward(plan, tok), 1, args.kernel_table
+                )
+                table_source = "eager_forward"
+        restore()
         del snap
         if name == "reference":
             ref_logits[bs] = want
@@ -251,6 +298,9 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                 "graph_tokens_equal_eager": graph_equal,
                 "graph_max_logit_diff": graph_diff,
                 **vs_ref,
+                "kernel_busy_ms": busy_ms,
+                "kernel_table": table,
+                "kernel_table_source": table_source,
                 "floor_ms": fl["floor_s"] * 1e3,
                 "bound": fl["bound"],
                 "of_floor": fl["floor_s"] / replay_s,
@@ -271,6 +321,11 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
             f"{vs_ref.get('argmax_equal_vs_reference', float('nan')):>6.2f}",
             flush=True,
         )
+        if table:
+            replay_ms = rows[-1]["replay_ms"]
+            print(f"{'':>14} kernels busy {busy_ms:.3f} ms of {replay_ms:.3f} ms replay")
+            for t in table[:6]:
+                print(f"{'':>14} {t['us']:>9.1f} us {t['calls']:>6.0f}x  {t['kernel'][:70]}")
     return rows
 
 
@@ -283,6 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument(
+        "--kernel-table", type=int, default=12, help="kernels a row lists by device time (0: none)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
