@@ -66,7 +66,10 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
         cx = {"BLOCK_N": 4, "BLOCK_D": 256, "X_BF16": xdt == "*bf16"}
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"hc_expand {xdt}", td._hc_expand_kernel, sig, cx, 4))
-        for _, (mix, block_n, block_d, warps) in td.SITE_CONFIGS:
+        forms = [cfg for _, cfg in td.SITE_CONFIGS]
+        if not any(f[0] == "split" for f in forms):
+            forms.append(("split", 1, 128, 4))  # the decode form the tile sweep times
+        for mix, block_n, block_d, warps in forms:
             flags = ((True, True),) if quick else ((False, False), (True, False), (True, True))
             for expand, quant in flags:
                 sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in SITE_PTRS}
@@ -82,6 +85,9 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
                     "QUANT": quant,
                     "X_BF16": xdt == "*bf16",
                 }
+                if mix == "split":
+                    out += _split_variants(td, xdt, hidden, block_d, warps, expand, quant)
+                    continue
                 kernel = td._mhc_site_kernel
                 if mix != "products":
                     kernel = td._mhc_site_dot_kernel
@@ -89,6 +95,31 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
                 sig.update(dict.fromkeys(cx, "constexpr"))
                 name = f"mhc_site {mix} bn={block_n} {xdt} expand={expand} quant={quant}"
                 out.append((name, kernel, sig, cx, warps))
+    return out
+
+
+def _split_variants(td, xdt, hidden, block_d, warps, expand, quant) -> list:
+    """The split site's two kernels (first pass, finish) at ``block_d`` lanes per chunk."""
+    lanes, split = td.split_lanes(hidden, block_d)
+    part_ptrs = ["X_ptr", "pre_in_ptr", "fn_ptr", "y_ptr", "post_prev_ptr", "C_prev_ptr"]
+    part_ptrs += ["X_out_ptr", "x_ptr", "part_ptr"]
+    sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in part_ptrs}
+    sig["N"] = "i32"
+    cx = {"D": hidden, "LANES": lanes, "SPLIT": split, "BLOCK_N": 1, "BLOCK_D": block_d}
+    cx.update({"EXPAND": expand, "X_BF16": xdt == "*bf16"})
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out = [(f"mhc_site split part {xdt} expand={expand}", td._mhc_site_part_kernel, sig, cx, warps)]
+    fin_ptrs = ["part_ptr", "base_ptr", "scale_ptr", "w_ptr", "pre_ptr", "post_ptr", "C_ptr"]
+    fin_ptrs += ["x_ptr", "codes_ptr", "scales_ptr"]
+    sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in fin_ptrs}
+    sig["codes_ptr"] = "*u8"
+    sig.update({"N": "i32", "hc_eps": "fp32", "norm_eps": "fp32"})
+    cx = {"D": hidden, "ITERS": 20, "SPLIT": split, "BLOCK_N": 1, "BLOCK_D": block_d}
+    cx.update({"QBLOCK": 32, "QUANT": quant, "X_BF16": xdt == "*bf16"})
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(
+        (f"mhc_site split finish {xdt} quant={quant}", td._mhc_site_finish_kernel, sig, cx, warps)
+    )
     return out
 
 

@@ -193,7 +193,7 @@ def _check_prediction(pre, post, C, X, p, iters=ITERS):
 )
 def test_mhc_site_fp32_within_the_stated_bound(N, D, peaked):
     # up to 16 tokens: one per program, per-lane products; more: 16 per program, tl.dot
-    assert td.site_config(N)[0] == ("products" if N <= 16 else "tf32x3")
+    assert (td.site_config(N)[0] == "tf32x3") == (N > 16)
     X, pre_in, p, w, _ = _site_inputs(N, D, seed=N, peaked=peaked)
     pre, post, C, x = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
     assert pre.shape == post.shape == (N, HC) and C.shape == (N, HC, HC) and x.shape == (N, D)
@@ -295,6 +295,45 @@ def test_mhc_expand_site_is_expand_then_site(dtype, N):
     assert len(got) == 5
     for a, b in zip(got, want, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.fixture
+def split_form(monkeypatch):
+    """The split decode form up to 16 tokens, 32 lanes per first-pass program (3 programs per
+    token at D = 96, 2 at 64)."""
+    monkeypatch.setattr(td, "SITE_CONFIGS", [(16, ("split", 1, 32, 1)), SMALL_SITE_CONFIGS[-1]])
+    monkeypatch.setattr(td, "SPLIT_LANES", 32)
+
+
+def test_split_site_lanes():
+    assert td.split_lanes(1024, 128) == (128, 8)
+    assert td.split_lanes(96, 32) == (128, 1)
+    assert td.split_lanes(96, 256) == (256, 1)
+
+
+@pytest.mark.parametrize(("N", "D", "peaked"), [(7, 96, False), (5, 64, True)])
+def test_split_site_within_the_stated_bound(split_form, N, D, peaked):
+    assert td.site_config(N)[0] == "split" and td.split_lanes(D, 32)[1] == D // 32
+    test_mhc_site_fp32_within_the_stated_bound(N, D, peaked)
+
+
+def test_split_site_bf16_sinkhorn_and_epilogues(split_form):
+    test_mhc_site_bf16_rounds_where_the_reference_rounds(6)
+    test_mhc_site_runs_exactly_the_sinkhorn_iterations(2, 5)
+    test_fused_fp8_epilogue_quantizes_the_site_output(torch.bfloat16, 5)
+    test_mhc_expand_site_is_expand_then_site(torch.float32, 4)
+
+
+def test_split_site_is_batch_invariant(split_form):
+    # each token's sums run in the same order whatever the batch: one token alone equals its row
+    X, pre_in, p, w, y = _site_inputs(9, 96, seed=21)
+    _, post, C, _ = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    full = td.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    one = td.mhc_expand_site_fp8(
+        y[4:5], X[4:5], post[4:5], C[4:5], pre_in[4:5], p, w, HC, ITERS, HC_EPS, NORM_EPS
+    )
+    for a, b in zip(full, one, strict=True):
+        assert torch.equal(_bits(a[4:5]), _bits(b))
 
 
 def test_site_falls_back_to_the_reference_outside_the_kernel():

@@ -480,6 +480,99 @@ def _mhc_site_kernel(
     )  # fmt: skip
 
 
+PART_WIDTH = 34
+"""Floats of one split program's partial per token: 16 pre/post mixes, 16 C mixes, the sums
+of squares of the streams and of the collapse."""
+
+
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _mhc_site_part_kernel(
+    X_ptr, pre_in_ptr, fn_ptr, y_ptr, post_prev_ptr, C_prev_ptr, X_out_ptr, x_ptr, part_ptr,
+    N, D: tl.constexpr, LANES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EXPAND: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 of the split site (decode): ``BLOCK_N`` tokens x the ``LANES`` lanes of split
+    ``program_id(1)``: the expand (``EXPAND``, stored to ``X_out``), the collapse (stored
+    unnormalized in ``x``) and the partial mixes and sums of squares (``part [N, SPLIT, 34]``).
+    Splitting the lanes spreads the reading of ``fn`` over ``SPLIT`` programs per token: one
+    program streaming all of it is latency-bound (the reason for this form)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sp = tl.program_id(1)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    rn = r64[:, None, None]
+    rm3 = rmask[:, None, None]
+    jj3 = tl.arange(0, 16)[None, :, None]
+    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm3, other=0.0)
+    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm3, other=0.0)
+    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm3, other=0.0)
+    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm3, other=0.0)
+    acc_pp = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xty = x_ptr.dtype.element_ty
+    for c0 in range(0, LANES, BLOCK_D):
+        dd = sp * LANES + c0 + tl.arange(0, BLOCK_D)[None, None, :]
+        dm3 = dd < D
+        m3 = rm3 & dm3
+        xo = rn * (4 * D) + dd
+        x0, x1, x2, x3 = _load_streams(
+            X_ptr, xo, m3, D, y_ptr, rn * D + dd, C_prev_ptr, post_prev_ptr, rn, rm3, X_out_ptr,
+            EXPAND, X_BF16,
+        )  # fmt: skip
+        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        acc_pp, acc_c = _mix3(x0, fn_ptr, 0, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x1, fn_ptr, 1, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x2, fn_ptr, 2, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x3, fn_ptr, 3, D, dd, dm3, jj3, acc_pp, acc_c)
+        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
+        xs += xc * xc
+        tl.store(x_ptr + rn * D + dd, xc.to(xty), mask=m3)
+    jj = tl.arange(0, 16)
+    base = part_ptr + (r64 * SPLIT + sp) * 34
+    m2 = rmask[:, None]
+    tl.store(base[:, None] + jj[None, :], tl.sum(acc_pp, axis=2), mask=m2)
+    tl.store(base[:, None] + 16 + jj[None, :], tl.sum(acc_c, axis=2), mask=m2)
+    tl.store(base + 32, tl.sum(tl.sum(ss, axis=2), axis=1), mask=rmask)
+    tl.store(base + 33, tl.sum(tl.sum(xs, axis=2), axis=1), mask=rmask)
+
+
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _mhc_site_finish_kernel(
+    part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
+    N, hc_eps, norm_eps,
+    D: tl.constexpr, ITERS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """Pass 2 of the split site: the partials summed in split order (the same sums at every
+    batch width), the prediction (``_site_predict``) and the norm and quantizer over ``x``
+    (``_site_norm``)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    r64 = rows.to(tl.int64)
+    jj = tl.arange(0, 16)
+    m2 = rmask[:, None]
+    acc_pp = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for sp in range(SPLIT):
+        base = part_ptr + (r64 * SPLIT + sp) * 34
+        acc_pp += tl.load(base[:, None] + jj[None, :], mask=m2, other=0.0)
+        acc_c += tl.load(base[:, None] + 16 + jj[None, :], mask=m2, other=0.0)
+        ss += tl.load(base + 32, mask=rmask, other=0.0)
+        xs += tl.load(base + 33, mask=rmask, other=0.0)
+    _site_predict(
+        acc_pp, acc_c, ss, r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr, hc_eps,
+        norm_eps, D, ITERS,
+    )  # fmt: skip
+    _site_norm(
+        xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D, BLOCK_D, QBLOCK, QUANT,
+        X_BF16,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["N"])  # one build for every batch width
 def _mhc_site_dot_kernel(
     X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
@@ -599,6 +692,18 @@ def site_config(N: int) -> tuple[str, int, int, int]:
     return next(cfg for bound, cfg in SITE_CONFIGS if N <= bound)
 
 
+SPLIT_LANES = 128
+"""Lanes of ``D`` per program of the split site's first pass (``"split"``): ``D / 128``
+programs per token (8 at hidden 1024)."""
+
+
+def split_lanes(D: int, block_d: int) -> tuple[int, int]:
+    """``(lanes per program, programs per token)`` of the split site's first pass: chunks of
+    ``block_d`` lanes, ``SPLIT_LANES`` (at least one chunk) per program."""
+    lanes = max(block_d, SPLIT_LANES // block_d * block_d)
+    return lanes, triton.cdiv(D, lanes)
+
+
 def _site_kernel_ok(X: torch.Tensor, D: int, hc: int, quant_block: int | None) -> bool:
     """Whether the site kernel covers these streams (else the torch reference runs)."""
     ok = (
@@ -653,17 +758,32 @@ def _launch_site(
     else:
         y, post_prev, C_prev, X_out = X, pre_in, pre_in, X  # unused by the kernel
     mix, block_n, block_d, warps = site_config(N)
-    kernel, extra = _mhc_site_kernel, {}
-    if mix != "products":
-        kernel, extra = _mhc_site_dot_kernel, {"PRECISION": mix}
-    if N:
+    bf16 = X.dtype == torch.bfloat16
+    if N and mix == "split":
+        lanes, split = split_lanes(D, block_d)
+        part = torch.empty((N, split, PART_WIDTH), dtype=f32, device=dev)
+        _mhc_site_part_kernel[(triton.cdiv(N, block_n), split)](
+            X, pre_in, fn, y, post_prev, C_prev, X_out, x, part, N, D=D, LANES=lanes,
+            SPLIT=split, BLOCK_N=block_n, BLOCK_D=block_d, EXPAND=expand is not None,
+            X_BF16=bf16, num_warps=warps,
+        )  # fmt: skip
+        _mhc_site_finish_kernel[(triton.cdiv(N, block_n),)](
+            part, base, scale, norm_weight, pre, post, C, x, codes, scales,
+            N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters), SPLIT=split,
+            BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb, QUANT=quant_block is not None,
+            X_BF16=bf16, num_warps=warps,
+        )  # fmt: skip
+    elif N:
+        kernel, extra = _mhc_site_kernel, {}
+        if mix != "products":
+            kernel, extra = _mhc_site_dot_kernel, {"PRECISION": mix}
         kernel[(triton.cdiv(N, block_n),)](
             X, pre_in, fn, base, scale, norm_weight, y, post_prev, C_prev, X_out,
             pre, post, C, x, codes, scales,
             N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters),
             BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb,
             EXPAND=expand is not None, QUANT=quant_block is not None,
-            X_BF16=X.dtype == torch.bfloat16, num_warps=warps, **extra,
+            X_BF16=bf16, num_warps=warps, **extra,
         )  # fmt: skip
     return (
         X_out if expand is not None else None,

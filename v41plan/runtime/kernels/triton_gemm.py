@@ -50,7 +50,8 @@ class GemmConfig:
     block_n: int
     """Output lanes per program."""
     block_k: int
-    """K lanes per loop step (a multiple of 32; exactly 32 in the ``"fp8"`` mode)."""
+    """K lanes per loop step (a multiple of 32; the ``"fp8"`` mode walks its 32-lane blocks
+    unrolled, so any multiple gives the same sums)."""
     num_warps: int = 4
     """Warps per program."""
     num_stages: int = 3
@@ -159,19 +160,31 @@ def _w8a8_kernel(
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # the fp8 mode scales each 32-lane block's product: a wider BK walks its blocks unrolled,
+    # in the same order (the sums are BK=32's, bit for bit)
+    SUB: tl.constexpr = 32 if DOT == 2 else BK
     for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        kmask = rk < K
-        a, sx = load_a_tile(
-            x_ptr, xs_ptr, rm, rk, k0, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, BK
-        )
-        bmask = nmask[:, None] & kmask[None, :]
-        wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
         if DOT == 2:
-            sw = e8m0_value(tl.load(ws_ptr + (rn // 32) * swsn + k0 // 32, mask=nmask, other=0))
-            part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
-            acc += part * (sx[:, None] * sw[None, :])
+            for j in tl.static_range(BK // SUB):
+                kb = k0 + j * SUB
+                rk = kb + tl.arange(0, SUB)
+                kmask = rk < K
+                a, sx = load_a_tile(
+                    x_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
+                )
+                bmask = nmask[:, None] & kmask[None, :]
+                wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
+                sw = e8m0_value(tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0))
+                part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
+                acc += part * (sx[:, None] * sw[None, :])
         else:
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < K
+            a, sx = load_a_tile(
+                x_ptr, xs_ptr, rm, rk, k0, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, BK
+            )
+            bmask = nmask[:, None] & kmask[None, :]
+            wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
             fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
             b = decode_e4m3(wb) * e8m0_value(fld)
             if DOT == 1:
@@ -220,8 +233,8 @@ def w8a8_linear(
     if out_dtype is None:
         out_dtype = x.dtype if quant_x else torch.bfloat16
     cfg = config or default_config(M, N, K, dot)
-    if dot == "fp8" and cfg.block_k != QUANT_BLOCK:
-        raise ValueError("the fp8 dot mode takes block_k 32 (one scale block per step)")
+    if cfg.block_k % QUANT_BLOCK:
+        raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
     xk = x.contiguous() if quant_x else _bytes(x)
     xs = xk if quant_x else _bytes(x_scales)
     w, ws = _bytes(w_codes), _bytes(w_scales)

@@ -51,7 +51,8 @@ class MoEConfig:
     block_n_down: int
     """Output lanes per down program."""
     block_k: int
-    """K lanes per step (32 in the ``"fp8"`` mode)."""
+    """K lanes per step (a multiple of 32; the ``"fp8"`` mode walks its 32-lane blocks
+    unrolled)."""
     num_warps: int = 4
     """Warps per program."""
     num_stages: int = 3
@@ -168,14 +169,19 @@ def _gate_up_kernel(
     s3 = s3_ptr + g.to(tl.int64) * sse
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
     for k0 in range(0, D, BK):
-        rk = k0 + tl.arange(0, BK)
-        kmask = rk < D
-        a, sxv = load_a_tile(xq_ptr, xs_ptr, tok, rk, k0, valid, kmask, sx, sxs, False, DOT, BM, BK)
-        b1, sw1 = load_fp4_tile(w1, s1, rn, rk, k0, nmask, kmask, swn, ssn, D, DOT, BN, BK)
-        acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
-        b3, sw3 = load_fp4_tile(w3, s3, rn, rk, k0, nmask, kmask, swn, ssn, D, DOT, BN, BK)
-        acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
+        for j in tl.static_range(BK // SUB):
+            kb = k0 + j * SUB
+            rk = kb + tl.arange(0, SUB)
+            kmask = rk < D
+            a, sxv = load_a_tile(
+                xq_ptr, xs_ptr, tok, rk, kb, valid, kmask, sx, sxs, False, DOT, BM, SUB
+            )
+            b1, sw1 = load_fp4_tile(w1, s1, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
+            acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
+            b3, sw3 = load_fp4_tile(w3, s3, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
+            acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
     if ROUND_BF16:  # the published linears round their outputs to bf16
         acc1 = round_bf16(acc1)
         acc3 = round_bf16(acc3)
@@ -231,14 +237,17 @@ def _down_kernel(
     w2 = w2_ptr + g.to(tl.int64) * swe
     s2 = s2_ptr + g.to(tl.int64) * sse
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
     for k0 in range(0, I, BK):
-        rk = k0 + tl.arange(0, BK)
-        kmask = rk < I
-        a, sav = load_a_tile(
-            act_ptr, acts_ptr, rr, rk, k0, rmask, kmask, sa, sas, False, DOT, BM, BK
-        )
-        b, sw = load_fp4_tile(w2, s2, rn, rk, k0, nmask, kmask, swn, ssn, I, DOT, BN, BK)
-        acc = qdot(acc, a, sav, b, sw, DOT)
+        for j in tl.static_range(BK // SUB):
+            kb = k0 + j * SUB
+            rk = kb + tl.arange(0, SUB)
+            kmask = rk < I
+            a, sav = load_a_tile(
+                act_ptr, acts_ptr, rr, rk, kb, rmask, kmask, sa, sas, False, DOT, BM, SUB
+            )
+            b, sw = load_fp4_tile(w2, s2, rn, rk, kb, nmask, kmask, swn, ssn, I, DOT, BN, SUB)
+            acc = qdot(acc, a, sav, b, sw, DOT)
     if ROUND_BF16:
         acc = round_bf16(acc)
     tl.store(
@@ -362,8 +371,8 @@ def grouped_moe_w4a8_stages(
     El, I, D = w1.shape
     dot = dot or default_dot(xq.device)
     cfg = config or default_moe_config(n * k, dot, D, I)
-    if dot == "fp8" and cfg.block_k != QUANT_BLOCK:
-        raise ValueError("the fp8 dot mode takes block_k 32 (one scale block per step)")
+    if cfg.block_k % QUANT_BLOCK:
+        raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
     rows: MoERows = align_rows(ids, expert_first, El, cfg.block_m)
     R = rows.rows
     dev = xq.device
