@@ -25,7 +25,8 @@ Per variant and batch size: requests prefilled to ``--context`` tokens, then the
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
 ``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward,
 and of them the dense ones: launched outside the kernel-backend ops and the grouped MoE's
-expert product, which run inside ``record_function`` ranges here (``labelled_backend``);
+expert product, which run inside ``record_function`` ranges here (``labelled_backend``), with
+their names per layer (``dense_kernels_by_name_per_layer``);
 graph tokens against eager tokens (the capture is exact) and the logits against the reference
 variant's at the same step (each variant prefilled the same tokens through its own kernels, so
 the pools differ by their roundings: a stated figure, not a check). The ceilings are measured in
@@ -116,10 +117,12 @@ def _weights(spec, checkpoint, resident: bool):
     return ckpt.config, w, ckpt.engram_host(), ckpt.report
 
 
-def _kernels(fn) -> tuple[int, int | None]:
-    """(device kernels one call of ``fn`` launches, those launched inside a ``backend.`` range)
-    (``torch.profiler``; copies and memsets apart). The second is None when the profile links
-    no kernel to the host event that launched it."""
+def _kernels(fn) -> tuple[int, int | None, dict[str, int]]:
+    """(device kernels one call of ``fn`` launches, those launched inside a ``backend.`` range,
+    the dense ones by name) (``torch.profiler``; copies and memsets apart). The second is None
+    when the profile links no kernel to the host event that launched it."""
+    from collections import Counter
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
@@ -131,6 +134,7 @@ def _kernels(fn) -> tuple[int, int | None]:
     names = [e.name for e in events if e.device_type == DeviceType.CUDA]
     total = sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
     linked = inside = 0
+    dense: Counter = Counter()
     for e in events:
         if e.device_type != DeviceType.CPU:
             continue
@@ -142,7 +146,9 @@ def _kernels(fn) -> tuple[int, int | None]:
             while p is not None and not p.name.startswith(BACKEND_RANGE):
                 p = p.cpu_parent
             inside += p is not None
-    return total, (inside if linked else None)
+            if p is None:
+                dense[k.name[:100]] += 1
+    return total, (inside if linked else None), dict(dense.most_common())
 
 
 def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
@@ -241,7 +247,9 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                     return _f(self, *a)
 
             cls.experts = experts
-        kernels, backend_kernels = _kernels(lambda plan=plan, tok=tok: m.forward(plan, tok))
+        kernels, backend_kernels, dense_names = _kernels(
+            lambda plan=plan, tok=tok: m.forward(plan, tok)
+        )
         m.backend = kb
         if moe_call:
             cls.experts = moe_call[0]
@@ -298,6 +306,9 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                 "graph_tokens_equal_eager": graph_equal,
                 "graph_max_logit_diff": graph_diff,
                 **vs_ref,
+                "dense_kernels_by_name_per_layer": {
+                    k: v / cfg.num_hidden_layers for k, v in list(dense_names.items())[:40]
+                },
                 "kernel_busy_ms": busy_ms,
                 "kernel_table": table,
                 "kernel_table_source": table_source,

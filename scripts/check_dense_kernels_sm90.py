@@ -98,6 +98,37 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
     return out
 
 
+def _gemm_variants(hidden: int) -> list:
+    """The W8A8 linear and the grouped MoE kernels in the fp8 mode at wide K steps (their 32-lane
+    blocks unrolled), and the one-program permutation."""
+    from v41plan.runtime.kernels import triton_gemm as tg
+    from v41plan.runtime.kernels import triton_moe as tm
+
+    i32 = "i32"
+    sig = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N"), i32))
+    sig["K"] = "constexpr"
+    sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "sym"), i32))
+    cx = {"K": hidden, "QUANT_X": True, "DOT": 2, "OUT_BF16": True, "BM": 16, "BN": 32}
+    cx.update({"BK": 128, "GROUP_M": 8})
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out = [("w8a8 fp8 bk=128", tg._w8a8_kernel, sig, cx, 4)]
+    ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8", "w3_ptr": "*u8"}
+    ptrs.update({"s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32", "rw_ptr": "*fp32"})
+    ptrs.update({"act_ptr": "*u8", "acts_ptr": "*u8", "limit": "fp32"})
+    ptrs.update(dict.fromkeys(("sx", "sxs", "swe", "swn", "sse", "ssn", "sa", "sas"), i32))
+    cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": 2, "BM": 16, "BN": 32}
+    cx["BK"] = 128
+    ptrs.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("moe gate_up fp8 bk=128", tm._gate_up_kernel, ptrs, cx, 4))
+    sig = {"ids_ptr": "*i64", "row_ids_ptr": "*i64", "pos_ptr": "*i64", "ends_ptr": "*i32"}
+    sig.update({"be_ptr": "*i32", "nk": i32, "R": i32, "expert_first": i32})
+    cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("moe align_rows", tm._align_rows_kernel, sig, cx, 4))
+    return out
+
+
 def _split_variants(td, xdt, hidden, block_d, warps, expand, quant) -> list:
     """The split site's two kernels (first pass, finish) at ``block_d`` lanes per chunk."""
     lanes, split = td.split_lanes(hidden, block_d)
@@ -120,7 +151,7 @@ def _split_variants(td, xdt, hidden, block_d, warps, expand, quant) -> list:
     out.append(
         (f"mhc_site split finish {xdt} quant={quant}", td._mhc_site_finish_kernel, sig, cx, warps)
     )
-    return out
+    return out + _gemm_variants(hidden)
 
 
 def _resources(cubin: bytes, cuobjdump: str) -> str:

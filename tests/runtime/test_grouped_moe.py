@@ -96,6 +96,25 @@ def test_rows_are_sorted_by_local_expert_in_whole_blocks(block_m, first, count):
     assert ends == list(torch.tensor([-(-c // block_m) * block_m for c in counts]).cumsum(0))
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "E", "first", "count", "block_m"),
+    [(23, 3, 8, 0, 8, 16), (23, 3, 8, 4, 4, 4), (1, 6, 48, 0, 48, 16), (40, 6, 48, 12, 24, 1),
+     (300, 6, 48, 0, 48, 16)],
+)  # fmt: skip
+def test_fused_permutation_equals_the_torch_one(n, k, E, first, count, block_m):
+    from v41plan.runtime.kernels.triton_moe import align_rows_fused
+
+    g = torch.Generator().manual_seed(n + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]).to(DEV)
+    if n == 40:  # skewed: most rows on a few experts, several experts empty
+        ids = torch.stack([torch.randperm(8, generator=g)[:k] * 3 for _ in range(n)]).to(DEV)
+    want = align_rows(ids, first, count, block_m)
+    got = align_rows_fused(ids, first, count, block_m)
+    for name in ("row_ids", "pos", "group_ends", "block_expert"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 # --- torch grouped against the dense reference ---------------------------------------------
 
 

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from v41plan.model.quant import QuantWeight
-from v41plan.runtime.kernels.moe_torch import MoERows, align_rows
+from v41plan.runtime.kernels.moe_torch import MoERows, align_rows, padded_rows
+from v41plan.runtime.kernels.triton_common import interpreted
 from v41plan.runtime.kernels.triton_gemm import DOT_MODES, default_dot, load_a_tile
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
@@ -70,6 +71,74 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
     if rows <= 1024:
         return MoEConfig(16, 64, 64, bk, num_warps=4, num_stages=4)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
+
+
+ALIGN_MAX_ROWS = 4096
+"""Routed rows (``N * k``) up to which ``align_rows_fused`` permutes in one Triton program;
+above it (long prefill chunks) the torch permutation runs."""
+
+
+@triton.jit
+def _align_rows_kernel(
+    ids_ptr, row_ids_ptr, pos_ptr, ends_ptr, be_ptr, nk, R, expert_first,
+    E: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+    GBLOCKS: tl.constexpr,
+):  # fmt: skip
+    """``moe_torch.align_rows`` in one program: the ``nk`` flat rows (``BLOCK`` lanes) ranked
+    within their local expert by a prefix sum per expert (the stable sort's order: token, then
+    slot), each expert's group padded to ``BM``; ``R`` padded positions (``RBLOCK`` lanes). No
+    loop bound is read from an argument, so the interpreter runs it as it is."""
+    i = tl.arange(0, BLOCK)
+    imask = i < nk
+    e = tl.load(ids_ptr + i, mask=imask, other=0).to(tl.int64) - expert_first
+    local = imask & (e >= 0) & (e < E)
+    r = tl.arange(0, RBLOCK)  # padding: no row, no expert
+    tl.store(row_ids_ptr + r, tl.full([RBLOCK], -1, tl.int64), mask=r < R)
+    tl.store(be_ptr + r, tl.full([RBLOCK], -1, tl.int32), mask=r < R // BM)
+    tl.debug_barrier()  # the stores below land on the padding
+    ppos = tl.full([BLOCK], -1, tl.int64)
+    end = tl.zeros([1], dtype=tl.int64)
+    for g in range(E):
+        m = local & (e == g)
+        mi = m.to(tl.int64)
+        rank = tl.cumsum(mi, axis=0) - 1
+        ppos = tl.where(m, tl.sum(end, axis=0) + rank, ppos)
+        padded = (tl.sum(mi, axis=0) + BM - 1) // BM * BM
+        start = tl.sum(end, axis=0)
+        tl.store(ends_ptr + g + tl.zeros([1], dtype=tl.int32), (end + padded).to(tl.int32))
+        blk = tl.arange(0, GBLOCKS)  # an expert's blocks: at most cdiv(nk, BM)
+        tl.store(
+            be_ptr + start // BM + blk, tl.full([GBLOCKS], g, tl.int32), mask=blk < padded // BM
+        )
+        end += padded
+    tl.store(pos_ptr + i, ppos, mask=imask)
+    tl.store(row_ids_ptr + ppos, i.to(tl.int64), mask=imask & (ppos >= 0))
+
+
+def align_rows_fused(
+    ids: torch.Tensor, expert_first: int, expert_count: int, block_m: int
+) -> MoERows:
+    """``moe_torch.align_rows`` (the same integers) as one Triton launch up to
+    ``ALIGN_MAX_ROWS`` routed rows on CUDA (or under the interpreter); the torch permutation
+    otherwise."""
+    n, k = ids.shape
+    nk = n * k
+    interp = ids.device.type == "cpu" and interpreted(_align_rows_kernel)
+    if not (ids.is_cuda or interp) or nk > ALIGN_MAX_ROWS or nk == 0:
+        return align_rows(ids, expert_first, expert_count, block_m)
+    dev = ids.device
+    R = padded_rows(n, k, expert_count, block_m)
+    row_ids = torch.empty(R, dtype=torch.int64, device=dev)
+    pos = torch.empty(nk, dtype=torch.int64, device=dev)
+    ends = torch.empty(expert_count, dtype=torch.int32, device=dev)
+    be = torch.empty(R // block_m, dtype=torch.int32, device=dev)
+    block = max(16, triton.next_power_of_2(nk))
+    _align_rows_kernel[(1,)](
+        ids.reshape(nk).contiguous(), row_ids, pos, ends, be, nk, R, int(expert_first),
+        E=expert_count, BM=block_m, BLOCK=block, RBLOCK=triton.next_power_of_2(R),
+        GBLOCKS=triton.next_power_of_2(-(-nk // block_m)), num_warps=4 if block <= 1024 else 8,
+    )  # fmt: skip
+    return MoERows(row_ids, pos, ends, be, block_m)
 
 
 @triton.jit
@@ -373,7 +442,7 @@ def grouped_moe_w4a8_stages(
     cfg = config or default_moe_config(n * k, dot, D, I)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
-    rows: MoERows = align_rows(ids, expert_first, El, cfg.block_m)
+    rows: MoERows = align_rows_fused(ids, expert_first, El, cfg.block_m)
     R = rows.rows
     dev = xq.device
     act = torch.empty((R, I), dtype=torch.uint8, device=dev)
