@@ -49,7 +49,12 @@ def _interpreter_for_this_module_only():
 SHIPPED_SITE_CONFIGS = list(td.SITE_CONFIGS)
 # the interpreter is slow: a 16-token switch to the tl.dot form puts both forms within small test
 # shapes (the shipped switch, at 1024 tokens, is checked on its own below)
-SMALL_SITE_CONFIGS = [(16, td.SITE_CONFIGS[0][1]), (1 << 62, td.SITE_CONFIGS[-1][1])]
+# (the shipped split form for up to 4 tokens, products up to 16)
+SMALL_SITE_CONFIGS = [
+    (4, td.SITE_CONFIGS[0][1]),
+    (16, td.SITE_CONFIGS[1][1]),
+    (1 << 62, td.SITE_CONFIGS[-1][1]),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +63,8 @@ def _both_site_forms_in_small_shapes(monkeypatch):
 
 
 def test_shipped_site_configs():
-    assert SHIPPED_SITE_CONFIGS[0] == (1024, ("products", 1, 128, 4))
+    assert SHIPPED_SITE_CONFIGS[0] == (16, ("split", 1, 128, 4))
+    assert SHIPPED_SITE_CONFIGS[1] == (1024, ("products", 1, 128, 4))
     assert SHIPPED_SITE_CONFIGS[-1][1][0] == "tf32x3" and SHIPPED_SITE_CONFIGS[-1][0] >= 1 << 40
 
 

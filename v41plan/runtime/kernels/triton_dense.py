@@ -7,9 +7,11 @@ Each function here has the call shape of the torch composition it replaces
   times the rsqrt-mean-square factor, float32 accumulation), the sigmoids, the softmax and
   every Sinkhorn iteration (a 4x4 matrix per token, in registers), the collapse with the
   previous site's pre-mix and the RMSNorm; ``mhc_site_fp8`` also quantizes the normed ``x`` in
-  its epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes). Two forms
-  (``SITE_CONFIGS``): one token per program with the mix as per-lane products (up to 1024
-  tokens), or 16 tokens per program with the mix as a ``tl.dot`` (longer prefill chunks).
+  its epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes). Three
+  forms (``SITE_CONFIGS``): the split form (small decode batches: the first pass over 128-lane
+  slices in parallel, then a finishing program per token), one token per program with the mix
+  as per-lane products (up to 1024 tokens), or 16 tokens per program with the mix as a
+  ``tl.dot`` (longer prefill chunks).
 - ``mhc_expand_site``: the previous sublayer's ``hc_expand`` fused in front of the site (for
   rows where both run, e.g. every decode row).
 - ``hc_expand``: ``X'[j] = post[j] * y + sum_i C[i][j] * X[i]`` alone.
@@ -89,17 +91,22 @@ at import): CPU tensors then run the kernels themselves instead of the torch ref
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _HC = 4  # the kernel keeps one 4x4 Sinkhorn matrix per token in registers
 # the products form up to 1024 tokens: on the H200 (reports/gpu/bench_dense_kernels.json,
-# c3c745c) it took 0.028 ms at 64 tokens against 0.125 ms for tf32x3, 0.146 against 0.126 at 2048
+# c3c745c) it took 0.028 ms at 64 tokens against 0.125 ms for tf32x3, 0.146 against 0.126 at 2048;
+# the split form up to 16 (reports/gpu/sweep_decode_tiles.json: the attention site 28.4 us
+# against 33.9 at one token, the FFN site with its expand even)
 SITE_CONFIGS: list[tuple[int, tuple[str, int, int, int]]] = [
+    (16, ("split", 1, 128, 4)),
     (1024, ("products", 1, 128, 4)),
     (1 << 62, ("tf32x3", 16, 32, 4)),
 ]
 """The site kernel by token count, the first bound that holds: ``(mix, tokens per program,
-lanes per chunk, warps)``. ``products``: one token per program, the mix as per-lane float32
-products summed once (decode batches: as many programs as tokens, no wasted rows; lanes per
-chunk = 32 * warps keeps every tile in one layout). ``tf32x3`` / ``ieee``: ``tl.dot`` over
-``tokens per program`` rows (prefill: every program reads all of ``fn``, so fewer programs
-mean less L2 traffic). Lanes per chunk stay a multiple of the quantizer block (32)."""
+lanes per chunk, warps)``. ``split``: the first pass spread over ``SPLIT_LANES``-lane programs,
+then one finishing program per token (two launches). ``products``: one token per program, the
+mix as per-lane float32 products summed once (decode batches: as many programs as tokens, no
+wasted rows; lanes per chunk = 32 * warps keeps every tile in one layout). ``tf32x3`` /
+``ieee``: ``tl.dot`` over ``tokens per program`` rows (prefill: every program reads all of
+``fn``, so fewer programs mean less L2 traffic). Lanes per chunk stay a multiple of the
+quantizer block (32)."""
 _QUANT_TILE = 2048  # elements per quantizer program (about 16 per thread)
 
 

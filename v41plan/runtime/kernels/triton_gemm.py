@@ -68,8 +68,13 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
         bn, bk = min(128, triton.next_power_of_2(N)), min(128, triton.next_power_of_2(K))
         return GemmConfig(16, max(bn, 16), bk, num_warps=1, num_stages=1)
     bk = 32 if dot == "fp8" else 64
+    # decode (reports/gpu/sweep_decode_tiles.json, H200): the K loop's latency bounds these
+    # launches, not their bytes; narrow tiles give narrow weights more programs (wq_a 384 x 1024:
+    # 10.3 us against 11.9 at one row, 10.6 against 18.5 at 64 rows)
+    if M <= 64 and N <= 2048:
+        return GemmConfig(16, 32, 64 if dot == "fp8" else 128, num_warps=4, num_stages=4)
     if M <= 16:
-        return GemmConfig(16, 64, bk if dot == "fp8" else 128, num_warps=4, num_stages=4)
+        return GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
     if M <= 64:
         return GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
     return GemmConfig(128, 128, bk, num_warps=8, num_stages=4 if dot == "fp8" else 3)

@@ -68,8 +68,8 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         bd = max(32, min(128, triton.next_power_of_2(hidden)))
         return MoEConfig(16, bi, bd, max(bi, bd), num_warps=1, num_stages=1)
     bk = 32 if dot == "fp8" else 64
-    if rows <= 1024:
-        return MoEConfig(16, 64, 64, bk, num_warps=4, num_stages=4)
+    if rows <= 1024:  # decode: narrower gate/up tiles, 128-lane K steps (the sweep's choice)
+        return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
 

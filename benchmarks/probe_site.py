@@ -1,0 +1,143 @@
+"""Where the decode mHC site's time goes, on one GPU (MEDIUM widths).
+
+    python3 benchmarks/probe_site.py [--tokens 1,64] [--out F]
+
+The site kernel takes about 28-34 us at one token whatever its tile (``sweep_decode_tiles.py``),
+far above its bytes. This times, per token count, the forms with parts taken away: the split
+form whole, its first pass alone (the finishing launch skipped), with one Sinkhorn iteration
+instead of the model's, without the FP8 epilogue; the products form with the model's iterations
+and with one. The differences say which part holds the time. Rows: ``ms`` (CUDA-graph replays);
+writes JSON (``$OUT/probe_site.json`` or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemm_moe import time_ms
+from report_io import write_report
+
+
+class _Skipped:
+    """A kernel stand-in whose launches do nothing (times the other launch alone)."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+def gemm_rows(cfg, rows: list) -> None:
+    """The W8A8 linear at one row, K = hidden (``wq_a``'s shape): the FP8 mode with the
+    quantizer in the prologue, with codes quantized before, and the bf16 mode (dequantized
+    operands, one ``tl.dot`` per 128 or 256 lanes instead of one per 32)."""
+    from bench_gemm_moe import _fp8_weight
+
+    from v41plan.runtime.kernels.triton_gemm import GemmConfig, w8a8_linear
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    D, q = cfg.hidden_size, cfg.q_lora_rank
+    codes, scales = _fp8_weight(q, D)
+    x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
+    xq, xs = act_quant_fp8(x)
+    cases = [
+        ("fp8, quantizer fused, bk 64", {"dot": "fp8"}, GemmConfig(16, 32, 64), False),
+        ("fp8, quantized before, bk 64", {"dot": "fp8"}, GemmConfig(16, 32, 64), True),
+        ("fp8, quantized before, bk 256", {"dot": "fp8"}, GemmConfig(16, 32, 256), True),
+        ("bf16 operands, bk 128", {"dot": "bf16"}, GemmConfig(16, 32, 128), False),
+        ("bf16 operands, bk 256", {"dot": "bf16"}, GemmConfig(16, 32, 256), False),
+        ("bf16 operands, bn 16 bk 256", {"dot": "bf16"}, GemmConfig(16, 16, 256), False),
+    ]
+    for label, kw, tile, pre in cases:
+        if pre:
+            call = lambda kw=kw, tile=tile: w8a8_linear(
+                xq, codes, scales, torch.bfloat16, x_scales=xs, config=tile, **kw
+            )
+        else:
+            call = lambda kw=kw, tile=tile: w8a8_linear(
+                x, codes, scales, torch.bfloat16, config=tile, **kw
+            )
+        try:
+            ms, how = time_ms(call)
+        except Exception as exc:  # noqa: BLE001 - a failing case is a row
+            rows.append({"case": f"w8a8 {q}x{D} {label}", "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        rows.append({"case": f"w8a8 {q}x{D} {label}", "tokens": 1, "ms": ms, "timing": how})
+        print(f"   1 {'w8a8 ' + label:>32} {ms * 1e3:>8.1f} us", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,64")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_site.py needs a CUDA device", file=sys.stderr)
+        return 2
+    from medium_model import load_spec
+
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.model.layers import HcParams
+    from v41plan.runtime.kernels import triton_dense as td
+    from v41plan.validation.provenance import provenance
+
+    cfg = config_from_cache_spec(load_spec())
+    D, hc, iters = cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mixes = (2 + hc) * hc
+    p = HcParams(
+        torch.randn(mixes, hc * D, generator=g, device="cuda") * 0.02,
+        torch.randn(mixes, generator=g, device="cuda"),
+        torch.rand(3, generator=g, device="cuda") + 0.5,
+    )
+    w = (1 + 0.1 * torch.randn(D, generator=g, device="cuda")).to(torch.bfloat16)
+    rows: list[dict] = []
+    forms = {"split": ("split", 1, 128, 4), "products": ("products", 1, 128, 4)}
+    cases = [
+        ("split whole", "split", iters, True, False),
+        ("split first pass alone", "split", iters, True, True),
+        ("split, 1 Sinkhorn iteration", "split", 1, True, False),
+        ("split, no FP8 epilogue", "split", iters, False, False),
+        ("products whole", "products", iters, True, False),
+        ("products, 1 Sinkhorn iteration", "products", 1, True, False),
+    ]
+    saved = list(td.SITE_CONFIGS)
+    finish = td._mhc_site_finish_kernel
+    for N in [int(t) for t in args.tokens.split(",")]:
+        X = torch.randn(N, hc, D, generator=g, device="cuda").to(torch.bfloat16)
+        pre = torch.rand(N, hc, generator=g, device="cuda") + cfg.hc_eps
+        for label, form, its, quant, skip in cases:
+            td.SITE_CONFIGS[:] = [(1 << 62, forms[form])]
+            td._mhc_site_finish_kernel = _Skipped() if skip else finish
+            fn = td.mhc_site_fp8 if quant else td.mhc_site
+            try:
+                ms, how = time_ms(
+                    lambda fn=fn, its=its, X=X, pre=pre: fn(
+                        X, pre, p, w, hc, its, cfg.hc_eps, cfg.rms_norm_eps
+                    )
+                )
+                rows.append({"case": label, "tokens": N, "ms": ms, "timing": how})
+                print(f"{N:>4} {label:>32} {ms * 1e3:>8.1f} us", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a failing case is a row
+                rows.append({"case": label, "tokens": N, "error": f"{type(exc).__name__}: {exc}"})
+            finally:
+                td.SITE_CONFIGS[:] = saved
+                td._mhc_site_finish_kernel = finish
+    gemm_rows(cfg, rows)
+    report = {
+        "provenance": provenance(),
+        "device": torch.cuda.get_device_name(),
+        "spec": "medium",
+        "rows": rows,
+    }
+    write_report(report, args.out, "probe_site.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
