@@ -6,8 +6,9 @@ The site kernel takes about 28-34 us at one token whatever its tile (``sweep_dec
 far above its bytes. This times, per token count, the forms with parts taken away: the split
 form whole, its first pass alone (the finishing launch skipped), with one Sinkhorn iteration
 instead of the model's, without the FP8 epilogue; the products form with the model's iterations
-and with one. The differences say which part holds the time. Rows: ``ms`` (CUDA-graph replays);
-writes JSON (``$OUT/probe_site.json`` or ``--out``).
+and with one. The differences say which part holds the time. Rows: ``ms`` (CUDA-graph replays),
+``floor_ms`` (the call's bytes over the copy bandwidth measured here) and ``of_floor``; writes
+JSON (``$OUT/probe_site.json`` or ``--out``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemm_moe import time_ms
+from ceilings import copy_bandwidth_bytes_per_s
 from report_io import write_report
+
+
+def site_bytes(N: int, D: int, hc: int = 4) -> int:
+    """Bytes one site call must move: bf16 streams and weight, float32 pre-mix and parameters
+    in; the normed row, its FP8 codes and scales, pre/post/C out."""
+    mixes = (2 + hc) * hc
+    params = (mixes * hc * D + mixes + 3) * 4 + D * 2
+    return (
+        N * hc * D * 2 + N * hc * 4 + params + N * D * (2 + 1) + N * (D // 32) * 4 + N * mixes * 4
+    )
+
+
+def w8a8_bytes(out: int, inp: int) -> int:
+    """Bytes of a one-row W8A8 call: E4M3 weight, its 32 x 32 scales, the bf16 row in and out."""
+    return out * inp + -(-out // 32) * (inp // 32) + inp * 2 + out * 2
 
 
 class _Skipped:
@@ -32,7 +49,7 @@ class _Skipped:
         return lambda *a, **k: None
 
 
-def gemm_rows(cfg, rows: list) -> None:
+def gemm_rows(cfg, rows: list, bw: float) -> None:
     """The W8A8 linear at one row, K = hidden (``wq_a``'s shape): the FP8 mode with the
     quantizer in the prologue, with codes quantized before, and the bf16 mode (dequantized
     operands, one ``tl.dot`` per 128 or 256 lanes instead of one per 32)."""
@@ -67,7 +84,11 @@ def gemm_rows(cfg, rows: list) -> None:
         except Exception as exc:  # noqa: BLE001 - a failing case is a row
             rows.append({"case": f"w8a8 {q}x{D} {label}", "error": f"{type(exc).__name__}: {exc}"})
             continue
-        rows.append({"case": f"w8a8 {q}x{D} {label}", "tokens": 1, "ms": ms, "timing": how})
+        fl = w8a8_bytes(q, D) / bw * 1e3
+        rows.append(
+            {"case": f"w8a8 {q}x{D} {label}", "tokens": 1, "ms": ms, "timing": how,
+             "floor_ms": fl, "of_floor": fl / ms}
+        )  # fmt: skip
         print(f"   1 {'w8a8 ' + label:>32} {ms * 1e3:>8.1f} us", flush=True)
 
 
@@ -96,6 +117,7 @@ def main(argv=None) -> int:
         torch.rand(3, generator=g, device="cuda") + 0.5,
     )
     w = (1 + 0.1 * torch.randn(D, generator=g, device="cuda")).to(torch.bfloat16)
+    bw = copy_bandwidth_bytes_per_s()
     rows: list[dict] = []
     forms = {"split": ("split", 1, 128, 4), "products": ("products", 1, 128, 4)}
     cases = [
@@ -121,18 +143,23 @@ def main(argv=None) -> int:
                         X, pre, p, w, hc, its, cfg.hc_eps, cfg.rms_norm_eps
                     )
                 )
-                rows.append({"case": label, "tokens": N, "ms": ms, "timing": how})
+                fl = site_bytes(N, D) / bw * 1e3
+                rows.append(
+                    {"case": label, "tokens": N, "ms": ms, "timing": how, "floor_ms": fl,
+                     "of_floor": fl / ms}
+                )  # fmt: skip
                 print(f"{N:>4} {label:>32} {ms * 1e3:>8.1f} us", flush=True)
             except Exception as exc:  # noqa: BLE001 - a failing case is a row
                 rows.append({"case": label, "tokens": N, "error": f"{type(exc).__name__}: {exc}"})
             finally:
                 td.SITE_CONFIGS[:] = saved
                 td._mhc_site_finish_kernel = finish
-    gemm_rows(cfg, rows)
+    gemm_rows(cfg, rows, bw)
     report = {
         "provenance": provenance(),
         "device": torch.cuda.get_device_name(),
         "spec": "medium",
+        "copy_bytes_per_s": bw,
         "rows": rows,
     }
     write_report(report, args.out, "probe_site.json")

@@ -11,9 +11,11 @@ decode batch width and shape, the shipped tile choice against alternatives:
   runs): ``products`` (one program per token) and ``split`` (``SPLIT_LANES`` lanes per
   first-pass program, then a finishing program per token) at several widths. Outputs against
   the ``products`` form's (max abs difference; both are within the module's stated bound).
-- ``w8a8 <name>``: every W8A8 linear shape of a medium layer over ``GemmConfig`` tiles. The
-  output must be bit-identical to the shipped tile's (the K order is the same in every tile);
-  a row says whether it is.
+- ``w8a8 <name>``: every W8A8 linear shape of a medium layer over ``GemmConfig`` tiles. A tile
+  with the shipped tile's rows (``block_m``) must give its output bit for bit (the K order is
+  the same); one with other rows may differ in the last bits (measured on the H200: the FP8
+  tensor-core accumulation depends on the tile's row count), which its row states
+  (``same_block_m``, ``max_abs_diff``).
 - ``moe``: the grouped W4A8 MoE layer (routing, gate/up, down, combine, shared expert) over
   ``MoEConfig`` tiles, bit-identity against the shipped tiles as above.
 
@@ -173,11 +175,12 @@ def w8a8_rows(cfg, sizes, bw, rows, deadline) -> None:
             for tile in _gemm_tiles(M, K):
                 if time.monotonic() > deadline:
                     return
-                _row(
+                r = _row(
                     rows, f"w8a8 {name}", f"{N}x{K}", M, str(tile),
                     lambda a=args, kw=kw, c=tile: w8a8_linear(*a, **kw, config=c), want, nbytes, bw,
                     base.get("ms"),
                 )  # fmt: skip
+                r["same_block_m"] = tile.block_m == shipped.block_m
 
 
 def moe_rows(cfg, sizes, bw, rows, deadline) -> None:
@@ -254,7 +257,9 @@ def main(argv=None) -> int:
     site_kinds = ("site_fp8", "expand_site")  # other forms: the same bound, not the same bits
     best: dict[tuple, dict] = {}
     for r in rows:
-        if "ms" in r and (r["kernel"] in site_kinds or r["bit_identical"]):
+        if "ms" in r and (
+            r["kernel"] in site_kinds or r["bit_identical"] or not r.get("same_block_m", True)
+        ):
             key = (r["kernel"], r["shape"], r["tokens"])
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
@@ -267,7 +272,12 @@ def main(argv=None) -> int:
             f"diff={r['max_abs_diff']:.2g}"
         )
     bad = [
-        r for r in rows if r["kernel"] not in site_kinds and "ms" in r and not r["bit_identical"]
+        r
+        for r in rows
+        if r["kernel"] not in site_kinds
+        and "ms" in r
+        and not r["bit_identical"]
+        and r.get("same_block_m", True)
     ]
     for r in bad:
         print(f"NOT bit-identical: {r['kernel']} {r['shape']} {r['tokens']} {r['config']}")

@@ -3,7 +3,7 @@
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
 # provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
-#   STEPS="profile tests tiny40 ckpt decode prefill medium fasttests crosscheck compiled paths startup kernels dense gemm sampler serve scorer" \
+#   STEPS="profile tests tiny40 ckpt decode prefill medium fasttests crosscheck compiled paths startup tiles site kernels dense gemm sampler serve scorer" \
 #     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests about 190 s, kernels 70 s, tiny40 both transfers about 230 s, ckpt 20 s,
@@ -62,6 +62,8 @@ run_step compiled 300 python3 -m pytest tests/gpu/test_compiled_gpu.py \
 run_step paths 420 python3 benchmarks/bench_decode_paths.py --variants "${VARIANTS:-resident,dense_compiled,compiled}" \
     --out "$OUT/bench_decode_paths.json"
 run_step startup 420 python3 benchmarks/bench_startup.py --out "$OUT/bench_startup.json"
+run_step tiles 480 python3 benchmarks/sweep_decode_tiles.py --budget-s 400 --out "$OUT/sweep_decode_tiles.json"
+run_step site 90 python3 benchmarks/probe_site.py --out "$OUT/probe_site.json"
 run_step kernels 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json"
 run_step dense 120 python3 benchmarks/bench_dense_kernels.py --out "$OUT/bench_dense_kernels.json"
 run_step gemm 200 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --out "$OUT/bench_gemm_moe.json"

@@ -48,6 +48,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_dense_kernels.py",
         "fused mHC site / expand / FP8 quant vs eager and compiled torch, per site (CUDA)",
     ),
+    "decode_tiles": (
+        "sweep_decode_tiles.py",
+        "tile sweep of the decode step's mHC site, W8A8 linears and grouped MoE (CUDA)",
+    ),
+    "site": (
+        "probe_site.py",
+        "where the decode mHC site's time goes: its parts taken away one by one (CUDA)",
+    ),
     "kernels": (
         "bench_kernels.py",
         "Triton backend kernels against their floors and in-image peers (CUDA)",
