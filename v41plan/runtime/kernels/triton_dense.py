@@ -434,6 +434,48 @@ def _site_norm(
             tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], sc, mask=smask)
 
 
+@triton.jit
+def _site_pass1(
+    X_ptr, pre_in_ptr, fn_ptr, y_ptr, post_prev_ptr, C_prev_ptr, X_out_ptr, x_ptr, r64, rmask,
+    lo, D: tl.constexpr, LANES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EXPAND: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 of a site over lanes ``[lo, lo + LANES)`` of the tokens ``r64``, in ``BLOCK_D``
+    chunks on ``[BN, 1, BD]`` tiles: the expand (``EXPAND``), the collapse (stored unnormalized
+    in ``x``); returns the per-lane mix products ``[BN, 16, BD]`` (pre/post, C) and sums of
+    squares ``[BN, 1, BD]`` (streams, collapse), summed over the lanes by the caller."""
+    rn = r64[:, None, None]
+    rm3 = rmask[:, None, None]
+    jj3 = tl.arange(0, 16)[None, :, None]
+    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm3, other=0.0)
+    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm3, other=0.0)
+    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm3, other=0.0)
+    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm3, other=0.0)
+    acc_pp = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
+    xty = x_ptr.dtype.element_ty
+    for c0 in range(0, LANES, BLOCK_D):
+        dd = lo + c0 + tl.arange(0, BLOCK_D)[None, None, :]
+        dm3 = dd < D
+        m3 = rm3 & dm3
+        xo = rn * (4 * D) + dd
+        x0, x1, x2, x3 = _load_streams(
+            X_ptr, xo, m3, D, y_ptr, rn * D + dd, C_prev_ptr, post_prev_ptr, rn, rm3, X_out_ptr,
+            EXPAND, X_BF16,
+        )  # fmt: skip
+        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        acc_pp, acc_c = _mix3(x0, fn_ptr, 0, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x1, fn_ptr, 1, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x2, fn_ptr, 2, D, dd, dm3, jj3, acc_pp, acc_c)
+        acc_pp, acc_c = _mix3(x3, fn_ptr, 3, D, dd, dm3, jj3, acc_pp, acc_c)
+        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
+        xs += xc * xc
+        tl.store(x_ptr + rn * D + dd, xc.to(xty), mask=m3)
+    return acc_pp, acc_c, ss, xs
+
+
 @triton.jit(do_not_specialize=["N"])  # one build for every batch width
 def _mhc_site_kernel(
     X_ptr, pre_in_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_prev_ptr, C_prev_ptr,
@@ -452,35 +494,10 @@ def _mhc_site_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     r64 = rows.to(tl.int64)
-    rn = r64[:, None, None]
-    rm3 = rmask[:, None, None]
-    jj3 = tl.arange(0, 16)[None, :, None]
-    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm3, other=0.0)
-    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm3, other=0.0)
-    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm3, other=0.0)
-    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm3, other=0.0)
-    acc_pp = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
-    xs = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
-    xty = x_ptr.dtype.element_ty
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)[None, None, :]
-        dm3 = dd < D
-        m3 = rm3 & dm3
-        xo = rn * (4 * D) + dd
-        x0, x1, x2, x3 = _load_streams(
-            X_ptr, xo, m3, D, y_ptr, rn * D + dd, C_prev_ptr, post_prev_ptr, rn, rm3, X_out_ptr,
-            EXPAND, X_BF16,
-        )  # fmt: skip
-        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
-        acc_pp, acc_c = _mix3(x0, fn_ptr, 0, D, dd, dm3, jj3, acc_pp, acc_c)
-        acc_pp, acc_c = _mix3(x1, fn_ptr, 1, D, dd, dm3, jj3, acc_pp, acc_c)
-        acc_pp, acc_c = _mix3(x2, fn_ptr, 2, D, dd, dm3, jj3, acc_pp, acc_c)
-        acc_pp, acc_c = _mix3(x3, fn_ptr, 3, D, dd, dm3, jj3, acc_pp, acc_c)
-        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
-        xs += xc * xc
-        tl.store(x_ptr + rn * D + dd, xc.to(xty), mask=m3)
+    acc_pp, acc_c, ss, xs = _site_pass1(
+        X_ptr, pre_in_ptr, fn_ptr, y_ptr, post_prev_ptr, C_prev_ptr, X_out_ptr, x_ptr, r64,
+        rmask, 0, D, D, BLOCK_N, BLOCK_D, EXPAND, X_BF16,
+    )  # fmt: skip
     _site_predict(
         tl.sum(acc_pp, axis=2), tl.sum(acc_c, axis=2), tl.sum(tl.sum(ss, axis=2), axis=1),
         r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr, hc_eps, norm_eps, D, ITERS,
@@ -511,35 +528,10 @@ def _mhc_site_part_kernel(
     sp = tl.program_id(1)
     rmask = rows < N
     r64 = rows.to(tl.int64)
-    rn = r64[:, None, None]
-    rm3 = rmask[:, None, None]
-    jj3 = tl.arange(0, 16)[None, :, None]
-    p0 = tl.load(pre_in_ptr + rn * 4 + 0, mask=rm3, other=0.0)
-    p1 = tl.load(pre_in_ptr + rn * 4 + 1, mask=rm3, other=0.0)
-    p2 = tl.load(pre_in_ptr + rn * 4 + 2, mask=rm3, other=0.0)
-    p3 = tl.load(pre_in_ptr + rn * 4 + 3, mask=rm3, other=0.0)
-    acc_pp = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_N, 16, BLOCK_D), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
-    xs = tl.zeros((BLOCK_N, 1, BLOCK_D), dtype=tl.float32)
-    xty = x_ptr.dtype.element_ty
-    for c0 in range(0, LANES, BLOCK_D):
-        dd = sp * LANES + c0 + tl.arange(0, BLOCK_D)[None, None, :]
-        dm3 = dd < D
-        m3 = rm3 & dm3
-        xo = rn * (4 * D) + dd
-        x0, x1, x2, x3 = _load_streams(
-            X_ptr, xo, m3, D, y_ptr, rn * D + dd, C_prev_ptr, post_prev_ptr, rn, rm3, X_out_ptr,
-            EXPAND, X_BF16,
-        )  # fmt: skip
-        ss += ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
-        acc_pp, acc_c = _mix3(x0, fn_ptr, 0, D, dd, dm3, jj3, acc_pp, acc_c)
-        acc_pp, acc_c = _mix3(x1, fn_ptr, 1, D, dd, dm3, jj3, acc_pp, acc_c)
-        acc_pp, acc_c = _mix3(x2, fn_ptr, 2, D, dd, dm3, jj3, acc_pp, acc_c)
-        acc_pp, acc_c = _mix3(x3, fn_ptr, 3, D, dd, dm3, jj3, acc_pp, acc_c)
-        xc = _to_stream(((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3, X_BF16)
-        xs += xc * xc
-        tl.store(x_ptr + rn * D + dd, xc.to(xty), mask=m3)
+    acc_pp, acc_c, ss, xs = _site_pass1(
+        X_ptr, pre_in_ptr, fn_ptr, y_ptr, post_prev_ptr, C_prev_ptr, X_out_ptr, x_ptr, r64,
+        rmask, sp * LANES, D, LANES, BLOCK_N, BLOCK_D, EXPAND, X_BF16,
+    )  # fmt: skip
     jj = tl.arange(0, 16)
     base = part_ptr + (r64 * SPLIT + sp) * 34
     m2 = rmask[:, None]

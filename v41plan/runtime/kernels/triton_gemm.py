@@ -169,33 +169,26 @@ def _w8a8_kernel(
     # in the same order (the sums are BK=32's, bit for bit)
     SUB: tl.constexpr = 32 if DOT == 2 else BK
     for k0 in range(0, K, BK):
-        if DOT == 2:
-            for j in tl.static_range(BK // SUB):
-                kb = k0 + j * SUB
-                rk = kb + tl.arange(0, SUB)
-                kmask = rk < K
-                a, sx = load_a_tile(
-                    x_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
-                )
-                bmask = nmask[:, None] & kmask[None, :]
-                wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
-                sw = e8m0_value(tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0))
-                part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
-                acc += part * (sx[:, None] * sw[None, :])
-        else:
-            rk = k0 + tl.arange(0, BK)
+        for j in tl.static_range(BK // SUB):
+            kb = k0 + j * SUB
+            rk = kb + tl.arange(0, SUB)
             kmask = rk < K
             a, sx = load_a_tile(
-                x_ptr, xs_ptr, rm, rk, k0, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, BK
+                x_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
             )
             bmask = nmask[:, None] & kmask[None, :]
             wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
-            fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
-            b = decode_e4m3(wb) * e8m0_value(fld)
-            if DOT == 1:
-                acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+            if DOT == 2:
+                sw = tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0)
+                part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
+                acc += part * (sx[:, None] * e8m0_value(sw)[None, :])
             else:
-                acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+                fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
+                b = decode_e4m3(wb) * e8m0_value(fld)
+                if DOT == 1:
+                    acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+                else:
+                    acc += tl.dot(a, tl.trans(b), input_precision="ieee")
     if OUT_BF16:
         acc = round_bf16(acc)
     ymask = mmask[:, None] & nmask[None, :]
