@@ -50,22 +50,30 @@ def _backend(name: str):
     return TorchBackend()
 
 
-def engine_host_ms(spec, checkpoint, bs: int, context: int, steps: int, backend: str) -> dict:
-    """Engine-driven FULL-graph decode steps at ``bs`` running requests: the wall time of
-    ``schedule`` + ``execute`` (plan, prepare, one replay, readback) + ``postprocess``, and the
-    time of ``prepare`` inside it."""
+def engine_llm(spec, checkpoint, max_bs: int, context: int, steps: int, backend: str):
+    """One engine (FULL graphs, bf16) for every batch size ``engine_host_ms`` times."""
+    from v41plan.serving.engine import LLM
+
+    return LLM(
+        spec, checkpoint, enforce_eager=False, cudagraph_mode="FULL", device="cuda",
+        dtype="bfloat16", max_num_seqs=max_bs, max_num_batched_tokens=max(max_bs * context, 4096),
+        max_model_len=context + 8 * steps + 64, kernel_backend=backend,
+    )  # fmt: skip
+
+
+def engine_host_ms(llm, bs: int, context: int, steps: int) -> dict:
+    """Engine-driven FULL-graph decode steps at ``bs`` running requests, ``LLM.step()`` after
+    ``LLM.step()``, with the engine's ``async_scheduling`` on (step N+1's host work runs while
+    step N is on the device) and off: per mode the wall time per step (schedule, plan,
+    prepare, one replay, readback, postprocess), the host's busy time per step (the wall time
+    less the waits for results) and the time of ``prepare`` inside it."""
     import statistics
     import time
 
-    from v41plan.serving.engine import LLM
     from v41plan.serving.sampling import SamplingParams
 
-    llm = LLM(
-        spec, checkpoint, enforce_eager=False, cudagraph_mode="FULL", device="cuda",
-        dtype="bfloat16", max_num_seqs=bs, max_num_batched_tokens=max(bs * context, 4096),
-        max_model_len=context + steps + 64, kernel_backend=backend,
-    )  # fmt: skip
-    model = llm.runner.model
+    runner = llm.runner
+    model = runner.model
     prep = []
     real = model.prepare
 
@@ -77,27 +85,45 @@ def engine_host_ms(spec, checkpoint, bs: int, context: int, steps: int, backend:
             prep.append(time.perf_counter() - t0)
 
     model.prepare = timed_prepare
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-    for i in range(bs):
-        llm.add_request([(13 * i + k) % 250 for k in range(context)], params)
+    params = SamplingParams(max_tokens=8 * steps, ignore_eos=True)
+    seqs = [
+        llm.add_request([(13 * i + k) % 250 for k in range(context)], params) for i in range(bs)
+    ]
     while llm.scheduler.waiting or any(s.is_prefilling for s in llm.scheduler.running):
         llm.step()
-    sched, walls = llm.scheduler, []
-    prep.clear()
-    for _ in range(steps):
+    out = {}
+    for overlap in (True, False):
+        llm.drain()
+        llm.async_scheduling = overlap
+        for _ in range(3):  # into the steady state (with overlap: a batch in flight)
+            llm.step()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        batch = sched.schedule()
-        sched.postprocess(batch, llm.runner.execute(batch))
-        walls.append(time.perf_counter() - t0)
-        assert batch.phase == "decode" and len(batch.requests) == bs
-    stats = llm.runner.graph_stats()["stats"]
-    return {
-        "step_ms": statistics.median(walls) * 1e3,
-        "prepare_us": statistics.median(prep) * 1e6,
-        "graph_steps": stats.get("graph_steps", 0),
-        "eager_decode_steps": stats.get("eager_decode_steps", 0),
-    }
+        prep.clear()
+        walls, busy = [], []
+        b0, o0 = llm.batches, llm.overlapped_steps
+        for _ in range(steps):
+            w0, t0 = runner.wait_s, time.perf_counter()
+            llm.step()
+            dt = time.perf_counter() - t0
+            walls.append(dt)
+            busy.append(dt - (runner.wait_s - w0))
+        if llm.batches - b0 != steps or any(s.is_finished for s in seqs):
+            raise RuntimeError("the timed steps were not all decode steps of every request")
+        out[overlap] = {
+            "step_ms": statistics.median(walls) * 1e3,
+            "host_busy_ms": statistics.median(busy) * 1e3,
+            "prepare_us": statistics.median(prep) * 1e6,
+            "overlapped_steps": llm.overlapped_steps - o0,
+        }
+    model.prepare = real
+    llm.async_scheduling = True
+    for s in seqs:
+        llm.abort(s)
+    llm.run_until_done()
+    stats = runner.graph_stats()["stats"]
+    out["graph_steps"] = stats.get("graph_steps", 0)
+    out["eager_decode_steps"] = stats.get("eager_decode_steps", 0)
+    return out
 
 
 def main(argv=None) -> int:
@@ -117,7 +143,8 @@ def main(argv=None) -> int:
         "--engine-steps",
         type=int,
         default=10,
-        help="engine-driven FULL-graph decode steps timed for host_ms (0: skip)",
+        help="engine-driven FULL-graph decode steps timed for host_ms, with and without "
+        "async_scheduling (0: skip)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -208,17 +235,22 @@ def main(argv=None) -> int:
     if args.engine_steps:
         del runner, m
         torch.cuda.empty_cache()
+        llm = engine_llm(
+            spec, args.checkpoint, max_bs, args.context, args.engine_steps, args.kernel_backend
+        )
         for r in rows:
-            eng = engine_host_ms(
-                spec, args.checkpoint, r["batch"], args.context, args.engine_steps,
-                args.kernel_backend,
-            )  # fmt: skip
-            r["engine_step_ms"] = eng["step_ms"]
-            r["host_ms"] = eng["step_ms"] - r["replay_ms"]
-            r["plan_prepare_us"] = eng["prepare_us"]
+            eng = engine_host_ms(llm, r["batch"], args.context, args.engine_steps)
+            for overlap, suffix in ((True, ""), (False, "_sync")):
+                e = eng[overlap]
+                r["engine_step_ms" + suffix] = e["step_ms"]
+                r["host_ms" + suffix] = e["step_ms"] - r["replay_ms"]
+                r["host_busy_ms" + suffix] = e["host_busy_ms"]
+                r["plan_prepare_us" + suffix] = e["prepare_us"]
+                r["overlapped_steps" + suffix] = e["overlapped_steps"]
             r["engine_graph_steps"] = eng["graph_steps"]
             r["engine_eager_decode_steps"] = eng["eager_decode_steps"]
-            torch.cuda.empty_cache()
+        del llm
+        torch.cuda.empty_cache()
     report = medium_report(
         spec, args, ceil, rows, kernel_backend=args.kernel_backend, capture=capture
     )
@@ -236,12 +268,17 @@ def main(argv=None) -> int:
             f"{r['of_floor']:>9.4f} {r['of_floor_bf16']:>8.4f} {r['tokens_equal']}"
         )
     if args.engine_steps:
-        print(f"{'bs':>4} {'engine step ms':>15} {'host ms':>8} {'prepare us':>11} graph/eager")
+        print(
+            f"{'bs':>4} {'step ms':>8} {'host ms':>8} {'busy ms':>8} {'prepare us':>11} "
+            f"{'sync step':>10} {'sync host':>10} {'sync busy':>10} overlapped graph/eager"
+        )
         for r in rows:
             print(
-                f"{r['batch']:>4} {r['engine_step_ms']:>15.2f} {r['host_ms']:>8.2f} "
-                f"{r['plan_prepare_us']:>11.0f} {r['engine_graph_steps']}/"
-                f"{r['engine_eager_decode_steps']}"
+                f"{r['batch']:>4} {r['engine_step_ms']:>8.2f} {r['host_ms']:>8.2f} "
+                f"{r['host_busy_ms']:>8.2f} {r['plan_prepare_us']:>11.0f} "
+                f"{r['engine_step_ms_sync']:>10.2f} {r['host_ms_sync']:>10.2f} "
+                f"{r['host_busy_ms_sync']:>10.2f} {r['overlapped_steps']:>10} "
+                f"{r['engine_graph_steps']}/{r['engine_eager_decode_steps']}"
             )
     write_report(report, args.out, "bench_decode.json")
     return 0

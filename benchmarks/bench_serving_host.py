@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return StepOutput(torch.zeros(b, vocab), rows, sampled)
 
     model.run = stub_run
-    real_prepare, real_read = model.prepare, llm.runner.read_back
+    real_prepare, real_read = model.prepare, llm.runner.collect
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return wrapper
 
     model.prepare = timed("prepare", real_prepare)
-    llm.runner.read_back = timed("readback", real_read)
+    llm.runner.collect = timed("readback", real_read)
     params = SamplingParams(max_tokens=args.steps + 32, ignore_eos=True)
     for i in range(n):
         llm.add_request([(7 * i + k) % 250 for k in range(args.prompt)], params)

@@ -276,34 +276,36 @@ def test_a_whole_prefill_and_decode_step_make_no_host_sync():
 
 
 def test_the_runner_reads_each_step_back_once_without_a_sync_inside():
-    """An engine step on the paged runner: everything before the readback runs under the sync
-    debug mode (the readback itself is the step's one device-to-host transfer)."""
+    """Engine steps on the paged runner, overlapped and not: a launch (plan, prepare, the
+    forward, the queued copy of its results) runs under the sync debug mode; ``collect``, the
+    step's one wait, runs once per batch."""
     from v41plan.serving.engine import LLM
     from v41plan.serving.sampling import SamplingParams
 
-    llm = LLM("tiny40", enforce_eager=False, cudagraph_mode="FULL", device="cuda",
-              dtype="float32", max_num_seqs=4, max_model_len=256)  # fmt: skip
-    runner = llm.runner
-    real = runner.read_back
-    seen = []
+    for overlap in (False, True):
+        llm = LLM("tiny40", enforce_eager=False, cudagraph_mode="FULL", device="cuda",
+                  dtype="float32", max_num_seqs=4, max_model_len=256,
+                  async_scheduling=overlap)  # fmt: skip
+        runner = llm.runner
+        real_launch, real_collect = runner.launch, runner.collect
+        seen = []
 
-    def guarded_read_back(res, want_rows):
-        torch.cuda.set_sync_debug_mode("default")  # the readback is the one transfer
-        seen.append(res.logits.shape)
-        return real(res, want_rows)
+        def collect(launched, real_collect=real_collect, seen=seen):
+            seen.append(launched.batch.step)
+            return real_collect(launched)
 
-    runner.read_back = guarded_read_back
-    real_execute = runner.execute
+        def launch(batch, real_launch=real_launch):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real_launch(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
 
-    def execute(batch):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real_execute(batch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    runner.execute = execute
-    out = llm.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
-    assert len(seen) == llm.batches
+        runner.launch, runner.collect = launch, collect
+        out = llm.generate(
+            [[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_tokens=12, ignore_eos=True)
+        )
+        assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+        assert sorted(seen) == list(range(1, llm.batches + 1))
+        assert (runner.stats["pending_rows"] > 0) == overlap

@@ -38,10 +38,13 @@ ACTIONS = st.sampled_from(
     decoder_replay=st.booleans(),
     num_pages=st.sampled_from([None, 14]),
     actions=st.lists(st.tuples(ACTIONS, st.integers(0, 3)), max_size=40),
+    overlap=st.booleans(),
 )
 def test_fuzz_schedules_match_uninterrupted(
-    specs, fork, cap, budget, encoder_replay, decoder_replay, num_pages, actions
+    specs, fork, cap, budget, encoder_replay, decoder_replay, num_pages, actions, overlap
 ):
+    """``overlap``: the engine's ``async_scheduling`` (a decode batch stays in flight while
+    the next is scheduled; the actions land between the two)."""
     prompts = [prompt(n, salt) for n, salt in specs]
     if fork:
         prompts.append(list(prompts[0]))
@@ -52,6 +55,7 @@ def test_fuzz_schedules_match_uninterrupted(
         decoder_swa_bounded_replay=decoder_replay,
         num_pages=num_pages,
         max_num_seqs=4,
+        async_scheduling=overlap,
     )
     seqs = [llm.add_request(p, PARAMS) for p in prompts]
     cancelled = set()
@@ -71,6 +75,7 @@ def test_fuzz_schedules_match_uninterrupted(
             llm.scheduler.running.reverse()
         if kind == "cancel_inflight" and not target.is_finished:
             # Cancel while this step's batch (a middle chunk, a final chunk, a decode) is in flight.
+            llm.drain()  # (the scheduler is driven by hand here)
             batch = llm.scheduler.schedule()
             llm.abort(target)
             cancelled.add(target.seq_id)

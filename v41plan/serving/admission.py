@@ -75,6 +75,10 @@ class EngineOptions:
     resident_weights: bool | None = None
     """Keep the FP8 linears and FP4 experts on the device as published (W8A8 / W4A8 Triton
     kernels; needs ``moe_impl`` grouped, CUDA, bf16 or float32); None: on where those hold."""
+    async_scheduling: bool | None = None
+    """Schedule and launch decode step N+1 before reading step N's results (the sampled tokens
+    stay on the device and feed the next step): the host's work hides behind the device's.
+    Tokens are those of synchronous stepping. None: on for the paged runner on CUDA."""
 
 
 # Options refused whatever their value, unless equal to the value shown (the "off" value).
@@ -295,6 +299,8 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         )
     if o.moe_impl not in MOE_IMPLS:
         raise _fail("moe_impl", o.moe_impl, f"accepted: {', '.join(MOE_IMPLS)}")
+    if o.async_scheduling not in (None, True, False):
+        raise _fail("async_scheduling", o.async_scheduling, "accepted: True, False, None (auto)")
     if o.resident_weights not in (None, True, False):
         raise _fail("resident_weights", o.resident_weights, "accepted: True, False, None (auto)")
     if o.resident_weights:
@@ -366,7 +372,8 @@ def resolve_kernels(o: EngineOptions, device_type: str) -> dict:
 
 def add_kernel_flags(parser) -> None:
     """The kernel-choice flags every engine command shares (``--kernel-backend``,
-    ``--dense-kernels``, ``--moe-impl``, ``--resident-weights``)."""
+    ``--dense-kernels``, ``--moe-impl``, ``--resident-weights``, ``--compilation-level``,
+    ``--compile-backend``) and how it steps (``--async-scheduling``)."""
     import argparse
 
     parser.add_argument(
@@ -410,6 +417,13 @@ def add_kernel_flags(parser) -> None:
         default="inductor",
         help="torch.compile backend of level 3 (aot_eager/eager: tracing only)",
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch decode step N+1 before reading step N's tokens (they stay on the device); "
+        "default: on for CUDA",
+    )
 
 
 def kernel_options(args) -> dict:
@@ -421,4 +435,5 @@ def kernel_options(args) -> dict:
         "resident_weights": args.resident_weights,
         "compilation_level": args.compilation_level,
         "compile_backend": args.compile_backend,
+        "async_scheduling": args.async_scheduling,
     }

@@ -19,7 +19,7 @@ from pathlib import Path
 from v41plan.geometry.resolve import resolve_spec
 from v41plan.geometry.runtime import CacheSpec
 from v41plan.serving.admission import ConfigError, EngineOptions, check_options
-from v41plan.serving.batch import ModelRunner
+from v41plan.serving.batch import ModelRunner, ScheduledBatch
 from v41plan.serving.block_manager import BlockManager
 from v41plan.serving.sampling import SamplingParams
 from v41plan.serving.scheduler import Scheduler, SchedulerConfig
@@ -136,6 +136,24 @@ class LLM:
         )
         self._ids = itertools.count()
         self.batches = 0
+        """Batches launched."""
+        self.async_scheduling = bool(
+            o.async_scheduling
+            if o.async_scheduling is not None
+            else getattr(self.runner, "paged", False) and o.device != "cpu"
+            and getattr(self.runner, "device_type", "cpu") == "cuda"
+        )  # fmt: skip
+        """Overlap each decode step's host work with the previous step's device work (the
+        option ``async_scheduling``; None: on for the paged runner on CUDA)."""
+        if self.async_scheduling and not hasattr(self.runner, "launch"):
+            if self.runner is not None:  # (None: an engine built only to resolve options)
+                raise ConfigError("async_scheduling needs the paged runner (it launches "
+                                  "without waiting); accepted with this runner: False")  # fmt: skip
+            self.async_scheduling = False
+        self._inflight = None  # the launched decode batch not yet postprocessed
+        self._progress = 0  # batches postprocessed
+        self.overlapped_steps = 0
+        """Batches launched while the previous one was still in flight."""
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -200,18 +218,64 @@ class LLM:
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt a running request (it is re-admitted first and resumes via the prefix cache)."""
-        self.scheduler.preempt(seq)
+        self.drain()
+        if seq in self.scheduler.running:
+            self.scheduler.preempt(seq)
 
-    def step(self) -> list[Sequence]:
-        """Schedule and run one batch; returns the requests it finished."""
+    def step(self, on_batch: Callable[[ScheduledBatch], None] | None = None) -> list[Sequence]:
+        """Schedule and run one batch; returns the requests it finished. ``on_batch`` sees
+        each batch after it is scheduled and before it runs (a test cancels requests there).
+
+        With ``async_scheduling`` a decode batch stays in flight after its step returns: the
+        next step schedules and launches the following decode batch first, then reads the
+        in-flight results and postprocesses them (so the host's work for step N+1 runs while
+        the device computes step N). A step that cannot overlap (see
+        ``Scheduler.schedule_overlap``) first finishes the batch in flight."""
+        inflight = self._inflight
+        if inflight is not None:
+            batch = (
+                self.scheduler.schedule_overlap(inflight.batch)
+                if self.runner.can_overlap(inflight)
+                else None
+            )
+            if batch is None:
+                return self.drain()
+            if on_batch is not None:
+                on_batch(batch)
+            launched = self.runner.launch(batch)
+            self.batches += 1
+            self._inflight = launched
+            self.overlapped_steps += 1
+            return self._finish_batch(inflight)
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.kv_waiting():
                 time.sleep(0.0005)  # a KV connector retrieve runs: poll it again soon
             return []
-        output = self.runner.execute(batch)
+        if on_batch is not None:
+            on_batch(batch)
         self.batches += 1
-        return self.scheduler.postprocess(batch, output)
+        if not self.async_scheduling:
+            output = self.runner.execute(batch)
+            return self.scheduler.postprocess(batch, output)
+        launched = self.runner.launch(batch)
+        if self.runner.can_overlap(launched):
+            self._inflight = launched
+            return []
+        return self._finish_batch(launched)
+
+    def drain(self) -> list[Sequence]:
+        """Read and postprocess the batch in flight, if any (``async_scheduling``); returns the
+        requests it finished. ``preempt`` and ``close`` drain first; so must a caller that
+        drives the scheduler itself."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        return self._finish_batch(inflight)
+
+    def _finish_batch(self, launched) -> list[Sequence]:
+        self._progress += 1
+        return self.scheduler.postprocess(launched.batch, self.runner.collect(launched))
 
     def close(self) -> None:
         """Release the KV connector (pending stores confirmed, bounded by its timeout); the
@@ -220,19 +284,20 @@ class LLM:
             self.connector.close()
 
     def has_unfinished(self) -> bool:
-        """Requests waiting or running."""
-        return not self.scheduler.is_finished()
+        """Requests waiting or running, or a batch still in flight."""
+        return self._inflight is not None or not self.scheduler.is_finished()
 
     def run_until_done(self, max_steps: int = 100_000, on_step=None) -> None:
         """Step until nothing waits or runs (raises if the scheduler cannot make progress)."""
         for _ in range(max_steps):
             if not self.has_unfinished():
                 return
-            before = self.scheduler.step_count
+            before = (self.scheduler.step_count, self._progress)
             self.step()
             if on_step is not None:
                 on_step()
-            if self.scheduler.step_count == before and not self.scheduler.kv_waiting():
+            stalled = (self.scheduler.step_count, self._progress) == before
+            if stalled and not self.scheduler.kv_waiting():
                 raise RuntimeError("scheduler made no progress with requests still queued")
         raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
 

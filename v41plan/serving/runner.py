@@ -66,6 +66,7 @@ class PagedRunner:
         self.kernels = resolve_kernels(options, device.type)
         """The kernel choices the options' ``auto`` values resolved to on this device."""
         self.vocab_size = int(spec.model_config["vocab_size"])
+        self.device_type = device.type
         P = spec.replay.hash_block_tokens
         if ckpt.weights is not None:
             weights = ckpt.weights
@@ -114,6 +115,15 @@ class PagedRunner:
         }
         self.stats: Counter = Counter()
         self._readback: dict = {}  # pinned host buffers of the step's results, by shape
+        self._readback_turn = 0
+        self._src_row = np.full(options.max_num_seqs, -1, dtype=np.int64)
+        """Per slot, the row of the last launch that sampled its request's next token."""
+        self._src_seq = np.full(options.max_num_seqs, -1, dtype=np.int64)
+        self._last: Launched | None = None
+        self._token_map: torch.Tensor | None = None  # Engram's token map on the device
+        self.wait_s = 0.0
+        """Seconds the host spent waiting for launched results (``collect``)."""
+        """The last launch (its sampled tokens feed the next launch's pending rows)."""
         self.tables = SlotTables(options.max_num_seqs, self.model.table_width)
         """Each slot's token ids and block table, kept up to date by the batches' deltas."""
         self._history = history_window(spec.replay.replay_history_tokens, P)
@@ -135,6 +145,15 @@ class PagedRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Stores, restores, fresh-slot resets, then the planned forward: ``prepare`` on the
         host, ``run`` (or a graph replay of it) on the device, one readback of the results."""
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """``execute`` up to the readback: the batch's device work and the copy of its results
+        to the host are queued, nothing waits for them (``collect`` does).
+
+        A decode row whose token the previous launch sampled and nobody has read yet (the
+        engine scheduled it with ``Scheduler.schedule_overlap``) takes that token on the device,
+        and its cursor's newest Engram id with it."""
         from v41plan.planner.step import plan_step
         from v41plan.runtime.graphs import select_bucket
 
@@ -148,11 +167,10 @@ class PagedRunner:
         for op in batch.restores:
             model.copy_image(op.slot, op.units, store=False)
             self.stats["restores"] += 1
-        out = RunnerOutput()
         rows = batch.requests  # columns: no per-request object on this path
         n = len(rows)
         if not n:
-            return out
+            return Launched(batch, 0)
         decode = batch.phase == "decode"  # one row each, never a fresh slot or all-row logits
         if not decode:
             for slot in rows.slot[rows.fresh_slot].tolist():
@@ -171,13 +189,22 @@ class PagedRunner:
         check_plan(batch, plan)
         slots = step.slots  # request order
         ids = step_token_ids(batch, self.tables, slots)
+        sampling = self.tables.sampling(slots)
+        pend = None
         if decode:
             want_rows, final = False, slice(None)
+            held = self.tables.num_tokens[slots]
+            if not bool((held > rows.start).all()):
+                pend = self._pending(batch, held)
+                ids = ids.copy()
+                ids[pend[0]] = 0  # a valid id until the device writes the real one
+                sampling.output_index[pend[0]] += 1  # the pending token is an output already
         else:
             want_rows = bool(rows.all_logits.any())
             final = np.flatnonzero(rows.is_final_chunk)
-        sampling = self.tables.sampling(slots)
         inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling)
+        if pend is not None:
+            self._feed_pending(inputs, pend)
         res = self.graphs.run(inputs) if self.graphs is not None else None
         if res is None:
             res = model.run(inputs)
@@ -188,22 +215,106 @@ class PagedRunner:
         if plan.decoder_replay:
             self.stats["decoder_replay_steps"] += 1
             self.stats["tail_rows"] += len(plan.tail_rows)
-        host = self.read_back(res, want_rows)
+        launched = Launched(batch, n, decode, final, want_rows, plan, slots,
+                            sampling.top_n, res.sampled.token_ids, pend)  # fmt: skip
+        launched.host, launched.done = self._queue_read_back(res, want_rows)
+        self._src_row[:] = -1
+        sampled_rows = np.arange(n) if decode else final
+        self._src_row[slots[sampled_rows]] = sampled_rows
+        self._src_seq[slots[sampled_rows]] = rows.seq_id[sampled_rows]
+        self._last = launched
+        return launched
+
+    def _pending(self, batch: ScheduledBatch, held: np.ndarray):
+        """``(rows, source rows)`` of the decode rows whose token the previous launch sampled
+        (the slot tables stop one token short of their position)."""
+        rows = batch.requests
+        pend = np.flatnonzero(held <= rows.start)
+        slots = rows.slot[pend]
+        src = self._src_row[slots]
+        last = self._last
+        ok = (held[pend] == rows.start[pend]) & (src >= 0)
+        ok &= self._src_seq[slots] == rows.seq_id[pend]
+        if last is None or last.collected or not bool(ok.all()):
+            raise RuntimeError(
+                f"step {batch.step}: decode rows {pend[~ok].tolist()} read tokens that neither "
+                "the slot tables nor the previous launch hold"
+            )
+        return pend, src, last
+
+    def _feed_pending(self, inputs, pend) -> None:
+        """The pending rows' token ids, and their cursors' newest Engram ids, from the previous
+        launch's sampled tokens: device work queued before the forward that reads them."""
+        rows, src, last = pend
+        n = len(rows)
+        tokens = last.sampled
+        if np.array_equal(rows, np.arange(n)) and np.array_equal(src, np.arange(n)):
+            got = tokens[:n]
+            inputs.token_ids[:n].copy_(got)
+            dst = slice(0, n)
+        else:
+            dev = tokens.device
+            dst = torch.from_numpy(rows).to(dev, non_blocking=True)
+            got = tokens[torch.from_numpy(src).to(dev, non_blocking=True)]
+            inputs.token_ids[dst] = got
+        if inputs.cursors.shape[1] > 1:
+            if self._token_map is None:
+                eng = self.model.engram_device
+                self._token_map = (
+                    eng.token_map if eng is not None
+                    else torch.from_numpy(self.engram.token_map).to(tokens.device)
+                )  # fmt: skip
+            inputs.cursors[dst, 1] = self._token_map[got]
+        self.stats["pending_rows"] += n
+
+    def can_overlap(self, launched: Launched) -> bool:
+        """Whether the next batch may be scheduled and launched before ``launched``'s results
+        are read: a decode batch, and Engram rows hashed on the device (a host table lookup
+        needs the token ids on the host)."""
+        if not launched.decode or launched.n == 0 or launched.want_rows:
+            return False
+        model = self.model
+        return model.engram_device is not None or not model._engram_shapes
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """Wait for ``launched``'s results and return them as the scheduler reads them. The
+        cursors of a later launch's rows that read this launch's tokens on the device get
+        their newest Engram id on the host mirror too."""
+        out = RunnerOutput()
+        if launched.collected:
+            raise RuntimeError(f"step {launched.batch.step}: results collected twice")
+        launched.collected = True
+        n = launched.n
+        if not n:
+            return out
+        if launched.done is not None:
+            t0 = time.perf_counter()
+            launched.done.synchronize()
+            self.wait_s += time.perf_counter() - t0
+        host = {k: v.clone() for k, v in launched.host.items()}
+        launched.host = {}
+        rows = launched.batch.requests
         tokens = host["token_ids"].numpy()[:n].astype(np.int64, copy=False)
         logprobs = host["logprobs"].numpy()[:n]
-        if not decode:  # only final chunks sample
+        later = self._last
+        if later is not launched and later.pend is not None and later.pend[2] is launched:
+            p_rows, p_src, _ = later.pend
+            mirror = self.model.pools.cursor_host
+            if mirror.shape[1] > 1:
+                mirror[later.slots[p_rows], 1] = self.engram.token_map[tokens[p_src]]
+        if not launched.decode:  # only final chunks sample
             tokens = np.where(rows.is_final_chunk, tokens, -1)
         out.set_rows(rows.seq_id, tokens, logprobs)
-        if sampling.top_n > 0:
-            top_n = self.tables.top_n[slots].tolist()
-            for i in np.arange(n)[final].tolist():
+        if launched.top_n > 0:
+            top_n = self.tables.top_n[launched.slots].tolist()
+            for i in np.arange(n)[launched.final].tolist():
                 k = top_n[i]
                 if k > 0:
                     ids_i = host["top_ids"][i, :k].tolist()
                     lps_i = host["top_logprobs"][i, :k].tolist()
                     out.top_logprobs[int(rows.seq_id[i])] = list(zip(ids_i, lps_i, strict=True))
-        if want_rows:
-            cu = plan.cu_seqlens_q
+        if launched.want_rows:
+            cu = launched.plan.cu_seqlens_q
             for i in np.flatnonzero(rows.all_logits).tolist():
                 sid = int(rows.seq_id[i])
                 out.row_logits[sid] = host["row_logits"][int(cu[i]) : int(cu[i + 1])]
@@ -226,10 +337,12 @@ class PagedRunner:
             pools.write_units(op.pages, op.data, image=op.image)
             self.stats["kv_loaded_units"] += len(op.pages)
 
-    def read_back(self, res, want_rows: bool) -> dict[str, torch.Tensor]:
-        """The step's one device-to-host transfer: the sampled token ids and their logprobs
-        (the top logprobs when asked), and the row logits of scoring requests, through pinned
-        buffers on CUDA. Returns host tensors (copies: the pinned buffers are reused)."""
+    def _queue_read_back(self, res, want_rows: bool):
+        """The step's one device-to-host transfer, queued: the sampled token ids and their
+        logprobs (the top logprobs when asked), and the row logits of scoring requests, into
+        pinned buffers on CUDA (two sets, alternating: a launch's results stay readable while
+        the next launch's copy runs). Returns the host tensors and the event that completes
+        them (None on the CPU, where they are already copies)."""
         s = res.sampled
         parts = {"token_ids": s.token_ids, "logprobs": s.logprobs}
         if s.top_ids.shape[1]:
@@ -238,10 +351,11 @@ class PagedRunner:
             rl = res.row_logits  # float64 stays (exact scoring); bf16 and float32 as float32
             parts["row_logits"] = rl if rl.dtype == torch.float64 else rl.float()
         if s.token_ids.device.type != "cuda":
-            return {k: v.clone() for k, v in parts.items()}
+            return {k: v.clone() for k, v in parts.items()}, None
+        self._readback_turn ^= 1
         host = {}
         for name, x in parts.items():
-            key = (name, tuple(x.shape), x.dtype)
+            key = (self._readback_turn, name, tuple(x.shape), x.dtype)
             buf = self._readback.get(key)
             if buf is None:
                 buf = self._readback[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
@@ -249,8 +363,31 @@ class PagedRunner:
             host[name] = buf
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()  # the results are the step's only readback
-        return {k: v.clone() for k, v in host.items()}
+        return host, done
+
+
+class Launched:
+    """A launched batch whose results may still be on their way to the host."""
+
+    def __init__(self, batch, n, decode=True, final=None, want_rows=False, plan=None, slots=None,
+                 top_n=0, sampled=None, pend=None):  # fmt: skip
+        self.batch = batch
+        self.n = n
+        """Rows of requests (0: the batch ran only copies)."""
+        self.decode = decode
+        self.final = final
+        self.want_rows = want_rows
+        self.plan = plan
+        self.slots = slots
+        self.top_n = top_n
+        self.sampled = sampled
+        """The device tensor of the sampled token ids (what pending rows of the next launch
+        read)."""
+        self.pend = pend
+        """``(rows, source rows, source launch)`` of the rows that read a token on the device."""
+        self.host: dict = {}
+        self.done = None
+        self.collected = False
 
 
 def _backend(name: str, device: torch.device):

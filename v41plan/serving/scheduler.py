@@ -569,7 +569,58 @@ class Scheduler:
             slots, pos = slots[keep], pos[keep]
         cols = RequestColumns.decode(R.seq_id[slots], slots, pos, R.prompt_len[slots],
                                      R.prefix_hit[slots])  # fmt: skip
+        # the cursor moves when the row is scheduled: a batch scheduled while this one is still
+        # on the device (``schedule_overlap``) places its rows after these
+        R.pos[slots] = pos + 1
         return cols, members
+
+    def schedule_overlap(self, inflight: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode batch while ``inflight`` (a decode batch) is still on the device and
+        not postprocessed, or None when the next batch must wait for its results.
+
+        Every row of ``inflight`` sampled a token nobody has seen yet: the runner feeds it to
+        the new row on the device. A request that reaches its length limit with that token gets
+        no row; one that stops on it gets a row whose result its postprocess discards. The next
+        batch waits instead (None) wherever the outcome of ``inflight`` decides what it holds:
+        cancellations, requests to admit or still prefilling, image stores (the image must be
+        taken before the next forward), a page shortage (preemption), a token budget smaller
+        than the rows."""
+        cfg, bm, R = self.config, self.bm, self.rows
+        if inflight.phase != "decode" or self._aborts != self._aborts_seen:
+            return None
+        if bm.pending_stores or self._kv_loads:
+            return None
+        if self.waiting and len(self.running) < cfg.max_num_seqs and bm.free_slots:
+            return None
+        members, slots = self._members()
+        if not members or len(members) != len(self.running):
+            return None  # nothing decodes, or a request is still prefilling
+        rows = inflight.requests
+        if cfg.transfer == "copy" and bool((rows.end % cfg.page_tokens == 0).any()):
+            return None  # postprocess queues an image of the state the in-flight rows leave
+        pending = np.zeros(len(R.seq_id), dtype=np.int64)
+        live = R.seq_id[rows.slot] == rows.seq_id
+        pending[rows.slot[live]] = 1
+        # a request whose in-flight token reaches its length limit ends with it: no row
+        go = R.num_tokens[slots] + pending[slots] < R.limit[slots]
+        if not go.all():
+            members = [s for s, g in zip(members, go.tolist(), strict=True) if g]
+            slots = slots[go]
+            if not members:
+                return None
+        if len(members) > cfg.max_num_batched_tokens:
+            return None
+        need = (R.pos[slots] // cfg.page_tokens) >= R.num_blocks[slots]
+        if int(need.sum()) > bm.allocatable_pages():
+            return None
+        for j in np.flatnonzero(need).tolist():
+            bm.append_page(members[j].block_table)
+            R.num_blocks[slots[j]] += 1
+        pos = R.pos[slots]
+        cols = RequestColumns.decode(R.seq_id[slots], slots, pos, R.prompt_len[slots],
+                                     R.prefix_hit[slots])  # fmt: skip
+        R.pos[slots] = pos + 1
+        return self._batch("decode", cols, members, [], [], [])
 
     def _take_pages(self, members: list[Sequence], slots: np.ndarray, need: np.ndarray,
                     budget: int) -> np.ndarray:  # fmt: skip
@@ -631,8 +682,7 @@ class Scheduler:
             mi = np.flatnonzero(is_row)
             m_slots, m_ends = rows.slot[mi], rows.end[mi]
             m_seqs = [R.seq[s] for s in m_slots.tolist()]
-        R.pos[m_slots] = m_ends
-        P = cfg.page_tokens
+        P = cfg.page_tokens  # (the rows' cursors moved when they were scheduled)
         commit = m_ends // P > R.published[m_slots]  # a block completed
         if copy:
             commit |= m_ends % P == 0  # an image to store

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from v41plan.serving.batch import RunnerOutput, ScheduledBatch, ScheduledRequest, SlotTables
@@ -61,6 +62,10 @@ class FakeRunner:
         """Each slot's token ids and block table, from the batches' deltas (as the real runner)."""
         self.flags = {"encoder_replay": encoder_replay, "decoder_replay": decoder_replay}
         self.plans = 0
+        self.pending_rows = 0
+        """Decode rows that read a token the previous launch sampled."""
+        self._params: dict = {}  # slot -> (params, seed, prompt length), from reset deltas
+        self._sampled: dict[int, int] = {}  # the last launch's tokens by request
 
     # ---- state copies --------------------------------------------------------------------
     def _store(self, op) -> None:
@@ -111,7 +116,9 @@ class FakeRunner:
         seed = int.from_bytes(h.digest()[:8], "little") & (2**62 - 1)
         return torch.randn(self.vocab_size, generator=torch.Generator().manual_seed(seed))
 
-    def _forward(self, req: ScheduledRequest, out: RunnerOutput) -> None:
+    def _forward(
+        self, req: ScheduledRequest, out: RunnerOutput, pending: int | None = None
+    ) -> None:
         if req.fresh_slot:
             ring: tuple = ()
         else:
@@ -124,7 +131,10 @@ class FakeRunner:
                 )
             ring = state.ring
         rows = []
-        tokens = self.tables.tokens(req.slot, 0, req.end)
+        if pending is None:
+            tokens = self.tables.tokens(req.slot, 0, req.end)
+        else:  # a decode row's token the previous launch sampled (the device's hand-off)
+            tokens = [*self.tables.tokens(req.slot, 0, req.end - 1).tolist(), pending]
         for pos in range(req.start, req.end):
             token = int(tokens[pos])
             page, row = self._page_row(req, pos)
@@ -146,9 +156,19 @@ class FakeRunner:
         if req.is_final_chunk:
             out.last_logits[req.seq_id] = self._logits(req, req.end - 1, ring)
 
+    def _apply(self, batch: ScheduledBatch) -> None:
+        """The batch's deltas into the slot tables; each new request's sampling record."""
+        from v41plan.serving.sampling import SamplingParams
+
+        for d in batch.deltas:
+            if d.reset:
+                self._params[d.slot] = (d.params or SamplingParams(), d.seed, d.num_prompt_tokens)
+        self.tables.apply(batch)
+
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Stores, restores, then every request's forward."""
-        self.tables.apply(batch)
+        self._apply(batch)
+        self._sampled = {}  # (nothing launched feeds the next batch)
         if self.plan_spec is not None and batch.requests:
             from v41plan.planner.step import plan_step
             from v41plan.serving.batch import check_plan, to_step_input
@@ -166,3 +186,62 @@ class FakeRunner:
             self.rows += req.chunk_len
         self.forwards += 1
         return out
+
+    # ---- overlapped stepping (the engine's ``async_scheduling``) ---------------------------
+    def launch(self, batch: ScheduledBatch):
+        """``execute``, with each sampled row's token drawn here (as a device sampler does)
+        and kept for the next launch: a decode row whose token its slot tables lack takes it
+        from there, as the paged runner's device hand-off does."""
+        from v41plan.serving.sampling import sample
+
+        self._apply(batch)
+        prev, self._sampled = self._sampled, {}
+        pending = {}
+        for req in batch.requests:
+            if req.is_decode and self.tables.num_tokens[req.slot] == req.start:
+                if req.seq_id not in prev:
+                    raise RuntimeError(f"request {req.seq_id}: no launch sampled its token")
+                pending[req.seq_id] = prev[req.seq_id]
+        self.pending_rows += len(pending)
+        if self.plan_spec is not None and batch.requests:
+            from v41plan.planner.step import plan_step
+            from v41plan.serving.batch import check_plan, to_step_input
+
+            step = to_step_input(batch, self.tables)
+            check_plan(batch, plan_step(step, self.plan_spec, **self.flags))
+            self.plans += 1
+        for op in batch.stores:
+            self._store(op)
+        for op in batch.restores:
+            self._restore(op)
+        out = RunnerOutput()
+        for req in batch.requests:
+            self._forward(req, out, pending.get(req.seq_id))
+            self.rows += req.chunk_len
+        self.forwards += 1
+        rows = batch.requests
+        tokens = np.full(len(rows), -1, dtype=np.int64)
+        for i, req in enumerate(rows):
+            logits = out.last_logits.pop(req.seq_id, None)
+            if logits is None:
+                continue
+            params, seed, n_prompt = self._params[req.slot]
+            held = int(self.tables.num_tokens[req.slot]) + (req.seq_id in pending)
+            tokens[i] = sample(logits, params, seed, held - n_prompt)
+            self._sampled[req.seq_id] = int(tokens[i])
+        out.set_rows(rows.seq_id, tokens, np.zeros(len(rows)))
+        return _FakeLaunched(batch, out)
+
+    def collect(self, launched) -> RunnerOutput:
+        """The launch's results (computed at launch: nothing runs behind the host here)."""
+        return launched.out
+
+    def can_overlap(self, launched) -> bool:
+        """A decode batch may stay in flight."""
+        return launched.batch.phase == "decode" and len(launched.batch.requests) > 0
+
+
+@dataclass
+class _FakeLaunched:
+    batch: ScheduledBatch
+    out: RunnerOutput

@@ -118,6 +118,13 @@ class Validator:
         for step in range(max_steps):
             if before is not None:
                 before(step, llm, seqs)
+            if llm.async_scheduling:  # the engine's own stepping: decode steps overlap
+                if sched.is_finished():
+                    llm.drain()
+                    break
+                on_batch = None if hook is None else (lambda b, k=step: hook(k, llm, seqs, b))
+                llm.step(on_batch)
+                continue
             if sched.is_finished():
                 break
             batch = sched.schedule()
@@ -392,7 +399,7 @@ def scenarios(v: Validator, tok, only: frozenset[str] | None = None) -> dict[str
                 and s.num_cached_tokens >= max_hit
             ):
                 state["cursor"] = s.num_cached_tokens
-                llm.scheduler.preempt(s)  # mid-prefill, at a cursor on the hash-block grid
+                llm.preempt(s)  # mid-prefill, at a cursor on the hash-block grid
 
         llm = v.engine(**chunked)
         r = v.drive(llm, [unique], before=preempt, case="preempt_resume")
