@@ -48,7 +48,9 @@ CASE_ARGS=(${CASES:+--cases "$CASES"})
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
     --transfer "$TRANSFER" "${CASE_ARGS[@]}" --output "$OUT/validate_tiny40_graph$SUFFIX.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
-run_step decode 300 python3 benchmarks/bench_decode.py --checkpoint "$CKPT" --out "$OUT/bench_decode.json"
+# decode: over the ckpt step's checkpoint when there is one, else the seeded random weights
+run_step decode 300 python3 benchmarks/bench_decode.py $([ -d "$CKPT" ] && echo --checkpoint "$CKPT") \
+    --engine-steps "${ENGINE_STEPS:-20}" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
     --dtype float64 --transfer "$TRANSFER" "${CASE_ARGS[@]}" --checkpoint "$CKPT" \
