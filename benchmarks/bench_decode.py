@@ -66,25 +66,31 @@ def engine_host_ms(llm, bs: int, context: int, steps: int) -> dict:
     ``LLM.step()``, with the engine's ``async_scheduling`` on (step N+1's host work runs while
     step N is on the device) and off: per mode the wall time per step (schedule, plan,
     prepare, one replay, readback, postprocess), the host's busy time per step (the wall time
-    less the waits for results) and the time of ``prepare`` inside it."""
+    less the waits for results), the time of ``plan_step`` + ``prepare`` and of ``prepare``
+    alone."""
     import statistics
     import time
 
+    import v41plan.planner.step as planner
     from v41plan.serving.sampling import SamplingParams
 
     runner = llm.runner
     model = runner.model
-    prep = []
-    real = model.prepare
+    prep, plans = [], []
+    real, real_plan = model.prepare, planner.plan_step
 
-    def timed_prepare(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return real(*a, **k)
-        finally:
-            prep.append(time.perf_counter() - t0)
+    def timed(fn, samples):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                samples.append(time.perf_counter() - t0)
 
-    model.prepare = timed_prepare
+        return call
+
+    model.prepare = timed(real, prep)
+    planner.plan_step = timed(real_plan, plans)  # (the runner imports it at each launch)
     keys = []
     real_run = runner.graphs.run
 
@@ -107,6 +113,7 @@ def engine_host_ms(llm, bs: int, context: int, steps: int) -> dict:
             llm.step()
         torch.cuda.synchronize()
         prep.clear()
+        plans.clear()
         walls, busy = [], []
         b0, o0 = llm.batches, llm.overlapped_steps
         for _ in range(steps):
@@ -121,9 +128,10 @@ def engine_host_ms(llm, bs: int, context: int, steps: int) -> dict:
             "step_ms": statistics.median(walls) * 1e3,
             "host_busy_ms": statistics.median(busy) * 1e3,
             "prepare_us": statistics.median(prep) * 1e6,
+            "plan_prepare_us": statistics.median([a + b for a, b in zip(plans, prep)]) * 1e6,
             "overlapped_steps": llm.overlapped_steps - o0,
         }
-    model.prepare = real
+    model.prepare, planner.plan_step = real, real_plan
     runner.graphs.run = real_run
     # the engine's own graph of this batch, replayed alone (on the state the last step left)
     llm.drain()
@@ -260,7 +268,8 @@ def main(argv=None) -> int:
                 r["engine_step_ms" + suffix] = e["step_ms"]
                 r["host_ms" + suffix] = e["step_ms"] - eng["replay_ms"]
                 r["host_busy_ms" + suffix] = e["host_busy_ms"]
-                r["plan_prepare_us" + suffix] = e["prepare_us"]
+                r["plan_prepare_us" + suffix] = e["plan_prepare_us"]
+                r["prepare_us" + suffix] = e["prepare_us"]
                 r["overlapped_steps" + suffix] = e["overlapped_steps"]
             r["engine_graph_steps"] = eng["graph_steps"]
             r["engine_eager_decode_steps"] = eng["eager_decode_steps"]
