@@ -200,6 +200,13 @@ def test_runner_capture_allocates_only_inside_its_pool():
 
 
 def test_engine_with_full_graphs_generates_eager_tokens():
+    """The engine's FULL decode graphs (with the CUDA default ``async_scheduling``) generate the
+    eager engine's tokens. In float64, as ``validate_runtime --graph``: random tiny40 weights
+    turn float32 differences of a few ulps (Inductor's reduction order at level 3, the FULL
+    engine's default) into other tokens (``test_random_weights_amplify_op_differences``). On the
+    H200 two float32 engines built one after the other in one process already differed in the
+    first token of a prefill (``reports/gpu/gpu_async_check_1d97cb6.log``; the cause is not
+    found yet)."""
     from v41plan.serving.engine import LLM
     from v41plan.serving.sampling import SamplingParams
 
@@ -212,11 +219,13 @@ def test_engine_with_full_graphs_generates_eager_tokens():
             enforce_eager=mode == "NONE",
             cudagraph_mode=mode,
             device="cuda",
-            dtype="float32",
+            dtype="float64",
             max_num_seqs=4,
             max_model_len=256,
         )
+        assert llm.async_scheduling
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.overlapped_steps > 0
         if mode == "FULL":
             stats = llm.runner.graph_stats()
             assert stats["stats"]["graph_steps"] > 0
