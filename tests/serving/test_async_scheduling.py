@@ -145,3 +145,25 @@ def test_async_scheduling_is_checked():
         LLM("tiny", **BASE, async_scheduling=True, runner_factory=lambda *a: Blocking())
     llm = LLM("tiny", **BASE)
     assert llm.async_scheduling is False  # the default on the CPU
+
+
+def test_an_image_stored_by_an_overlapped_batch_resumes_exactly():
+    """Under ``copy`` the image of a decode row ending on the hash-block grid is stored by the
+    batch launched behind it (before that batch's forward): a later request whose prompt
+    extends the first one's tokens restores it and continues as in synchronous stepping."""
+    copy = {"encoder_swa_bounded_replay": False}
+    first = prompts()[1][:10]
+    ps = SamplingParams(max_tokens=40, ignore_eos=True)
+    got = {}
+    for overlap in (False, True):
+        llm = LLM("tiny", **BASE, async_scheduling=overlap, **copy)
+        a = llm.generate([first], ps)[0].outputs[0].token_ids
+        stored = llm.runner.stats["stores"]
+        follow = first + a[:30]  # past the image at 32 tokens, inside the generated text
+        out = llm.generate([follow], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        got[overlap] = (a, out.outputs[0].token_ids, stored, out.stats["hits"])
+        if overlap:
+            assert llm.overlapped_steps > 20
+    assert got[True][:2] == got[False][:2]
+    assert got[True][2] == got[False][2] >= 1  # the same images were stored
+    assert got[True][3] == got[False][3] and got[True][3][0] >= 32  # and resumed from

@@ -580,11 +580,12 @@ class Scheduler:
 
         Every row of ``inflight`` sampled a token nobody has seen yet: the runner feeds it to
         the new row on the device. A request that reaches its length limit with that token gets
-        no row; one that stops on it gets a row whose result its postprocess discards. The next
-        batch waits instead (None) wherever the outcome of ``inflight`` decides what it holds:
-        cancellations, requests to admit or still prefilling, image stores (the image must be
-        taken before the next forward), a page shortage (preemption), a token budget smaller
-        than the rows."""
+        no row; one that stops on it gets a row whose result its postprocess discards. Under
+        ``copy`` an in-flight row ending on the hash-block grid has its image stored by the new
+        batch, before its forward (the image's tokens are all known by then). The next batch
+        waits instead (None) wherever the outcome of ``inflight`` decides what it holds:
+        cancellations, requests to admit or still prefilling, a page shortage (preemption), a
+        token budget smaller than the rows."""
         cfg, bm, R = self.config, self.bm, self.rows
         if inflight.phase != "decode" or self._aborts != self._aborts_seen:
             return None
@@ -596,10 +597,16 @@ class Scheduler:
         if not members or len(members) != len(self.running):
             return None  # nothing decodes, or a request is still prefilling
         rows = inflight.requests
-        if cfg.transfer == "copy" and bool((rows.end % cfg.page_tokens == 0).any()):
-            return None  # postprocess queues an image of the state the in-flight rows leave
         pending = np.zeros(len(R.seq_id), dtype=np.int64)
         live = R.seq_id[rows.slot] == rows.seq_id
+        if cfg.transfer == "copy":
+            # the image of the state an in-flight row leaves on the grid: queued now, so this
+            # batch stores it before its forward changes the slot (postprocess finds it queued)
+            for i in np.flatnonzero(live & (rows.end % cfg.page_tokens == 0)).tolist():
+                seq, end = R.seq[int(rows.slot[i])], int(rows.end[i])
+                if len(seq.token_ids) < end:
+                    return None  # (a token of the image is not read yet)
+                self._store_image(seq, end)
         pending[rows.slot[live]] = 1
         # a request whose in-flight token reaches its length limit ends with it: no row
         go = R.num_tokens[slots] + pending[slots] < R.limit[slots]
@@ -683,11 +690,14 @@ class Scheduler:
             m_slots, m_ends = rows.slot[mi], rows.end[mi]
             m_seqs = [R.seq[s] for s in m_slots.tolist()]
         P = cfg.page_tokens  # (the rows' cursors moved when they were scheduled)
+        # a batch scheduled after this one (overlapped) has already run past these rows: their
+        # images were queued then (``schedule_overlap``), and a slot no longer holds them now
+        images = copy and self.step_count == batch.step
         commit = m_ends // P > R.published[m_slots]  # a block completed
-        if copy:
+        if images:
             commit |= m_ends % P == 0  # an image to store
         for k in np.flatnonzero(commit).tolist():
-            self._publish(m_seqs[k], int(m_ends[k]))
+            self._publish(m_seqs[k], int(m_ends[k]), images)
             R.published[m_slots[k]] = m_seqs[k].num_published_blocks
         others = []  # the prefill rows (and any decode row without a row in ``R``)
         for i in [] if is_row is None else np.flatnonzero(~is_row).tolist():
@@ -762,9 +772,10 @@ class Scheduler:
         seq.num_cached_tokens = req.end
         self._publish(seq, req.end)
 
-    def _publish(self, seq: Sequence, end: int) -> None:
+    def _publish(self, seq: Sequence, end: int, image: bool = True) -> None:
         """Publish the blocks a forward ending at ``end`` completed (hashes only after the KV
-        is written) and, under ``copy``, queue the image of a block it ended on."""
+        is written) and, under ``copy`` (and ``image``), queue the image of a block it ended
+        on."""
         cfg, bm = self.config, self.bm
         full = end // cfg.page_tokens
         if full > seq.num_published_blocks:
@@ -781,10 +792,16 @@ class Scheduler:
                         tuple(seq.token_ids[: full * cfg.page_tokens]),
                     )
                 )
-        if cfg.transfer == "copy" and end % cfg.page_tokens == 0 and end > 0:
-            key = seq.hashes(cfg.page_tokens, full)[full - 1]
-            if bm.begin_store(key, seq.slot, end) and self.connector is not None:
-                self._image_tokens[key] = tuple(seq.token_ids[:end])
+        if image and cfg.transfer == "copy" and end % cfg.page_tokens == 0 and end > 0:
+            self._store_image(seq, end)
+
+    def _store_image(self, seq: Sequence, end: int) -> None:
+        """Queue the checkpoint image of ``seq``'s slot at ``end`` (on the grid), unless it is
+        stored or queued already."""
+        cfg, bm = self.config, self.bm
+        key = seq.hashes(cfg.page_tokens, end // cfg.page_tokens)[-1]
+        if bm.begin_store(key, seq.slot, end) and self.connector is not None:
+            self._image_tokens[key] = tuple(seq.token_ids[:end])
 
     def _row_tokens(self, rows, mi: np.ndarray | slice, seqs: list[Sequence], output: RunnerOutput,
                     live: np.ndarray | None):  # fmt: skip
