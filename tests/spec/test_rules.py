@@ -398,8 +398,89 @@ CASES = [
     ),
 ]
 
+EOS = "  eos_token_id: 257\n"
+DSPARK = (
+    EOS + "  dspark_block_size: 5\n  dspark_target_layer_ids: [11, 12, 13]\n"
+    "  dspark_noise_token_id: 258\n  dspark_markov_rank: 16\n  dspark_n_routed_experts: 8\n"
+    "  dspark_num_experts_per_tok: 2\n"
+)
+"""A valid DSpark block after the model's last field (lines 52-57)."""
+
+
+def dspark(old: str = "", new: str = "") -> tuple[str, str]:
+    """The edit adding ``DSPARK`` with ``old`` replaced by ``new`` in it."""
+    return (EOS, DSPARK.replace(old, new) if old else DSPARK)
+
+
+CASES += [
+    pytest.param(
+        dspark("  dspark_markov_rank: 16\n", ""),
+        "specs/spec.yaml:52:22: dspark_block_size is set but dspark_markov_rank is not (a DSpark "
+        "draft needs every dspark_* field; set them all or remove them all)",
+        id="dspark_all_or_none",
+    ),
+    pytest.param(
+        dspark("[11, 12, 13]", "[6, 12, 13]"),
+        "specs/spec.yaml:53:29: DSpark tap 6 is an Engram layer (the taps read the residual "
+        "entering a layer with no Engram; pick another layer)",
+        id="dspark_tap_engram",
+    ),
+    pytest.param(
+        dspark("[11, 12, 13]", "[11, 12, 14]"),
+        "specs/spec.yaml:53:37: DSpark tap 14 is out of range (layer ids run from 0 to 13 for "
+        "num_hidden_layers 14)",
+        id="dspark_tap_range",
+    ),
+    pytest.param(
+        dspark("[11, 12, 13]", "[]"),
+        "specs/spec.yaml:53:3: dspark_target_layer_ids is empty (list the backbone layers whose "
+        "entering residual the draft reads)",
+        id="dspark_no_taps",
+    ),
+    pytest.param(
+        dspark("dspark_noise_token_id: 258", "dspark_noise_token_id: 260"),
+        "specs/spec.yaml:54:26: dspark_noise_token_id 260 is outside the vocabulary [0, 260) (use "
+        "a token id below vocab_size)",
+        id="dspark_noise_id",
+    ),
+    pytest.param(
+        dspark("dspark_num_experts_per_tok: 2", "dspark_num_experts_per_tok: 9"),
+        "specs/spec.yaml:57:31: dspark_num_experts_per_tok 9 is outside "
+        "1..dspark_n_routed_experts = 1..8 (route each draft token to at least one and at most "
+        "every draft expert)",
+        id="dspark_topk",
+    ),
+    pytest.param(
+        dspark("dspark_block_size: 5", "dspark_block_size: 0"),
+        "specs/spec.yaml:52:22: dspark_block_size 0 is below 1 (use a positive count)",
+        id="dspark_block_size",
+    ),
+    pytest.param(
+        (
+            *dspark(),
+            "  num_nextn_predict_layers: 3",
+            "  num_nextn_predict_layers: 0",
+            "1, 1, 1, 1, 1, 1, 0, 0, 0]",
+            "1, 1, 1, 1, 1, 1]",
+        ),
+        "specs/spec.yaml:6:29: num_nextn_predict_layers 0 leaves the DSpark draft no stage (give "
+        "the draft its stages; the published model has 3)",
+        id="dspark_no_stage",
+    ),
+]
+
 
 @pytest.mark.parametrize(("edits", "expected"), CASES)
 def test_rule_message(spec_error, edits, expected):
     """Each broken spec fails with exactly one located message naming the fix."""
     assert spec_error(edit(*edits)) == expected
+
+
+def test_a_complete_dspark_block_compiles(tmp_path):
+    """The valid DSpark block of the rule cases compiles (the rules above are its only
+    refusals)."""
+    from spec_text import write_spec
+
+    from v41plan.geometry.spec import compile_spec
+
+    compile_spec(write_spec(tmp_path, edit(*dspark())))

@@ -166,7 +166,8 @@ class ModelSection(_Section):
     eos_token_id: int = Field(ge=0)
     """End-of-sequence token."""
     dspark_block_size: int | None = None
-    """Optional: DSpark draft block (tokens per draft)."""
+    """Optional: DSpark draft block (tokens per draft). The ``dspark_*`` fields come all
+    together or not at all (``_check_dspark``)."""
     dspark_target_layer_ids: tuple[int, ...] | None = None
     """Optional: backbone layers DSpark taps."""
     dspark_noise_token_id: int | None = None
@@ -323,6 +324,7 @@ def load_spec(path: str | Path) -> LoadedSpec:
         raise _from_pydantic(exc, loc, raw) from None
     _check_header(model, p, loc)
     _check_model(model.model, loc)
+    _check_dspark(model.model, loc)
     _check_pool(model, loc)
     _check_replay(model, loc)
     _check_checkpoint(model.checkpoint, loc)
@@ -669,6 +671,72 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
                 "raise candidate_topk_blocks or candidate_block_size so blocks x size >= "
                 "index_topk",
             )
+
+
+DSPARK_FIELDS = (
+    "dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id",
+    "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+)  # fmt: skip
+"""The model fields of a DSpark draft: a spec sets all of them or none."""
+
+
+def _check_dspark(m: ModelSection, loc: Locator) -> None:
+    """The DSpark fields: all or none; with them, draft layers to run, taps among the backbone
+    layers that are not Engram layers, a noise token in the vocabulary, a positive Markov rank
+    and a top-k within the draft's experts."""
+    M = ("model",)
+    given = [f for f in DSPARK_FIELDS if getattr(m, f) is not None]
+    if not given:
+        return
+    missing = [f for f in DSPARK_FIELDS if getattr(m, f) is None]
+    if missing:
+        raise loc.error(
+            (*M, given[0]),
+            f"{given[0]} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            "not",
+            "a DSpark draft needs every dspark_* field; set them all or remove them all",
+        )
+    if m.num_nextn_predict_layers < 1:
+        raise loc.error(
+            (*M, "num_nextn_predict_layers"),
+            "num_nextn_predict_layers 0 leaves the DSpark draft no stage",
+            "give the draft its stages; the published model has 3",
+        )
+    for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts"):
+        v = getattr(m, name)
+        if v < 1:
+            raise loc.error((*M, name), f"{name} {v} is below 1", "use a positive count")
+    taps = m.dspark_target_layer_ids
+    if not taps:
+        raise loc.error(
+            (*M, "dspark_target_layer_ids"),
+            "dspark_target_layer_ids is empty",
+            "list the backbone layers whose entering residual the draft reads",
+        )
+    at = (*M, "dspark_target_layer_ids")
+    _check_id_list(taps, at, m.num_hidden_layers, "DSpark tap", loc)
+    engram = set(m.engram_layer_ids)
+    for i, x in enumerate(taps):
+        if x in engram:
+            raise loc.error(
+                (*at, i),
+                f"DSpark tap {x} is an Engram layer",
+                "the taps read the residual entering a layer with no Engram; pick another layer",
+            )
+    noise = m.dspark_noise_token_id
+    if not 0 <= noise < m.vocab_size:
+        raise loc.error(
+            (*M, "dspark_noise_token_id"),
+            f"dspark_noise_token_id {noise} is outside the vocabulary [0, {m.vocab_size})",
+            "use a token id below vocab_size",
+        )
+    k, n = m.dspark_num_experts_per_tok, m.dspark_n_routed_experts
+    if not 1 <= k <= n:
+        raise loc.error(
+            (*M, "dspark_num_experts_per_tok"),
+            f"dspark_num_experts_per_tok {k} is outside 1..dspark_n_routed_experts = 1..{n}",
+            "route each draft token to at least one and at most every draft expert",
+        )
 
 
 def _round_up(n: int, a: int) -> int:
