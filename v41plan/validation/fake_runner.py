@@ -169,6 +169,11 @@ class FakeRunner:
         """Stores, restores, then every request's forward."""
         self._apply(batch)
         self._sampled = {}  # (nothing launched feeds the next batch)
+        return self._run(batch, {})
+
+    def _run(self, batch: ScheduledBatch, pending: dict[int, int]) -> RunnerOutput:
+        """The batch's plan check, stores, restores and forwards (``pending``: the tokens of
+        decode rows the slot tables lack, by request)."""
         if self.plan_spec is not None and batch.requests:
             from v41plan.planner.step import plan_step
             from v41plan.serving.batch import check_plan, to_step_input
@@ -182,7 +187,7 @@ class FakeRunner:
             self._restore(op)
         out = RunnerOutput()
         for req in batch.requests:
-            self._forward(req, out)
+            self._forward(req, out, pending.get(req.seq_id))
             self.rows += req.chunk_len
         self.forwards += 1
         return out
@@ -203,22 +208,7 @@ class FakeRunner:
                     raise RuntimeError(f"request {req.seq_id}: no launch sampled its token")
                 pending[req.seq_id] = prev[req.seq_id]
         self.pending_rows += len(pending)
-        if self.plan_spec is not None and batch.requests:
-            from v41plan.planner.step import plan_step
-            from v41plan.serving.batch import check_plan, to_step_input
-
-            step = to_step_input(batch, self.tables)
-            check_plan(batch, plan_step(step, self.plan_spec, **self.flags))
-            self.plans += 1
-        for op in batch.stores:
-            self._store(op)
-        for op in batch.restores:
-            self._restore(op)
-        out = RunnerOutput()
-        for req in batch.requests:
-            self._forward(req, out, pending.get(req.seq_id))
-            self.rows += req.chunk_len
-        self.forwards += 1
+        out = self._run(batch, pending)
         rows = batch.requests
         tokens = np.full(len(rows), -1, dtype=np.int64)
         for i, req in enumerate(rows):
