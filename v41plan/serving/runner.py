@@ -287,12 +287,12 @@ class PagedRunner:
         n = launched.n
         if not n:
             return out
-        if launched.done is not None:
+        host, launched.host = launched.host, {}
+        if launched.done is not None:  # pinned buffers a later launch reuses: copies
             t0 = time.perf_counter()
             launched.done.synchronize()
             self.wait_s += time.perf_counter() - t0
-        host = {k: v.clone() for k, v in launched.host.items()}
-        launched.host = {}
+            host = {k: v.clone() for k, v in host.items()}
         rows = launched.batch.requests
         tokens = host["token_ids"].numpy()[:n].astype(np.int64, copy=False)
         logprobs = host["logprobs"].numpy()[:n]

@@ -567,12 +567,17 @@ class Scheduler:
             keep = self._take_pages(members, slots, need, budget)
             members = [s for s, k in zip(members, keep.tolist(), strict=True) if k]
             slots, pos = slots[keep], pos[keep]
+        return self._decode_columns(slots, pos), members
+
+    def _decode_columns(self, slots: np.ndarray, pos: np.ndarray) -> RequestColumns:
+        """The decode rows of ``slots`` at positions ``pos``, their cursors moved past them: a
+        batch scheduled while this one is still on the device (``schedule_overlap``) places
+        its rows after these."""
+        R = self.rows
         cols = RequestColumns.decode(R.seq_id[slots], slots, pos, R.prompt_len[slots],
                                      R.prefix_hit[slots])  # fmt: skip
-        # the cursor moves when the row is scheduled: a batch scheduled while this one is still
-        # on the device (``schedule_overlap``) places its rows after these
         R.pos[slots] = pos + 1
-        return cols, members
+        return cols
 
     def schedule_overlap(self, inflight: ScheduledBatch) -> ScheduledBatch | None:
         """The next decode batch while ``inflight`` (a decode batch) is still on the device and
@@ -623,11 +628,7 @@ class Scheduler:
         for j in np.flatnonzero(need).tolist():
             bm.append_page(members[j].block_table)
             R.num_blocks[slots[j]] += 1
-        pos = R.pos[slots]
-        cols = RequestColumns.decode(R.seq_id[slots], slots, pos, R.prompt_len[slots],
-                                     R.prefix_hit[slots])  # fmt: skip
-        R.pos[slots] = pos + 1
-        return self._batch("decode", cols, members, [], [], [])
+        return self._batch("decode", self._decode_columns(slots, R.pos[slots]), members, [], [], [])
 
     def _take_pages(self, members: list[Sequence], slots: np.ndarray, need: np.ndarray,
                     budget: int) -> np.ndarray:  # fmt: skip
