@@ -263,6 +263,7 @@ def main(argv=None) -> int:
         for r in rows:
             eng = engine_host_ms(llm, r["batch"], args.context, args.engine_steps)
             r["engine_replay_ms"] = eng["replay_ms"]
+            r["engine_of_floor"] = r["floor_ms"] / eng["replay_ms"]
             for overlap, suffix in ((True, ""), (False, "_sync")):
                 e = eng[overlap]
                 r["engine_step_ms" + suffix] = e["step_ms"]
