@@ -155,3 +155,56 @@ def test_a_failing_batch_fails_its_requests_and_the_loop_goes_on():
         engine.stop()
     assert bad[-1].finish_reason == "error" and "injected kernel failure" in bad[-1].error
     assert good[-1].finish_reason in ("length", "stop") and good[-1].error is None
+
+
+def test_a_client_told_of_a_failure_can_submit_again_at_once():
+    """A failed request's client hears of it before the next step drops the request from the
+    scheduler; a retry at that moment finds the queue room (``max_waiting=0``, one slot)."""
+    calls = []
+
+    def factory(spec, checkpoint, opts):
+        runner = fake_factory(spec, checkpoint, opts)
+        execute = runner.execute
+
+        def failing(batch):  # the second batch (the first decode step) fails
+            calls.append(batch)
+            if len(calls) == 2:
+                raise RuntimeError("injected kernel failure")
+            return execute(batch)
+
+        runner.execute = failing
+        return runner
+
+    from tests.serving.helpers import TINY
+    from v41plan.serving.engine import LLM
+
+    llm = LLM(TINY, runner_factory=factory, world_size=1, max_num_seqs=1)
+    engine = AsyncEngine(llm, max_waiting=0).start()
+    retry: dict = {}
+    retried = threading.Event()
+    good: list = []
+    good_done = threading.Event()
+
+    def on_good(ev):
+        good.append(ev)
+        if ev.finish_reason is not None:
+            good_done.set()
+
+    def on_bad(ev):  # runs on the engine thread, as soon as the failure is known
+        if ev.finish_reason is not None:
+            retry["reason"] = ev.finish_reason
+            try:
+                engine.submit(prompt(6), [SamplingParams(max_tokens=3)], on_good)
+                retry["ok"] = True
+            except QueueFull as exc:
+                retry["error"] = exc
+            retried.set()
+
+    try:
+        engine.submit(prompt(5), [SamplingParams(max_tokens=4, ignore_eos=True)], on_bad)
+        assert retried.wait(30)
+        assert retry == {"reason": "error", "ok": True}
+        assert good_done.wait(30)
+    finally:
+        engine.stop()
+    assert good[-1].finish_reason in ("length", "stop") and good[-1].error is None

@@ -256,9 +256,13 @@ class AsyncEngine:
         """The exception that ended the loop (None while healthy)."""
         self.snapshot: dict = {}
         """Gauges and counters after the latest iteration (read by ``/metrics``)."""
+        self._queued: tuple[int, int] = (0, 0)
+        """(running, waiting) requests, refreshed after each step before any client hears of
+        it: a client answered by that step and retrying at once sees its own request gone."""
         self.steps = 0
         self.submitted = 0
         """Requests ``submit`` accepted."""
+        self._count_queues()
         self._take_snapshot()
 
     # ---- public API (any thread) ----------------------------------------------------------
@@ -289,10 +293,10 @@ class AsyncEngine:
         with self._cv:
             if self._draining or self._stop or not self.alive:
                 raise EngineClosed("the server is shutting down")
-            snap = self.snapshot
+            running, waiting = self._queued
             # Choices that would wait: queued ones beyond the running capacity left.
-            room = self.llm.options.max_num_seqs - int(snap.get("num_requests_running", 0))
-            queued = int(snap.get("num_requests_waiting", 0)) + self._inbox_choices
+            room = self.llm.options.max_num_seqs - running
+            queued = waiting + self._inbox_choices
             if queued + len(choices) - max(0, room) > self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
             handle = RequestHandle(next(self._keys), list(prompt_ids), emit, choices)
@@ -389,6 +393,7 @@ class AsyncEngine:
             if stop:
                 return
             if not self.llm.has_unfinished():
+                self._count_queues()
                 self._collect()  # errors at admission, finished aborts
                 self._take_snapshot()
                 continue
@@ -398,6 +403,7 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - fails the batch's requests, not the server
                 self._fail_batch(exc)
             self.steps += 1
+            self._count_queues()
             self._collect(t0)
             self._take_snapshot()
             # A server runs for days: keep the scheduler's per-step records bounded.
@@ -438,6 +444,8 @@ class AsyncEngine:
         for key in [k for k, seqs in self._seqs.items() if all(s.is_finished for s in seqs)]:
             if not self.is_main or key not in self._active:
                 del self._seqs[key]
+        if self.is_main and cmds:
+            self._count_queues()  # the added requests moved from the inbox to the queue
 
     def _fail_batch(self, exc: Exception) -> None:
         """A step raised: fail the requests of the batch it ran (the scheduler's last batch);
@@ -532,15 +540,25 @@ class AsyncEngine:
             _safe_emit(handle, event)
         return len(new_ids)
 
+    def _count_queues(self) -> None:
+        """Refresh the admission counts. A cancelled or failed request leaves the queues at
+        the next step, but its client has its answer already: it is not counted."""
+        sched = self.llm.scheduler
+        running = sum(1 for s in list(sched.running) if not s.aborted)
+        waiting = sum(1 for s in list(sched.waiting) if not s.aborted)
+        with self._cv:
+            self._queued = (running, waiting)
+
     def _take_snapshot(self) -> None:
         llm = self.llm
         sched, bm = llm.scheduler, llm.block_manager
         image_units = sum(len(im.units) for im in list(bm.images.values()))
         in_use = sum(1 for r in bm.ref if r > 0)
         slots_free = len(bm.free_slots)
+        running, waiting = self._queued
         self.snapshot = {
-            "num_requests_running": len(sched.running),
-            "num_requests_waiting": len(sched.waiting),
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
             "num_pages_total": bm.num_pages,
             "num_pages_in_use": in_use - image_units,
             "num_pages_images": image_units,
