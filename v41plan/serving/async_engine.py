@@ -551,7 +551,7 @@ class AsyncEngine:
 
     def _take_snapshot(self) -> None:
         llm = self.llm
-        sched, bm = llm.scheduler, llm.block_manager
+        bm = llm.block_manager
         image_units = sum(len(im.units) for im in list(bm.images.values()))
         in_use = sum(1 for r in bm.ref if r > 0)
         slots_free = len(bm.free_slots)
