@@ -8,7 +8,9 @@ config against the spec before any weight loads, checks every tensor's presence,
 dtype, and runs post-load processing exactly once: FP8/FP4 weights dequantized into the compute
 dtype (the CPU reference), or kept resident as published (``QuantWeight``), experts fused either
 way. Engram tables are never loaded whole: they stay memory-mapped.
-DSpark (``mtp.*``) and vision tensors are not part of this table; the loader ignores them.
+A config with a DSpark draft (``dspark.draft_config``) adds the draft stages' ``mtp.*``
+tensors (``draft_tensor_table``): the writer writes them, the loader reads them only when
+asked (``speculative=True``) and ignores them otherwise. Vision tensors are not in any table.
 """
 
 from __future__ import annotations
@@ -90,11 +92,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
-    """Every published backbone tensor of ``cfg`` in checkpoint order."""
-    D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    hc, E, inter = cfg.hc_mult, cfg.n_routed_experts, cfg.moe_intermediate_size
-    out: list[TensorSpec] = []
+def _table_writers(out: list[TensorSpec]):
+    """Appenders of one plain tensor, one FP8 linear (weight + scale) and one FP4 expert
+    weight (packed codes + scales) to ``out``."""
 
     def plain(name, shape, dtype, std=0.0, init="normal"):
         out.append(TensorSpec(name, tuple(shape), dtype, "plain", std, init))
@@ -107,6 +107,87 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
         out.append(TensorSpec(name + ".weight", (o, i // 2), I8, "fp4", i**-0.5))
         out.append(TensorSpec(name + ".scale", (o, i // 32), E8M0, "fp4_scale"))
 
+    return plain, fp8, fp4
+
+
+def _window_block(out: list[TensorSpec], cfg: ModelConfig, p: str) -> None:
+    """The tensors before the MoE that every block has (mHC, norms, window attention),
+    under prefix ``p`` (ends with a dot)."""
+    plain, fp8, _ = _table_writers(out)
+    D, H, d, hc = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    for site in ("attn", "ffn"):
+        plain(p + f"hc_{site}_fn", (cfg.hc_mixes, hc * D), F32, (hc * D) ** -0.5)
+        plain(p + f"hc_{site}_base", (cfg.hc_mixes,), F32, 0.1)
+        plain(p + f"hc_{site}_scale", (3,), F32, 0.5, "const")
+    plain(p + "attn_norm.weight", (D,), BF16, init="ones")
+    plain(p + "ffn_norm.weight", (D,), BF16, init="ones")
+    a = p + "attn."
+    fp8(a + "wq_a", cfg.q_lora_rank, D)
+    plain(a + "q_norm.weight", (cfg.q_lora_rank,), BF16, init="ones")
+    fp8(a + "wq_b", H * d, cfg.q_lora_rank)
+    fp8(a + "wkv", d, D)
+    plain(a + "kv_norm.weight", (d,), BF16, init="ones")
+    fp8(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, (H // cfg.o_groups) * d)
+    fp8(a + "wo_b", D, cfg.o_groups * cfg.o_lora_rank)
+    plain(a + "attn_sink", (H,), F32, 0.5)
+
+
+def _moe_block(out: list[TensorSpec], cfg: ModelConfig, p: str, experts: int) -> None:
+    """A block's MoE tensors under prefix ``p``: router, ``experts`` FP4 routed experts and
+    the FP8 shared expert."""
+    plain, fp8, fp4 = _table_writers(out)
+    D, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    f = p + "ffn."
+    plain(f + "gate.weight", (experts, D), BF16, D**-0.5)
+    plain(f + "gate.bias", (experts,), F32, 0.05)
+    for e in range(experts):
+        fp4(f + f"experts.{e}.w1", inter, D)
+        fp4(f + f"experts.{e}.w2", D, inter)
+        fp4(f + f"experts.{e}.w3", inter, D)
+    fp8(f + "shared_experts.w1", inter, D)
+    fp8(f + "shared_experts.w2", D, inter)
+    fp8(f + "shared_experts.w3", inter, D)
+
+
+def draft_tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
+    """The DSpark draft stages' published tensors (``mtp.{k}.*``) in checkpoint order; empty
+    when ``cfg`` has no draft. Each stage: a window-only block with the draft's own experts;
+    stage 0 adds ``main_proj`` (FP8 ``[D, D * taps]``) and ``main_norm``; the last stage adds
+    ``norm``, the Markov head (``embed``/``head`` ``[vocab, markov_rank]``) and the
+    confidence head (``proj`` ``[1, D + markov_rank]``)."""
+    from v41plan.model.dspark import draft_config
+
+    dc = draft_config(cfg)
+    if dc is None:
+        return []
+    out: list[TensorSpec] = []
+    plain, fp8, _ = _table_writers(out)
+    D, V, r = cfg.hidden_size, cfg.vocab_size, dc.markov_rank
+    for k in range(dc.stages):
+        p = f"mtp.{k}."
+        if k == 0:
+            fp8(p + "main_proj", D, D * len(dc.taps))
+            plain(p + "main_norm.weight", (D,), BF16, init="ones")
+        _window_block(out, cfg, p)
+        _moe_block(out, cfg, p, dc.n_routed_experts)
+        if k == dc.stages - 1:
+            plain(p + "norm.weight", (D,), BF16, init="ones")
+            plain(p + "markov_head.embed.weight", (V, r), BF16, 1.0)
+            plain(p + "markov_head.head.weight", (V, r), BF16, r**-0.5)
+            plain(p + "confidence_head.proj.weight", (1, D + r), BF16, (D + r) ** -0.5)
+    return out
+
+
+def checkpoint_tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor a checkpoint of ``cfg`` holds: the backbone's, then the draft's."""
+    return tensor_table(cfg) + draft_tensor_table(cfg)
+
+
+def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every published backbone tensor of ``cfg`` in checkpoint order."""
+    D, d, hc = cfg.hidden_size, cfg.head_dim, cfg.hc_mult
+    out: list[TensorSpec] = []
+    plain, fp8, _ = _table_writers(out)
     plain("embed.weight", (cfg.vocab_size, D), BF16, 1.0)
     ei = {lid: k for k, lid in enumerate(cfg.engram_layer_ids)}
     for info in cfg.layers:
@@ -119,21 +200,8 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
             fp8(p + "engram.wkv", (hc + 1) * D, cfg.engram_cols * hd)
             plain(p + "engram.q_weight", (hc, D), BF16, 1.0)
             plain(p + "engram.k_weight", (hc, D), BF16, 1.0)
-        for site in ("attn", "ffn"):
-            plain(p + f"hc_{site}_fn", (cfg.hc_mixes, hc * D), F32, (hc * D) ** -0.5)
-            plain(p + f"hc_{site}_base", (cfg.hc_mixes,), F32, 0.1)
-            plain(p + f"hc_{site}_scale", (3,), F32, 0.5, "const")
-        plain(p + "attn_norm.weight", (D,), BF16, init="ones")
-        plain(p + "ffn_norm.weight", (D,), BF16, init="ones")
+        _window_block(out, cfg, p)
         a = p + "attn."
-        fp8(a + "wq_a", cfg.q_lora_rank, D)
-        plain(a + "q_norm.weight", (cfg.q_lora_rank,), BF16, init="ones")
-        fp8(a + "wq_b", H * d, cfg.q_lora_rank)
-        fp8(a + "wkv", d, D)
-        plain(a + "kv_norm.weight", (d,), BF16, init="ones")
-        fp8(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, (H // cfg.o_groups) * d)
-        fp8(a + "wo_b", D, cfg.o_groups * cfg.o_lora_rank)
-        plain(a + "attn_sink", (H,), F32, 0.5)
         if info.role == "full":
             plain(a + "compressor.wkv.weight", (d, D), BF16, D**-0.5)
             if info.ratio == 2:
@@ -144,25 +212,17 @@ def tensor_table(cfg: ModelConfig) -> list[TensorSpec]:
         if info.role in ("full", "reindex"):
             fp8(a + "indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
             plain(a + "indexer.weights_proj.weight", (cfg.index_n_heads, D), BF16, D**-0.5)
-        f = p + "ffn."
-        plain(f + "gate.weight", (E, D), BF16, D**-0.5)
-        plain(f + "gate.bias", (E,), F32, 0.05)
-        for e in range(E):
-            fp4(f + f"experts.{e}.w1", inter, D)
-            fp4(f + f"experts.{e}.w2", D, inter)
-            fp4(f + f"experts.{e}.w3", inter, D)
-        fp8(f + "shared_experts.w1", inter, D)
-        fp8(f + "shared_experts.w2", D, inter)
-        fp8(f + "shared_experts.w3", inter, D)
+        _moe_block(out, cfg, p, cfg.n_routed_experts)
     plain("norm.weight", (D,), BF16, init="ones")
     plain("head.weight", (cfg.vocab_size, D), BF16, 1.5 * D**-0.5)
     return out
 
 
-def checkpoint_nbytes(cfg: ModelConfig) -> int:
+def checkpoint_nbytes(cfg: ModelConfig, draft: bool = False) -> int:
     """Bytes of the published backbone tensors of ``cfg`` (``tensor_table``), Engram tables
-    apart: what a resident load is compared with."""
-    return sum(t.nbytes for t in tensor_table(cfg) if t.kind not in ("table", "table_scale"))
+    apart, and with ``draft`` the DSpark stages' too: what a resident load is compared with."""
+    specs = checkpoint_tensor_table(cfg) if draft else tensor_table(cfg)
+    return sum(t.nbytes for t in specs if t.kind not in ("table", "table_scale"))
 
 
 # --- random initialization ----------------------------------------------------------------
@@ -228,9 +288,12 @@ def _random_fp4(
     yield scale_spec.name, e8m0_encode(scale)
 
 
-def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """All published tensors of a random checkpoint in memory (tiny models and tests)."""
-    return dict(random_tensors(cfg, seed))
+def random_state(cfg: ModelConfig, seed: int, draft: bool = False) -> dict[str, torch.Tensor]:
+    """All published backbone tensors of a random checkpoint in memory (tiny models and
+    tests); with ``draft`` the DSpark stages' too (the same values a written checkpoint
+    holds: each tensor is a function of (seed, name))."""
+    specs = checkpoint_tensor_table(cfg) if draft else None
+    return dict(random_tensors(cfg, seed, specs))
 
 
 def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
@@ -288,7 +351,7 @@ def write_checkpoint(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    specs = tensor_table(cfg)
+    specs = checkpoint_tensor_table(cfg)
     shards = _plan_shards(specs, shard_bytes)
     fnames = [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
     for old in out.glob("model-*-of-*.safetensors"):  # shards of an earlier, different split
@@ -342,10 +405,21 @@ def write_state(
 ) -> Path:
     """Write published tensors ``state`` (every ``tensor_table`` name, in its published shape
     and dtype: a trained model's export) as a checkpoint directory; ``metadata`` joins the
-    index file's."""
+    index file's. The DSpark stages' tensors are written when ``state`` holds them (all of
+    them, or none: a checkpoint without them serves without speculation)."""
     from safetensors.torch import save_file
 
     specs = tensor_table(cfg)
+    draft = draft_tensor_table(cfg)
+    held = [t.name for t in draft if t.name in state]
+    if held and len(held) < len(draft):
+        lacking = [t.name for t in draft if t.name not in state]
+        raise CheckpointError(
+            f"state holds {len(held)} of the {len(draft)} DSpark tensors; lacks "
+            f"{', '.join(lacking[:5])}"
+        )
+    if held:
+        specs = specs + draft
     bad = [t.name for t in specs if t.name not in state]
     bad += [
         t.name for t in specs if t.name in state and tuple(state[t.name].shape) != tuple(t.shape)
@@ -399,10 +473,22 @@ def process_state(
                 w[name] = dequant_fp8_weight(t, scale, dtype).to(device)
         else:
             w[name] = t.to(device)
-    E = cfg.n_routed_experts
-    for lid in range(cfg.num_hidden_layers) if layer_ids is None else layer_ids:
+    blocks = [
+        (f"layers.{lid}", cfg.n_routed_experts)
+        for lid in (range(cfg.num_hidden_layers) if layer_ids is None else layer_ids)
+    ]
+    from v41plan.model.dspark import draft_config
+
+    dc = draft_config(cfg)
+    if dc is not None and layer_ids is None:  # the draft's experts when they were loaded
+        blocks += [
+            (f"mtp.{k}", dc.n_routed_experts)
+            for k in range(dc.stages)
+            if f"mtp.{k}.ffn.experts.0.w1.weight" in raw
+        ]
+    for prefix, E in blocks:
         for proj in ("w1", "w2", "w3"):
-            p = f"layers.{lid}.ffn.experts.{{}}.{proj}."
+            p = f"{prefix}.ffn.experts.{{}}.{proj}."
             first_w, first_s = raw[p.format(0) + "weight"], raw[p.format(0) + "scale"]
             if resident:
                 codes = torch.empty((E, *first_w.shape), dtype=first_w.dtype, device=device)
@@ -417,7 +503,7 @@ def process_state(
                     scales[e].copy_(se)
                 else:
                     fused[e].copy_(dequant_fp4_weight(we, se, dtype))
-            key = f"layers.{lid}.ffn.experts.{proj}"
+            key = f"{prefix}.ffn.experts.{proj}"
             w[key] = QuantWeight(codes, scales, "fp4") if resident else fused
     return w
 
@@ -481,11 +567,12 @@ class LoadedCheckpoint:
             )
         self.process_calls += 1
         cfg = self.config
+        draft = any(name.startswith("mtp.") for name in self.raw)
         w = process_state(cfg, self.raw, dtype, device, resident, dequantize=dequantize)
         self.weights = w
         self.raw = {}  # the published tensors are no longer needed
         self.report = {
-            "checkpoint_bytes": checkpoint_nbytes(cfg),
+            "checkpoint_bytes": checkpoint_nbytes(cfg, draft),
             "resident_bytes": weight_nbytes(w),
             "resident": resident,
         }
@@ -648,11 +735,12 @@ def random_weights_seed(path: str | Path) -> int | None:
 
 
 def check_checkpoint(
-    path: str | Path, cache_spec: Any = None
+    path: str | Path, cache_spec: Any = None, speculative: bool = False
 ) -> tuple[ModelConfig, list[TensorSpec], dict[str, str], _Shards]:
     """Check a checkpoint without reading any weight: its ``config.json`` (against
     ``cache_spec`` when given), and every tensor's presence, shape and dtype from the shard
-    headers. Returns the config, tensor table, weight map and open shards; raises
+    headers; with ``speculative`` the DSpark stages' tensors too (the config must declare the
+    draft). Returns the config, tensor table, weight map and open shards; raises
     ``CheckpointError`` with one line naming the file and what is wrong."""
     root = Path(path)
     cfg = read_config(root)
@@ -661,9 +749,22 @@ def check_checkpoint(
             check_against_spec(cfg, cache_spec)
         except ValueError as exc:
             raise CheckpointError(f"{root}: {exc}") from exc
+    specs = tensor_table(cfg)
+    if speculative:
+        from v41plan.model.dspark import draft_config
+
+        try:
+            dc = draft_config(cfg)
+        except ValueError as exc:
+            raise CheckpointError(f"{root / 'config.json'}: {exc}") from None
+        if dc is None:
+            raise CheckpointError(
+                f"{root / 'config.json'}: declares no DSpark draft (no dspark_* fields), so "
+                "speculative decoding cannot load one"
+            )
+        specs = specs + draft_tensor_table(cfg)
     shards = _Shards(root)
     weight_map = _weight_map(root, shards)
-    specs = tensor_table(cfg)
     for t in specs:  # presence, shape and dtype, from headers only
         if t.name not in weight_map:
             raise CheckpointError(
@@ -685,17 +786,20 @@ def load_checkpoint(
     dtype: torch.dtype | None = torch.float32,
     device: str | torch.device = "cpu",
     resident: bool = False,
+    speculative: bool = False,
 ) -> LoadedCheckpoint:
     """Load a published-layout checkpoint directory.
 
     The config is checked against ``cache_spec`` (when given) before any weight is read; every
     tensor of ``tensor_table`` must be present with its shape and dtype (``check_checkpoint``).
+    ``speculative`` loads the DSpark stages' ``mtp.*`` tensors too (``draft_tensor_table``);
+    without it they are not read.
     With ``dtype`` set, the post-load processing runs (once, ``resident`` as in
     ``LoadedCheckpoint.process``) before returning; ``dtype=None`` leaves it to the caller. Every
     problem is a ``CheckpointError`` naming the file.
     """
     root = Path(path)
-    cfg, specs, weight_map, shards = check_checkpoint(root, cache_spec)
+    cfg, specs, weight_map, shards = check_checkpoint(root, cache_spec, speculative)
     raw: dict[str, torch.Tensor] = {}
     tables: list[EngramTable] = []
     for t in specs:

@@ -10,7 +10,8 @@ values the paged formats hold (see ``layers`` for the dtype policy).
 
 ``index_cache_dtype``: ``None``/``"fp4"`` is the published arithmetic (FP4 E8M0/32 index q and
 k); ``"fp8"`` is the paged FP8 index plane's (E4M3 with one fp32 scale per key row and per
-(token, head) query row). DSpark and vision are out of scope.
+(token, head) query row). Vision is out of scope; for a DSpark draft (``dspark.DraftReference``)
+every call leaves the draft's taps in ``taps``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from v41plan.model.config import ModelConfig
+from v41plan.model.dspark import draft_config
 from v41plan.model.engram import EngramHost
 from v41plan.model.layers import (
     NEG_INF,
@@ -127,6 +129,13 @@ class ReferenceModel:
         """Streams entering each layer in the last call (after any Engram), when ``trace`` is
         set."""
         self.trace = False
+        dc = draft_config(cfg)
+        self.tap_layers: tuple[int, ...] = () if dc is None else dc.taps
+        """Backbone layers the DSpark draft taps (empty without a draft)."""
+        self.taps: torch.Tensor | None = None
+        """The last call's DSpark taps ``[N, D * len(tap_layers)]``: per row, the mean over
+        streams of the residual entering each tap layer (after any Engram), concatenated in
+        ``tap_layers`` order; None without a draft."""
         self.forced_selections: dict[int, torch.Tensor] = {}
         """Index top-k ``[N, index_topk]`` to use instead of the computed one, per index source
         (teacher forcing for layer-by-layer comparisons); Reuse layers inherit it."""
@@ -210,6 +219,7 @@ class ReferenceModel:
         pre_in[:, 0] = 1
         self.selections, self.experts, self.candidates = {}, {}, None
         self.layer_inputs = []
+        taps: list[torch.Tensor] = []
         self._cand: torch.Tensor | None = None
         for info in cfg.layers:
             L = info.index
@@ -220,6 +230,8 @@ class ReferenceModel:
                 X = self.engram_layers[L](X, emb, tmask)
             if self.trace:
                 self.layer_inputs.append(X.clone())
+            if L in self.tap_layers:
+                taps.append(X.mean(1))
             eps = cfg.rms_norm_eps
             a_pre, a_post, a_C = hc_predict(
                 X, self.hc_attn[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
@@ -235,6 +247,7 @@ class ReferenceModel:
             X = hc_expand(y, X, f_post, f_C)
             pre_in = f_pre
         cache.next_pos = start + n
+        self.taps = torch.cat(taps, dim=1) if taps else None
         x = rms_norm(hc_collapse(X, pre_in), self.norm, cfg.rms_norm_eps)
         return F.linear(x.to(self.acc), self.head)
 
