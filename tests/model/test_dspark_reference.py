@@ -142,3 +142,37 @@ def test_the_context_is_the_window_before_the_anchor(model):
     window.observe(t.taps[n - W :], torch.arange(n - W, n))
     a, b = full.propose(6, n), window.propose(6, n)
     assert a.tokens == b.tokens and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-12)
+
+
+def _greedy(t, prompt, n):
+    logits = t.prefill(prompt)
+    out = [int(torch.argmax(logits[-1]))]
+    while len(out) < n:
+        out.append(int(torch.argmax(t.decode(out[-1]))))
+    return out
+
+
+def test_speculative_greedy_gives_the_targets_tokens_and_counts_acceptance(model):
+    from v41plan.model.dspark import speculative_greedy
+
+    want = _greedy(_target(model), PROMPT, 24)
+    got, stats = speculative_greedy(_target(model), _draft(model), PROMPT, 24)
+    assert got == want
+    assert sum(stats.histogram) * 5 == stats.drafted
+    assert stats.accepted == sum(a * c for a, c in enumerate(stats.histogram))
+
+    # a draft that proposes the target's own continuation is accepted whole
+    oracle = _draft(model)
+    real = oracle.propose
+
+    def propose(anchor, anchor_pos, *args):
+        out = real(anchor, anchor_pos, *args)
+        at = anchor_pos - len(PROMPT)  # the anchor is want[at]
+        out.tokens = (want[at + 1 :] + [0] * 6)[:5]
+        return out
+
+    oracle.propose = propose
+    got, stats = speculative_greedy(_target(model), oracle, PROMPT, 24)
+    assert got == want
+    # 1 + 3 * 6 tokens, then 5 accepted drafts reach 24
+    assert stats.histogram == [0, 0, 0, 0, 0, 4] and stats.accepted == 20

@@ -297,3 +297,52 @@ class DraftReference:
             feat = torch.cat([x[i].to(self.acc), e])
             conf.append((self.confidence_proj @ feat)[0])
         return DraftOutput(tokens, logits, torch.stack(conf))
+
+
+@dataclass
+class SpeculativeStats:
+    """Acceptance counters of a speculative run."""
+
+    drafted: int = 0
+    """Draft tokens proposed."""
+    accepted: int = 0
+    """Draft tokens the target accepted."""
+    histogram: list[int] | None = None
+    """``histogram[a]``: draft blocks with ``a`` accepted tokens (``0 .. block_size``)."""
+
+
+def speculative_greedy(
+    target: Any, draft: DraftReference, prompt: list[int], max_tokens: int
+) -> tuple[list[int], SpeculativeStats]:
+    """Greedy decoding of ``max_tokens`` tokens with DSpark drafts, on the dense references:
+    (tokens, counters). Each round drafts a block after the anchor and feeds the target the
+    anchor and the drafts one row at a time (the dense reference decodes one row per call),
+    accepting drafts while they equal the target's argmax; the token after them (a
+    correction, or the bonus after a whole block) is the next anchor. The draft's rings see
+    the target rows of accepted tokens only, so the tokens are the target's greedy tokens."""
+    import torch
+
+    B = draft.draft.block_size
+    stats = SpeculativeStats(histogram=[0] * (B + 1))
+    logits = target.prefill(prompt)
+    draft.reset()
+    draft.observe(target.taps, torch.arange(len(prompt)))
+    out = [int(torch.argmax(logits[-1]))]
+    pos = len(prompt)  # the anchor's position
+    while len(out) < max_tokens:
+        proposal = draft.propose(out[-1], pos).tokens
+        stats.drafted += B
+        accepted = 0
+        for i in range(B + 1):  # the anchor, then each accepted draft
+            lg = target.decode(out[-1])
+            draft.observe(target.taps, [pos + i])
+            tok = int(torch.argmax(lg))
+            hit = i < B and tok == proposal[i]
+            out.append(tok)
+            accepted += hit
+            if not hit or len(out) >= max_tokens:
+                break
+        stats.accepted += accepted
+        stats.histogram[accepted] += 1
+        pos += accepted + 1
+    return out[:max_tokens], stats
