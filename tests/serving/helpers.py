@@ -25,6 +25,25 @@ def fake_factory(spec, checkpoint, opts):
     )
 
 
+def failing_factory(fails):
+    """A ``fake_factory`` whose runner raises "injected kernel failure" on every batch
+    ``fails(batch)`` holds true for (the test's fault injection)."""
+
+    def factory(spec, checkpoint, opts):
+        runner = fake_factory(spec, checkpoint, opts)
+        execute = runner.execute
+
+        def failing(batch):
+            if fails(batch):
+                raise RuntimeError("injected kernel failure")
+            return execute(batch)
+
+        runner.execute = failing
+        return runner
+
+    return factory
+
+
 def fake_llm(**options) -> LLM:
     """An LLM on the tiny spec with the fake runner."""
     options.setdefault("max_num_batched_tokens", 256)

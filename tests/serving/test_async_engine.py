@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from tests.serving.helpers import fake_factory, fake_llm, prompt
+from tests.serving.helpers import TINY, failing_factory, fake_llm, prompt
 from v41plan.serving.async_engine import AsyncEngine, EngineClosed, QueueFull, TextState
+from v41plan.serving.engine import LLM
 from v41plan.serving.sampling import SamplingParams
 from v41plan.serving.tokenizer import ByteTokenizer
 
@@ -128,22 +129,8 @@ def test_bounded_queue_and_closed_engine():
 
 def test_a_failing_batch_fails_its_requests_and_the_loop_goes_on():
     poison = 13
-
-    def factory(spec, checkpoint, opts):
-        runner = fake_factory(spec, checkpoint, opts)
-        execute = runner.execute
-
-        def failing(batch):  # a prompt holding the poison id fails its batch
-            if any(poison in d.new_tokens for d in batch.deltas):
-                raise RuntimeError("injected kernel failure")
-            return execute(batch)
-
-        runner.execute = failing
-        return runner
-
-    from tests.serving.helpers import TINY
-    from v41plan.serving.engine import LLM
-
+    # a prompt holding the poison id fails its batch
+    factory = failing_factory(lambda batch: any(poison in d.new_tokens for d in batch.deltas))
     llm = LLM(TINY, runner_factory=factory, world_size=1, max_num_batched_tokens=256)
     engine = AsyncEngine(llm, max_waiting=8).start()
     try:
@@ -162,23 +149,11 @@ def test_a_client_told_of_a_failure_can_submit_again_at_once():
     scheduler; a retry at that moment finds the queue room (``max_waiting=0``, one slot)."""
     calls = []
 
-    def factory(spec, checkpoint, opts):
-        runner = fake_factory(spec, checkpoint, opts)
-        execute = runner.execute
+    def second(batch):  # the second batch (the first decode step) fails
+        calls.append(batch)
+        return len(calls) == 2
 
-        def failing(batch):  # the second batch (the first decode step) fails
-            calls.append(batch)
-            if len(calls) == 2:
-                raise RuntimeError("injected kernel failure")
-            return execute(batch)
-
-        runner.execute = failing
-        return runner
-
-    from tests.serving.helpers import TINY
-    from v41plan.serving.engine import LLM
-
-    llm = LLM(TINY, runner_factory=factory, world_size=1, max_num_seqs=1)
+    llm = LLM(TINY, runner_factory=failing_factory(second), world_size=1, max_num_seqs=1)
     engine = AsyncEngine(llm, max_waiting=0).start()
     retry: dict = {}
     retried = threading.Event()

@@ -397,22 +397,11 @@ def test_bad_requests_never_reach_the_engine(live, case):
 
 
 def test_api_key_and_full_queue_and_engine_errors():
+    from tests.serving.helpers import failing_factory
+
     poison = 13
-
-    def factory(spec, checkpoint, opts):
-        from tests.serving.helpers import fake_factory
-
-        runner = fake_factory(spec, checkpoint, opts)
-        execute = runner.execute
-
-        def failing(batch):  # a prompt holding the poison id fails its batch
-            if any(poison in d.new_tokens for d in batch.deltas):
-                raise RuntimeError("injected kernel failure")
-            return execute(batch)
-
-        runner.execute = failing
-        return runner
-
+    # a prompt holding the poison id fails its batch
+    factory = failing_factory(lambda batch: any(poison in d.new_tokens for d in batch.deltas))
     llm = LLM(TINY, runner_factory=factory, world_size=1, max_num_seqs=1)
     bg = start_in_thread(OpenAIServer(llm, api_key="sesame", max_waiting=0))
     try:

@@ -45,6 +45,13 @@ class LayerInfo:
     """True when an Engram module runs before this layer's block."""
 
 
+DSPARK_FIELDS = (
+    "dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id",
+    "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+)  # fmt: skip
+"""The model fields of a DSpark draft: a spec or config sets all of them or none."""
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """The model dimensions the cache needs (HF config field names)."""

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from v41plan.geometry.derive import INDEX_BLOCK_ROWS, build_cache_spec, dims_from_model
 from v41plan.geometry.errors import Location, Locator, SpecError
-from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
+from v41plan.geometry.runtime import DSPARK_FIELDS, INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 
 SPEC_VERSION = 1
 IMAGE_FIELDS = ("swa_rings", "tail_values", "tail_scores", "cursor")
@@ -671,13 +671,6 @@ def _check_model(m: ModelSection, loc: Locator) -> None:
                 "raise candidate_topk_blocks or candidate_block_size so blocks x size >= "
                 "index_topk",
             )
-
-
-DSPARK_FIELDS = (
-    "dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id",
-    "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok",
-)  # fmt: skip
-"""The model fields of a DSpark draft: a spec sets all of them or none."""
 
 
 def _check_dspark(m: ModelSection, loc: Locator) -> None:

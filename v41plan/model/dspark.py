@@ -18,11 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-DSPARK_FIELDS = (
-    "dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id",
-    "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok",
-)  # fmt: skip
-"""The model fields of a DSpark draft: a config sets all of them or none."""
+from v41plan.geometry.runtime import DSPARK_FIELDS, LayerInfo
 
 
 @dataclass(frozen=True)
@@ -156,7 +152,6 @@ class DraftReference:
     ):
         import torch
 
-        from v41plan.geometry.runtime import LayerInfo
         from v41plan.model.layers import REFERENCE_KERNELS, Attention, HcParams, MoE, acc_dtype
 
         dc = draft_config(cfg)

@@ -25,21 +25,15 @@ import torch
 from v41plan.runtime.sampler import _shr, counter_bits, counter_gumbel
 
 ACCEPT_SALT = 0x5EC0_DEC0_DE5A_17ED
-"""Folded into the seed for the acceptance uniforms: a stream apart from the sampler's."""
-
-
-def _salted(seed: torch.Tensor) -> torch.Tensor:
-    salt = ACCEPT_SALT - (1 << 64) if ACCEPT_SALT >= 1 << 63 else ACCEPT_SALT
-    return seed.to(torch.int64) ^ salt
+"""Folded into the seed for the acceptance uniforms: a stream apart from the sampler's
+(below 2**63, so it is an int64 as it stands)."""
 
 
 def acceptance_uniforms(seed: torch.Tensor, output_index: torch.Tensor, k: int) -> torch.Tensor:
     """``[b, k]`` float32 uniforms in ``[0, 1)`` keyed by ``(seed, output_index + i)``."""
-    cols = [
-        _shr(counter_bits(_salted(seed), output_index + i, 1)[:, 0], 40).to(torch.float32)
-        for i in range(k)
-    ]
-    return torch.stack(cols, dim=1) * (2.0**-24)
+    salted = seed.to(torch.int64) ^ ACCEPT_SALT
+    cols = [_shr(counter_bits(salted, output_index + i, 1)[:, 0], 40) for i in range(k)]
+    return torch.stack(cols, dim=1).to(torch.float32) * (2.0**-24)
 
 
 def _leading(ok: torch.Tensor) -> torch.Tensor:
