@@ -26,7 +26,8 @@ timed as the replay of its captured FULL graph (device events) and as a graph st
 ``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward,
 and of them the dense ones: launched outside the kernel-backend ops and the grouped MoE's
 expert product, which run inside ``record_function`` ranges here (``labelled_backend``), with
-their names per layer (``dense_kernels_by_name_per_layer``);
+their names per layer (``dense_kernels_by_name_per_layer``) and by the model function that
+launched them (``dense_kernels_by_site_per_layer``: ``labelled_sites`` ranges);
 graph tokens against eager tokens (the capture is exact) and the logits against the reference
 variant's at the same step (each variant prefilled the same tokens through its own kernels, so
 the pools differ by their roundings: a stated figure, not a check). The ceilings are measured in
@@ -100,6 +101,56 @@ class labelled_backend:
         return call
 
 
+SITE_RANGE = "site."
+"""Prefix of the ``record_function`` ranges ``labelled_sites`` puts around the model's own
+functions (a dense kernel is charged to the innermost one it launched in)."""
+
+SITE_METHODS = (
+    "embed_rows", "frame", "layer_pre", "layer_attention", "layer_post", "head_rows",
+    "_compress", "_attention", "_window_bounds", "_ring_write_from", "_within",
+)  # fmt: skip
+
+
+class _Labelled:
+    """``obj`` with each callable attribute run inside a ``record_function`` range
+    ``prefix + name``."""
+
+    def __init__(self, obj, prefix):
+        self._obj, self._prefix = obj, prefix
+
+    def __getattr__(self, name):
+        attr = getattr(self._obj, name)
+        if not callable(attr) or name.startswith("__"):
+            return attr
+        return _ranged(attr, self._prefix + name)
+
+
+def _ranged(fn, label):
+    def call(*a, **k):
+        with torch.profiler.record_function(label):
+            return fn(*a, **k)
+
+    return call
+
+
+def labelled_sites(m):
+    """Put ``site.`` ranges around ``m``'s per-layer functions, its dense pieces and its dense
+    kernels (instance attributes; ``unlabel_sites`` removes them)."""
+    saved = {"pieces": m.pieces, "dense": m.dense}
+    for name in SITE_METHODS:
+        setattr(m, name, _ranged(getattr(m, name), SITE_RANGE + name))
+    m.pieces = _Labelled(m.pieces, SITE_RANGE + "pieces.")
+    m.dense = _Labelled(m.dense, SITE_RANGE + "dense.")
+    return saved
+
+
+def unlabel_sites(m, saved):
+    """Undo ``labelled_sites``."""
+    for name in SITE_METHODS:
+        m.__dict__.pop(name, None)
+    m.pieces, m.dense = saved["pieces"], saved["dense"]
+
+
 def _weights(spec, checkpoint, resident: bool):
     """``(cfg, weights on CUDA, Engram host)``: bf16 dequantised, or resident as published."""
     from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
@@ -117,10 +168,11 @@ def _weights(spec, checkpoint, resident: bool):
     return ckpt.config, w, ckpt.engram_host(), ckpt.report
 
 
-def _kernels(fn) -> tuple[int, int | None, dict[str, int]]:
+def _kernels(fn) -> tuple[int, int | None, dict[str, int], dict[str, dict[str, int]]]:
     """(device kernels one call of ``fn`` launches, those launched inside a ``backend.`` range,
-    the dense ones by name) (``torch.profiler``; copies and memsets apart). The second is None
-    when the profile links no kernel to the host event that launched it."""
+    the dense ones by name, the dense ones by the innermost ``site.`` range and name)
+    (``torch.profiler``; copies and memsets apart). The second is None when the profile links
+    no kernel to the host event that launched it."""
     from collections import Counter
 
     from torch.autograd import DeviceType
@@ -135,6 +187,7 @@ def _kernels(fn) -> tuple[int, int | None, dict[str, int]]:
     total = sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
     linked = inside = 0
     dense: Counter = Counter()
+    by_site: dict[str, Counter] = {}
     for e in events:
         if e.device_type != DeviceType.CPU:
             continue
@@ -142,13 +195,17 @@ def _kernels(fn) -> tuple[int, int | None, dict[str, int]]:
             if k.name.startswith(("Memcpy", "Memset")):
                 continue
             linked += 1
-            p = e
+            p, site = e, None
             while p is not None and not p.name.startswith(BACKEND_RANGE):
+                if site is None and p.name.startswith(SITE_RANGE):
+                    site = p.name[len(SITE_RANGE) :]
                 p = p.cpu_parent
             inside += p is not None
             if p is None:
                 dense[k.name[:100]] += 1
-    return total, (inside if linked else None), dict(dense.most_common())
+                by_site.setdefault(site or "(none)", Counter())[k.name[:80]] += 1
+    sites = {s: dict(c.most_common()) for s, c in by_site.items()}
+    return total, (inside if linked else None), dict(dense.most_common()), sites
 
 
 def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
@@ -247,9 +304,11 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                     return _f(self, *a)
 
             cls.experts = experts
-        kernels, backend_kernels, dense_names = _kernels(
+        saved = labelled_sites(m)
+        kernels, backend_kernels, dense_names, dense_sites = _kernels(
             lambda plan=plan, tok=tok: m.forward(plan, tok)
         )
+        unlabel_sites(m, saved)
         m.backend = kb
         if moe_call:
             cls.experts = moe_call[0]
@@ -309,6 +368,13 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
                 "dense_kernels_by_name_per_layer": {
                     k: v / cfg.num_hidden_layers for k, v in list(dense_names.items())[:40]
                 },
+                "dense_kernels_by_site_per_layer": {
+                    site: {
+                        "total": sum(c.values()) / cfg.num_hidden_layers,
+                        **{k: v / cfg.num_hidden_layers for k, v in list(c.items())[:12]},
+                    }
+                    for site, c in sorted(dense_sites.items(), key=lambda sc: -sum(sc[1].values()))
+                },
                 "kernel_busy_ms": busy_ms,
                 "kernel_table": table,
                 "kernel_table_source": table_source,
@@ -331,6 +397,11 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
             f"{vs_ref.get('logits_rel_l2_vs_reference', float('nan')):>9.2e} "
             f"{vs_ref.get('argmax_equal_vs_reference', float('nan')):>6.2f}",
             flush=True,
+        )
+        sites = rows[-1]["dense_kernels_by_site_per_layer"]
+        print(
+            f"{'':>14} dense kernels per layer by site: "
+            + ", ".join(f"{k} {v['total']:.2f}" for k, v in list(sites.items())[:10])
         )
         if table:
             replay_ms = rows[-1]["replay_ms"]
