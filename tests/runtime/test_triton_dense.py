@@ -411,3 +411,102 @@ def test_torch_and_triton_sets_have_the_same_call_shapes():
         a = inspect.signature(getattr(ref.TorchDense, n))
         b = inspect.signature(getattr(td.TritonDense, n))
         assert list(a.parameters) == list(b.parameters), n
+
+
+# --- the router kernel ------------------------------------------------------------------------
+
+
+def _router_case(n, e, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = torch.randn(e, d, generator=g) * d**-0.5
+    bias = torch.randn(e, generator=g) * 0.1
+    return x, w, bias
+
+
+def _route_ref(x, w, bias, k, norm, scale):
+    from types import SimpleNamespace
+
+    from v41plan.model.layers import moe_route
+
+    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=norm, routed_scaling_factor=scale)
+    return moe_route(x, w, bias, cfg)
+
+
+@pytest.mark.parametrize(
+    ("n", "e", "d", "k", "norm", "dtype"),
+    [(5, 48, 64, 6, True, torch.float32), (3, 20, 40, 1, True, torch.bfloat16),
+     (4, 33, 96, 4, False, torch.float32)],
+)  # fmt: skip
+def test_router_kernel_matches_moe_route(n, e, d, k, norm, dtype):
+    from v41plan.runtime.kernels.triton_router import moe_router
+
+    x, w, bias = _router_case(n, e, d, dtype, seed=e + d)
+    ids, wts = moe_router(x, w, bias, k, norm and k > 1, 2.5)
+    rids, rwts = _route_ref(x, w, bias, k, norm, 2.5)
+    assert ids.dtype == torch.int64 and wts.dtype == torch.float32
+    assert torch.equal(ids, rids)
+    # the scores' sum order is the kernel's: a few float32 ulps
+    torch.testing.assert_close(wts, rwts, rtol=4e-6, atol=0)
+
+
+def test_router_split_gemv_matches_the_one_kernel_form(monkeypatch):
+    from v41plan.runtime.kernels import triton_router as tr
+
+    x, w, bias = _router_case(3, 40, 64, torch.float32, seed=7)
+    whole = tr.moe_router(x, w, bias, 6, True, 1.0)
+    monkeypatch.setattr(tr, "SPLIT_GATE_ELEMS", 0)
+    split = tr.moe_router(x, w, bias, 6, True, 1.0)
+    rids, rwts = _route_ref(x, w, bias, 6, True, 1.0)
+    assert torch.equal(split[0], rids) and torch.equal(whole[0], rids)
+    torch.testing.assert_close(split[1], rwts, rtol=4e-6, atol=0)
+
+
+def test_router_ties_go_to_the_smaller_expert_and_softplus_keeps_its_tails():
+    from v41plan.runtime.kernels.triton_router import moe_router
+
+    d = 16
+    x = torch.ones(2, d)
+    # scores -30 .. 30 by expert (softplus' log1p tail and its pass-through above 20), and
+    # experts 3/4 and 9/10 tied
+    s = torch.linspace(-30, 30, 12)
+    s[4], s[10] = s[3], s[9]
+    w = (s / d)[:, None].expand(12, d).contiguous()
+    bias = torch.zeros(12)
+    ids, wts = moe_router(x, w, bias, 12, False, 1.0)
+    rids, rwts = _route_ref(x, w, bias, 12, False, 1.0)
+    assert torch.equal(ids, rids)
+    assert ids[0].tolist().index(3) < ids[0].tolist().index(4)
+    torch.testing.assert_close(wts, rwts, rtol=4e-6, atol=0)
+    assert float(wts[0, -1]) > 0  # sqrt(log1p(exp(-30))) ~ 3e-7, not 0
+
+
+def test_router_refuses_what_it_cannot_route():
+    from v41plan.runtime.kernels.triton_router import moe_router
+
+    x, w, bias = _router_case(2, 8, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="float32"):
+        moe_router(x, w.half(), bias, 2, True, 1.0)
+    with pytest.raises(ValueError, match="k=9"):
+        moe_router(x, w, bias, 9, True, 1.0)
+    ids, wts = moe_router(x[:0], w, bias, 2, True, 1.0)
+    assert ids.shape == (0, 2) and wts.shape == (0, 2)
+
+
+def test_router_custom_op_passes_opcheck_and_compiles_whole():
+    from v41plan.runtime.kernels import ops
+
+    x, w, bias = _router_case(3, 16, 32, torch.float32, seed=3)
+    ops.register()
+    torch.library.opcheck(torch.ops.v41plan.moe_router, (x, w, bias, 4, True, 1.5))
+
+    def route(x, w, bias):
+        return ops.moe_router(x, w, bias, 4, True, 1.5)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(route)(x, w, bias)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    rids, rwts = _route_ref(x, w, bias, 4, True, 1.5)
+    ids, wts = torch.compile(route, backend="aot_eager", fullgraph=True)(x, w, bias)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(wts, rwts, rtol=4e-6, atol=0)

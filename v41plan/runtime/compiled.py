@@ -3,12 +3,13 @@
 ``DensePieces`` holds the functions ``run()`` calls for its dense work, outside the kernel
 backend: the embedding, the window-KV rows, the query and index query, the compressor's
 projections and its closed groups' rows (pooling, RoPE, the index-key and main-row quantizers),
-the output projection, the router and the dense-over-experts MoE, the RoPE tables, Engram
-injection and the head. Eager (``backend=None``) they are the layers' own methods, so level 0 is
-the reference arithmetic. Compiled, each is one ``torch.compile(fullgraph=True)`` region (a
-graph break is an error, not a silent fallback), and every layer of the model shares it: the
-functions take the layer object and read its weights as graph inputs, so guards match on shapes
-and dtypes, not on which layer calls.
+the output projection, the router and the dense-over-experts MoE, the RoPE tables, the Engram
+row ids (the n-gram hashing of the device lookup) and injection, and the head. Eager
+(``backend=None``) they are the layers' own methods, so level 0 is the reference arithmetic.
+Compiled, each is one ``torch.compile(fullgraph=True)`` region (a graph break is an error, not
+a silent fallback), and every layer of the model shares it: the functions take the layer object
+and read its weights as graph inputs, so guards match on shapes and dtypes, not on which layer
+calls.
 
 With the torch dense compositions (``dense="torch"``) the mHC sites and the expand compile too
 (``compiled_dense``). What stays outside the regions: the kernel backend's pool ops (called
@@ -111,6 +112,12 @@ def engram(layer, X, codes, scales, dtype: torch.dtype):
     return layer(X, emb)
 
 
+def engram_rows(engram_device, token_ids, batch_ids, row0, history):
+    """Every row's Engram table row ids (``DeviceEngram.row_ids``: the n-gram hashing, integer
+    arithmetic, exact under any kernel fusion)."""
+    return engram_device.row_ids(token_ids, batch_ids, row0, history)
+
+
 def embed(table, ids, hc: int, hidden: int, dtype: torch.dtype):
     """Initial residual streams ``[N, hc, D]`` (the embedding row in every stream) and mHC
     ``pre`` ``[N, hc]`` (one-hot on stream 0, in ``acc``)."""
@@ -129,7 +136,7 @@ def head(X, pre, norm, head_w, eps: float):
 
 _PIECES = (
     window_kv, query, compress_project, compressed_rows, output, moe_local, route, cos_sin,
-    engram, embed, head,
+    engram, engram_rows, embed, head,
 )  # fmt: skip
 
 
@@ -169,7 +176,7 @@ _COMPILED: dict[tuple[str, str, str], object] = {}
 TOKEN_ARGS = {
     "window_kv": (1, 2, 3), "query": (1, 2, 3), "compress_project": (1,),
     "compressed_rows": (1, 2, 3, 4), "output": (1, 2, 3), "moe_local": (1, 2), "route": (1, 2),
-    "cos_sin": (1,), "engram": (1, 2, 3), "embed": (1,), "head": (0, 1),
+    "cos_sin": (1,), "engram": (1, 2, 3), "engram_rows": (1, 2), "embed": (1,), "head": (0, 1),
     "hc_expand": (0, 1, 2, 3), "mhc_site": (0, 1), "mhc_expand_site": (0, 1, 2, 3, 4),
 }  # fmt: skip
 """Per compiled function, the positions of its arguments whose first dimension is the token

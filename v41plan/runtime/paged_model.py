@@ -468,6 +468,10 @@ class RuntimeModel:
         """The Engram lookup on the device (row ids hashed and table rows gathered inside
         ``run()``); None: the host half stages every row's table rows in ``prepare``."""
         self._engram_ids: torch.Tensor | None = None
+        self._step_memo: dict = {}
+        """The memo every full frame of the current step shares (``frame``): what the layers
+        compute alike from the step's inputs is computed once a step, not once a stage; reset
+        by ``embed_rows``, which every forward (and a PIECEWISE capture) calls first."""
         self._arange = torch.arange(max(max_tokens, max_bs), device=self.device)
         self._no_rows = self._arange[:0]
         """The empty row set (one tensor: frame memo keys name row sets by ``id``)."""
@@ -899,26 +903,29 @@ class RuntimeModel:
     def embed_rows(self, si: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Initial residual streams ``[t, hc, D]`` and mHC ``pre`` ``[t, hc]``."""
         cfg = self.cfg
+        self._step_memo = {}
         X, pre = self.pieces.embed(
             self.embed, si.token_ids, cfg.hc_mult, cfg.hidden_size, self.dtype
         )
         if self.engram_device is not None and si.engram_row0 is not None:
             # kept for the layers (a PIECEWISE replay of this piece writes the same tensor)
-            self._engram_ids = self.engram_device.row_ids(
-                si.token_ids, si.batch_ids, si.engram_row0, si.engram_history
+            self._engram_ids = self.pieces.engram_rows(
+                self.engram_device, si.token_ids, si.batch_ids, si.engram_row0, si.engram_history
             )
         return X, pre
 
     def frame(self, si: StepInputs, st: StageInputs, X, pre) -> Frame:
-        """The stage's rows gathered once (``ALL``: the step's tensors themselves)."""
+        """The stage's rows gathered once (``ALL``: the step's tensors themselves; every full
+        frame of a step shares its row tables and its memo, ``_step_memo``)."""
         pos, bid = si.positions, si.batch_ids
-        b = bid.clamp(min=0)
-        slot = torch.where(bid >= 0, si.slots[b], -1)
-        pages = torch.where((bid >= 0).unsqueeze(1), si.block_tables[b], -1)
+        memo = self._step_memo
+        b, slot, pages = memo.get("rows") or memo.setdefault(
+            "rows", self._row_tables(bid, si.slots, si.block_tables)
+        )
         d = self.cfg.head_dim
         if st.rows is None:
             kv = torch.zeros(si.t, d, dtype=self.dtype, device=self.device)
-            return Frame(True, None, None, X, pre, pos, bid, b, slot, pages, kv)
+            return Frame(True, None, None, X, pre, pos, bid, b, slot, pages, kv, memo)
         S = st.rows
         loc = torch.full((si.t,), -1, dtype=torch.long, device=self.device)
         loc[S] = self._arange[: S.shape[0]]
@@ -927,6 +934,15 @@ class RuntimeModel:
         return Frame(
             False, S, loc, X[S], pre[S], pos[S], fb, fb.clamp(min=0), slot[S], pages[S], kv
         )
+
+    @staticmethod
+    def _row_tables(bid, slots, block_tables) -> tuple:
+        """Per flat row: (batch id clamped to a real request, slot, block-table row), -1 on a
+        padding row."""
+        b = bid.clamp(min=0)
+        slot = torch.where(bid >= 0, slots[b], -1)
+        pages = torch.where((bid >= 0).unsqueeze(1), block_tables[b], -1)
+        return b, slot, pages
 
     def _row_set(self, si: StepInputs, fr: Frame, L: int, sub: str):
         """Frame rows of a sub-step: ``ALL``, an index tensor, or an empty index tensor."""
@@ -1133,7 +1149,9 @@ class RuntimeModel:
         n = fr.X.shape[0]
         r = att.ratio
         ci = si.compress[r]
-        g_rows = fr.local(ci.rows).clamp(min=0) if not fr.full else ci.rows
+        g_rows = (
+            ci.rows if fr.full else fr.once(("g_rows", r), lambda: fr.local(ci.rows).clamp(min=0))
+        )
         g_b, g_c = ci.batch_ids, ci.compressed_rows
         if p.cp is None:
             v_full, g_full = p.v, p.g
@@ -1165,8 +1183,11 @@ class RuntimeModel:
         keys, key_scale, comp = self.pieces.compressed_rows(
             att, vals, gates, g_rows, g_c * r, self.index_fmt
         )
-        addr = pools.row_address(L, si.block_tables, g_b, g_c)
-        keep = g_b >= 0
+        # the groups' addresses are alike for every owner of a ratio and page geometry
+        addr, keep = fr.once(
+            ("group_address", r, pools.rows_per_page[L]),
+            lambda: (pools.row_address(L, si.block_tables, g_b, g_c), g_b >= 0),
+        )
         kb.main_scatter(pools.main[L], comp, addr.page, addr.row, keep, pools.sink_page)
         kb.index_key_store(
             self.index_planes(L), keys, key_scale, addr.page, addr.row, keep, pools.sink_page
@@ -1218,7 +1239,11 @@ class RuntimeModel:
             if si.index_pages is not None:
                 pages = pages[:, : si.index_pages[info.ratio]]
             if info.role in ("full", "reindex"):
-                bound = fr.once(("bound", key, info.ratio), lambda: (pa + 1) // info.ratio)
+                # a padding row sees no compressed row: the scorer selects none for it
+                bound = fr.once(
+                    ("bound", key, info.ratio),
+                    lambda: torch.where(bida >= 0, (pa + 1) // info.ratio, 0),
+                )
                 planes = self.index_planes(owner)
                 if L == cfg.candidate_source_layer_id:
                     ids, cmask = tp_score_candidates_topk(
@@ -1249,16 +1274,15 @@ class RuntimeModel:
                     )
                 if L in self.forced_selections:
                     ids = _take(self.forced_selections[L].to(self.device), flat)
+                    ids = torch.where((bida >= 0).unsqueeze(1), ids, -1)
                 if flat is None:
                     sel[L] = ids
                 else:
                     s = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=self.device)
                     s[flat] = ids
                     sel[L] = s
-            else:
+            else:  # the owner's selection (-1 on padding rows)
                 ids = _take(sel[info.topk_owner], flat)
-            live = fr.once(("live", key), lambda: (bida >= 0).unsqueeze(1))
-            ids = torch.where(live, ids, -1)
             plane, rows_per_page = pools.main[owner], pools.rows_per_page[owner]
         rows = self._arange[:t] if at is None else at
         kb.sparse_attention(

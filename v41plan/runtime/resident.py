@@ -144,7 +144,19 @@ class GroupedMoE:
     def route(
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids ``[N, k]``, weights ``[N, k]`` in ``acc``): ``layers.moe_route``."""
+        """(ids ``[N, k]``, weights ``[N, k]`` in ``acc``): ``layers.moe_route``; on the Triton
+        path without forced ids, one router kernel (``triton_router``; the scores' sum order is
+        the kernel's)."""
+        if forced_ids is None and self.impl == "triton" and self.gate_w.dtype == torch.float32:
+            cfg = self.cfg
+            k = cfg.num_experts_per_tok
+            args = (x, self.gate_w, self.gate_bias, k, bool(cfg.norm_topk_prob and k > 1),
+                    float(cfg.routed_scaling_factor))  # fmt: skip
+            if torch.compiler.is_compiling():  # inside a compiled region: the opaque custom op
+                from v41plan.runtime.kernels.ops import moe_router
+            else:
+                from v41plan.runtime.kernels.triton_router import moe_router
+            return moe_router(*args)
         return moe_route(x, self.gate_w, self.gate_bias, self.cfg, forced_ids)
 
     def __call__(

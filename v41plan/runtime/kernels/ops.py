@@ -12,7 +12,7 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register ``v41plan::w8a8_linear`` (idempotent)."""
+    """Register ``v41plan::w8a8_linear`` and ``v41plan::moe_router`` (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -29,6 +29,20 @@ def register() -> None:
     def _(x, w_codes, w_scales, out_dtype):
         return x.new_empty((x.shape[0], w_codes.shape[0]), dtype=out_dtype)
 
+    @torch.library.custom_op("v41plan::moe_router", mutates_args=())
+    def moe_router(
+        x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, k: int, norm: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        from v41plan.runtime.kernels.triton_router import moe_router as kernel
+
+        return kernel(x, gate_w, gate_bias, k, norm, scale)
+
+    @moe_router.register_fake
+    def _(x, gate_w, gate_bias, k, norm, scale):
+        n = x.shape[0]
+        return x.new_empty((n, k), dtype=torch.int64), x.new_empty((n, k), dtype=torch.float32)
+
     _REGISTERED = True
 
 
@@ -38,3 +52,12 @@ def w8a8_linear(
     """``triton_gemm.w8a8_linear`` through the custom op (what a compiled region calls)."""
     register()
     return torch.ops.v41plan.w8a8_linear(x, w_codes, w_scales, out_dtype)
+
+
+def moe_router(
+    x: torch.Tensor, gate_w: torch.Tensor, gate_bias: torch.Tensor, k: int, norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``triton_router.moe_router`` through the custom op (what a compiled region calls)."""
+    register()
+    return torch.ops.v41plan.moe_router(x, gate_w, gate_bias, k, norm, scale)
