@@ -217,3 +217,75 @@ def test_custom_ops_compile_with_inductor_and_capture_in_a_graph():
     torch.cuda.synchronize()
     for a, b in zip(captured, eager, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize(
+    ("n", "e", "d", "k"), [(1, 48, 1024, 6), (64, 48, 1024, 6), (8, 384, 4096, 6)]
+)
+def test_router_kernel_matches_moe_route_on_cuda(n, e, d, k):
+    """The one-kernel router against ``layers.moe_route`` (cuBLAS float32 GEMV, sort, gathers):
+    the same ids wherever the top-k has no near tie, weights within a few float32 ulps (the
+    scores' sum order differs). The third shape takes the split GEMV."""
+    from types import SimpleNamespace
+
+    from v41plan.model.layers import moe_route
+    from v41plan.runtime.kernels.triton_router import moe_router
+
+    g = torch.Generator(device="cuda").manual_seed(n + e)
+    x = torch.randn(n, d, device="cuda", generator=g).bfloat16()
+    w = torch.randn(e, d, device="cuda", generator=g) * d**-0.5
+    bias = torch.randn(e, device="cuda", generator=g) * 0.1
+    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, routed_scaling_factor=2.5)
+    rids, rwts = moe_route(x, w, bias, cfg)
+    ids, wts = moe_router(x, w, bias, k, True, 2.5)
+    s = torch.sqrt(torch.nn.functional.softplus(x.float() @ w.T)) + bias
+    top = torch.sort(s, dim=1, descending=True).values
+    clear = (top[:, : k - 1] - top[:, 1:k]).amin(1) > 1e-4  # rows without a near tie
+    clear &= top[:, k - 1] - top[:, k] > 1e-4
+    assert torch.equal(ids[clear], rids[clear]) and int(clear.sum()) >= n // 2
+    torch.testing.assert_close(wts[clear], rwts[clear], rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_fp8_within_one_rounding_on_cuda(dtype):
+    """The window-KV epilogue kernel at the medium head width (512 lanes, 64 RoPE lanes)
+    against the composition: almost every lane equal, none more than one E4M3 step away."""
+    _, _, dense_ref, td = _mods()
+    n, d, rd = 64, 512, 64
+    g = torch.Generator(device="cuda").manual_seed(11)
+    y = (torch.randn(n, d, device="cuda", generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    ang = torch.rand(n, rd // 2, device="cuda", generator=g) * 6.3
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    got = td.norm_rope_fp8(y, w, 1e-6, cos, sin)
+    want = dense_ref.norm_rope_fp8(y, w, 1e-6, cos, sin)
+    assert float((got == want).float().mean()) >= 0.98
+    blocks = want.float().reshape(n, -1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-4 / 448)
+    step = 2.0 ** torch.floor(torch.log2(blocks.abs().clamp(min=1e-30))) / 8
+    bound = torch.maximum(step, scale * 2.0**-6) * 1.01 + 2 * scale * 2.0**-9
+    assert bool(((got.float().reshape(n, -1, 32) - blocks).abs() <= bound).all())
+
+
+def test_compiled_engram_row_ids_equal_eager():
+    """The Engram n-gram hashing under Inductor (integer products that wrap, xor, Python-style
+    remainder) gives the eager row ids exactly."""
+    import numpy as np
+
+    from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+    from v41plan.model.config import config_from_cache_spec
+    from v41plan.runtime import compiled
+    from v41plan.runtime.engram_device import DeviceEngram
+    from v41plan.serving.engine import resolve_spec
+
+    cfg = config_from_cache_spec(resolve_spec("tiny"))
+    dev = DeviceEngram(LoadedCheckpoint.from_state(cfg, random_state(cfg, 0)).engram_host(), "cuda")
+    rng = np.random.default_rng(5)
+    t, b = 37, 3
+    tok = torch.as_tensor(rng.integers(0, cfg.vocab_size, t), device="cuda")
+    bid = torch.as_tensor(np.sort(rng.integers(-1, b, t)), device="cuda")
+    row0 = torch.as_tensor([0, 10, 20], device="cuda")
+    hist = torch.as_tensor(rng.integers(0, 1 << 20, (b, dev.history_len)), device="cuda")
+    want = dev.row_ids(tok, bid, row0, hist)
+    got = compiled.DensePieces("inductor").engram_rows(dev, tok, bid, row0, hist)
+    assert torch.equal(got, want)

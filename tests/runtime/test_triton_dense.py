@@ -510,3 +510,49 @@ def test_router_custom_op_passes_opcheck_and_compiles_whole():
     ids, wts = torch.compile(route, backend="aot_eager", fullgraph=True)(x, w, bias)
     assert torch.equal(ids, rids)
     torch.testing.assert_close(wts, rwts, rtol=4e-6, atol=0)
+
+
+# --- the window-KV epilogue -------------------------------------------------------------------
+
+
+def _norm_rope_case(n, d, rd, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(n, d, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    ang = torch.rand(n, rd // 2, generator=g) * 6.3
+    return y, w, torch.cos(ang), torch.sin(ang)
+
+
+@pytest.mark.parametrize(("dtype", "n"), [(torch.float32, 5), (torch.bfloat16, 7)])
+def test_norm_rope_fp8_within_one_rounding_of_the_composition(dtype, n):
+    """The kernel's norm sum and rsqrt are its own: a lane may land one rounding of the stream
+    dtype away, and the quantizer then one E4M3 step of its block (never more); nearly every
+    lane is equal."""
+    y, w, cos, sin = _norm_rope_case(n, 256, 64, dtype, seed=n)
+    got = td.norm_rope_fp8(y, w, 1e-6, cos, sin)
+    want = ref.norm_rope_fp8(y, w, 1e-6, cos, sin)
+    assert got.dtype == dtype and got.shape == y.shape
+    equal = (got == want).float().mean()
+    assert equal >= 0.98, float(equal)
+    blocks = want.float().reshape(n, -1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-4 / 448)
+    step = 2.0 ** torch.floor(torch.log2(blocks.abs().clamp(min=1e-30))) / 8  # one E4M3 step
+    bound = torch.maximum(step, scale * 2.0**-6) * 1.01 + 2 * scale * 2.0**-9
+    assert bool(((got.float().reshape(n, -1, 32) - blocks).abs() <= bound).all())
+
+
+def test_norm_rope_fp8_without_the_quantizer_is_norm_then_rope():
+    y, w, cos, sin = _norm_rope_case(4, 128, 32, torch.float32, seed=3)
+    with Q.fake_quant(False):
+        got = td.norm_rope_fp8(y, w, 1e-6, cos, sin)
+        want = ref.norm_rope_fp8(y, w, 1e-6, cos, sin)
+    torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-6)
+    # the lanes before the RoPE part are the normed row; the rotation keeps each pair's norm
+    torch.testing.assert_close(got[:, :96], want[:, :96], rtol=3e-6, atol=1e-6)
+    pairs = got[:, 96:].reshape(4, 16, 2).norm(dim=-1)
+    torch.testing.assert_close(pairs, want[:, 96:].reshape(4, 16, 2).norm(dim=-1))
+
+
+def test_norm_rope_fp8_custom_op_passes_opcheck():
+    y, w, cos, sin = _norm_rope_case(3, 64, 16, torch.float32, seed=5)
+    torch.library.opcheck(torch.ops.v41plan.norm_rope_fp8, (y, w, 1e-6, cos, sin, True))

@@ -92,6 +92,10 @@ class LayerKernels:
     """``linear(weight, dtype, act_quant) -> callable [N, in] -> [N, out]``; None: ``Linear``
     over ``weight.to(dtype)`` with this ``fake_fp8``."""
 
+    norm_rope_fp8: Any = None
+    """``norm_rope_fp8(y, weight, eps, cos, sin)``: the window-KV epilogue (RMSNorm, RoPE,
+    ``fake_fp8`` per 32) as one call; None: the composition with this ``fake_fp8``."""
+
     def make_linear(self, weight: Any, dtype: torch.dtype, act_quant: bool = True):
         """A linear over ``weight`` computing in ``dtype``."""
         if self.linear is not None:
@@ -372,7 +376,10 @@ class Attention:
 
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Window KV ``[N,d]``: wkv, kv_norm, RoPE, FP8 QAT over all lanes (block 32)."""
-        kv = rms_norm(self.wkv(x), self.kv_norm, self.eps)
+        y = self.wkv(x)
+        if self.kernels.norm_rope_fp8 is not None:
+            return self.kernels.norm_rope_fp8(y, self.kv_norm, self.eps, cos, sin)
+        kv = rms_norm(y, self.kv_norm, self.eps)
         return self.kernels.fake_fp8(apply_rope(kv, cos, sin), 32)
 
     # compressor

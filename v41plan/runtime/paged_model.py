@@ -423,7 +423,10 @@ class RuntimeModel:
         under ``torch.compile`` (``compile_backend``: ``compilation_level=3``)."""
         # inside a compiled region the reference quantizer compiles into the kernels around it
         q8 = fake_fp8 if compile_backend is not None else self.dense.fake_fp8
-        kernels = LayerKernels(q8, _linear_factory(q8))
+        # the window-KV epilogue stays one fused launch (opaque to the compiler, which splits
+        # its norm, pair-lane RoPE and block quantizer into four kernels)
+        nrq = self.dense.norm_rope_fp8 if dense == "triton" else None
+        kernels = LayerKernels(q8, _linear_factory(q8), nrq)
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]

@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from v41plan.model import quant as Q
-from v41plan.model.layers import HcParams, hc_collapse, hc_expand, hc_predict, rms_norm
+from v41plan.model.layers import (
+    HcParams,
+    apply_rope,
+    hc_collapse,
+    hc_expand,
+    hc_predict,
+    rms_norm,
+)
 
 __all__ = [
     "TorchDense",
@@ -25,9 +32,18 @@ __all__ = [
     "mhc_expand_site_fp8",
     "mhc_site",
     "mhc_site_fp8",
+    "norm_rope_fp8",
 ]
 
 fake_fp8 = Q.fake_fp8
+
+
+def norm_rope_fp8(
+    y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The window-KV epilogue of rows ``y [N, D]`` (``Attention.window_kv`` after ``wkv``):
+    RMSNorm, RoPE on the last ``2 * cos.shape[-1]`` lanes, FP8 E4M3 per 32 lanes."""
+    return Q.fake_fp8(apply_rope(rms_norm(y, weight, eps), cos, sin), 32)
 
 
 def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +137,7 @@ class TorchDense:
     name = "torch"
     fp8_act_quant = staticmethod(fp8_act_quant)
     fake_fp8 = staticmethod(fake_fp8)
+    norm_rope_fp8 = staticmethod(norm_rope_fp8)
     hc_expand = staticmethod(hc_expand)
     mhc_site = staticmethod(mhc_site)
     mhc_site_fp8 = staticmethod(mhc_site_fp8)

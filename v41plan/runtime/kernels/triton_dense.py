@@ -192,6 +192,36 @@ def _fp8_quant_kernel(
         tl.store(scales_ptr + soff, scale, mask=smask)
 
 
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _norm_rope_fp8_kernel(
+    y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, eps,
+    D: tl.constexpr, RD: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+    X_BF16: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """One row of ``norm_rope_fp8``: RMSNorm, RoPE on the last ``RD`` lanes (pairs), FP8."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.arange(0, GROUPS)
+    lane = tl.arange(0, BLOCK)
+    col = grp[:, None] * BLOCK + lane[None, :]  # [GROUPS, BLOCK]
+    v = tl.load(y_ptr + row * D + col).to(tl.float32)
+    r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)
+    n = _to_stream((v * r) * tl.load(w_ptr + col).to(tl.float32), X_BF16)
+    rope = col >= D - RD
+    pcol = col ^ 1  # the lane's RoPE partner
+    vp = tl.load(y_ptr + row * D + pcol, mask=rope, other=0.0).to(tl.float32)
+    pn = _to_stream((vp * r) * tl.load(w_ptr + pcol, mask=rope, other=0.0).to(tl.float32), X_BF16)
+    half = tl.where(rope, (col - (D - RD)) // 2, 0)
+    c = tl.load(cos_ptr + row * (RD // 2) + half, mask=rope, other=1.0)
+    sn = tl.load(sin_ptr + row * (RD // 2) + half, mask=rope, other=0.0)
+    even = (col & 1) == 0
+    rotated = tl.where(even, n * c - pn * sn, pn * sn + n * c)
+    v = tl.where(rope, _to_stream(rotated, X_BF16), n)
+    if QUANT:
+        _, v3, _ = _fp8_e4m3_pow2(v[None, :, :])
+        v = tl.reshape(v3, [GROUPS, BLOCK])
+    tl.store(out_ptr + row * D + col, v.to(out_ptr.dtype.element_ty))
+
+
 @triton.jit
 def _expand_stream(x0, x1, x2, x3, y, C_ptr, post_ptr, r64, rmask, j: tl.constexpr):
     """Destination stream ``j``: ``sum_i C[i][j] X[i] + post[j] y`` in fp32; ``r64`` and
@@ -657,6 +687,33 @@ def _quant_kernel_ok(x: torch.Tensor, block: int) -> bool:
     )
 
 
+def _norm_rope_kernel_ok(y: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the norm-RoPE-FP8 kernel covers ``y [N, D]`` (else the composition runs)."""
+    d, rd = y.shape[-1], 2 * cos.shape[-1]
+    return (
+        y.dtype in _KERNEL_DTYPES
+        and y.dim() == 2
+        and d % 32 == 0
+        and (d // 32) & (d // 32 - 1) == 0
+        and rd % 2 == 0
+        and rd <= d
+        and (y.is_cuda or (INTERPRETED and y.device.type == "cpu"))
+    )
+
+
+def _launch_norm_rope(y, weight, eps, cos, sin, quant):
+    n, d = y.shape
+    out = torch.empty(n, d, dtype=y.dtype, device=y.device)
+    if n:
+        _norm_rope_fp8_kernel[(n,)](
+            y.contiguous(), weight.contiguous(), cos.float().contiguous(),
+            sin.float().contiguous(), out, n, float(eps), D=d, RD=2 * cos.shape[-1],
+            GROUPS=d // 32, BLOCK=32, X_BF16=y.dtype == torch.bfloat16, QUANT=bool(quant),
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 def _launch_quant(x: torch.Tensor, block: int, dequant: bool):
     """Run the quantizer kernel over ``x [..., K]``: dequantized values, or (codes, scales)."""
     K = x.shape[-1]
@@ -865,6 +922,23 @@ def _(x, block):
     return x.new_empty(x.shape)  # contiguous, as the kernel's output (not ``x``'s strides)
 
 
+@torch.library.custom_op("v41plan::norm_rope_fp8", mutates_args=())
+def _norm_rope_fp8_op(
+    y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    quant: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``norm_rope_fp8`` (the switch read by the wrapper: ``quant``)."""
+    if _norm_rope_kernel_ok(y, cos):
+        return _launch_norm_rope(y, weight, eps, cos, sin, quant)
+    with Q.fake_quant(quant):
+        return dense_ref.norm_rope_fp8(y, weight, eps, cos, sin).contiguous().clone()
+
+
+@_norm_rope_fp8_op.register_fake
+def _(y, weight, eps, cos, sin, quant):
+    return y.new_empty(y.shape)
+
+
 @torch.library.custom_op("v41plan::hc_expand", mutates_args=())
 def _hc_expand_op(
     y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
@@ -1012,6 +1086,16 @@ def fake_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return torch.ops.v41plan.fake_fp8(x, block)
 
 
+def norm_rope_fp8(
+    y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``dense_ref.norm_rope_fp8`` (the window-KV epilogue: RMSNorm, RoPE, FP8) in one kernel
+    over rows ``y [N, D]``. The norm's sum and its ``rsqrt`` are the kernel's own, so a lane can
+    differ from the composition by one rounding of the stream dtype (and, after it, one E4M3
+    step); the RoPE and the quantizer then round where the composition rounds."""
+    return torch.ops.v41plan.norm_rope_fp8(y, weight, eps, cos, sin, Q.fake_quant_enabled())
+
+
 def hc_expand(
     y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
 ) -> torch.Tensor:
@@ -1115,6 +1199,7 @@ class TritonDense:
     name = "triton"
     fp8_act_quant = staticmethod(fp8_act_quant)
     fake_fp8 = staticmethod(fake_fp8)
+    norm_rope_fp8 = staticmethod(norm_rope_fp8)
     hc_expand = staticmethod(hc_expand)
     mhc_site = staticmethod(mhc_site)
     mhc_site_fp8 = staticmethod(mhc_site_fp8)
