@@ -172,7 +172,8 @@ def _kernels(fn) -> tuple[int, int | None, dict[str, int], dict[str, dict[str, i
     """(device kernels one call of ``fn`` launches, those launched inside a ``backend.`` range,
     the dense ones by name, the dense ones by the innermost ``site.`` range and name)
     (``torch.profiler``; copies and memsets apart). The second is None when the profile links
-    no kernel to the host event that launched it."""
+    no kernel to the host event that launched it. A kernel linked to no host event is the
+    backend's when linked backend kernels carry its name, else dense (site ``(unlinked)``)."""
     from collections import Counter
 
     from torch.autograd import DeviceType
@@ -204,6 +205,27 @@ def _kernels(fn) -> tuple[int, int | None, dict[str, int], dict[str, dict[str, i
             if p is None:
                 dense[k.name[:100]] += 1
                 by_site.setdefault(site or "(none)", Counter())[k.name[:80]] += 1
+    # kernels the profile links to no host event: charged by name (a name the linked backend
+    # kernels carry is the backend's; any other counts as dense, the conservative side)
+    linked_names: Counter = Counter()
+    backend_names: set = set()
+    for e in events:
+        if e.device_type == DeviceType.CPU:
+            for k in getattr(e, "kernels", ()):
+                linked_names[k.name] += 1
+                p = e
+                while p is not None and not p.name.startswith(BACKEND_RANGE):
+                    p = p.cpu_parent
+                if p is not None:
+                    backend_names.add(k.name)
+    all_names = Counter(n for n in names if not n.startswith(("Memcpy", "Memset")))
+    unlinked = all_names - linked_names
+    for name, count in unlinked.items():
+        if name in backend_names:
+            inside += count
+        else:
+            dense[name[:100]] += count
+            by_site.setdefault("(unlinked)", Counter())[name[:80]] += count
     sites = {s: dict(c.most_common()) for s, c in by_site.items()}
     return total, (inside if linked else None), dict(dense.most_common()), sites
 

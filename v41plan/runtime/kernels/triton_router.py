@@ -27,6 +27,8 @@ from v41plan.runtime.kernels.triton_common import next_pow2
 
 SPLIT_GATE_ELEMS = 1 << 20
 """Gate elements above which the GEMV runs as its own launch over expert blocks."""
+ROUTER_TILE_ELEMS = 1 << 14
+"""Gate elements one step of the one-kernel router loads."""
 
 
 @triton.jit
@@ -146,10 +148,12 @@ def moe_router(
     block_e = next_pow2(e)
     kp = next_pow2(k)
     if e * d <= SPLIT_GATE_ELEMS:
-        block_d = max(16, min(128, 8192 // block_e))
+        # a 16K-element tile a step over eight warps: the loads of a step are in flight
+        # together (a one-row GEMV is latency-bound, not bandwidth-bound, in one program)
+        block_d = max(16, min(next_pow2(d), ROUTER_TILE_ELEMS // block_e))
         _router_kernel[(n,)](
             x, gate_w, gate_bias, ids, wts, float(scale), E=e, D=d,
-            K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e, BLOCK_D=block_d,
+            K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e, BLOCK_D=block_d, num_warps=8,
         )  # fmt: skip
         return ids, wts
     scores = torch.empty(n, e, dtype=torch.float32, device=x.device)
