@@ -289,3 +289,20 @@ def test_compiled_engram_row_ids_equal_eager():
     want = dev.row_ids(tok, bid, row0, hist)
     got = compiled.DensePieces("inductor").engram_rows(dev, tok, bid, row0, hist)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 64])
+def test_rope_wo_a_matches_the_composition_on_cuda(dtype, n):
+    """The output projection's inverse RoPE and grouped ``wo_a`` at the medium widths (16 heads
+    of 512, 4 groups of rank 256) against the composition (cuBLAS product)."""
+    _, _, dense_ref, td = _mods()
+    g = torch.Generator(device="cuda").manual_seed(n)
+    o = torch.randn(n, 16, 512, device="cuda", generator=g).to(dtype)
+    wo_a = (torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(dtype)
+    ang = torch.rand(n, 32, device="cuda", generator=g) * 6.3
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    got = td.rope_wo_a(o, cos, sin, wo_a, 4).float()
+    want = dense_ref.rope_wo_a(o, cos, sin, wo_a, 4).float()
+    rel = float((got - want).norm() / want.norm())
+    assert rel <= {torch.float32: 1e-5, torch.bfloat16: 4e-3}[dtype], rel

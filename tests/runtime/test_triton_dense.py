@@ -556,3 +556,35 @@ def test_norm_rope_fp8_without_the_quantizer_is_norm_then_rope():
 def test_norm_rope_fp8_custom_op_passes_opcheck():
     y, w, cos, sin = _norm_rope_case(3, 64, 16, torch.float32, seed=5)
     torch.library.opcheck(torch.ops.v41plan.norm_rope_fp8, (y, w, 1e-6, cos, sin, True))
+
+
+# --- the output projection's inverse RoPE and grouped wo_a ------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "n"), [(torch.float32, 3), (torch.bfloat16, 5)])
+def test_rope_wo_a_matches_the_composition(dtype, n):
+    """Inverse RoPE then the grouped product: the RoPE rounds where the composition rounds, the
+    products sum in float32 in another order (a few ulps of the output dtype)."""
+    g = torch.Generator().manual_seed(n)
+    h, d, rd, groups, r = 4, 64, 16, 2, 16
+    o = torch.randn(n, h, d, generator=g).to(dtype)
+    wo_a = (torch.randn(groups * r, h * d // groups, generator=g) * 0.05).to(dtype)
+    ang = torch.rand(n, rd // 2, generator=g) * 6.3
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    got = td.rope_wo_a(o, cos, sin, wo_a, groups)
+    want = ref.rope_wo_a(o, cos, sin, wo_a, groups)
+    assert got.dtype == dtype and got.shape == (n, groups * r)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # the inverse rotation is applied: without it the product differs at order one
+    plain = torch.einsum("ngk,grk->ngr", o.reshape(n, groups, -1).float(),
+                         wo_a.reshape(groups, r, -1).float()).reshape(n, -1)  # fmt: skip
+    assert float((plain - want.float()).abs().max()) > 10 * tol
+
+
+def test_rope_wo_a_custom_op_passes_opcheck():
+    g = torch.Generator().manual_seed(2)
+    o = torch.randn(2, 4, 64, generator=g)
+    wo_a = torch.randn(32, 128, generator=g) * 0.05
+    ang = torch.rand(2, 8, generator=g)
+    torch.library.opcheck(torch.ops.v41plan.rope_wo_a, (o, torch.cos(ang), torch.sin(ang), wo_a, 2))

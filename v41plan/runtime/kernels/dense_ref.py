@@ -33,6 +33,7 @@ __all__ = [
     "mhc_site",
     "mhc_site_fp8",
     "norm_rope_fp8",
+    "rope_wo_a",
 ]
 
 fake_fp8 = Q.fake_fp8
@@ -44,6 +45,22 @@ def norm_rope_fp8(
     """The window-KV epilogue of rows ``y [N, D]`` (``Attention.window_kv`` after ``wkv``):
     RMSNorm, RoPE on the last ``2 * cos.shape[-1]`` lanes, FP8 E4M3 per 32 lanes."""
     return Q.fake_fp8(apply_rope(rms_norm(y, weight, eps), cos, sin), 32)
+
+
+def rope_wo_a(
+    o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """The output projection before ``wo_b`` (``Attention.output_local``): the inverse RoPE of
+    ``o [N, H, D]`` at the query positions, then the grouped ``wo_a [groups * r, H*D/groups]``
+    product ``[N, groups * r]``."""
+    o = apply_rope(o, cos, sin, inverse=True)
+    n = o.shape[0]
+    z = torch.einsum(
+        "ngk,grk->ngr",
+        o.reshape(n, groups, -1),
+        wo_a.reshape(groups, -1, o.shape[1] * o.shape[2] // groups),
+    )
+    return z.reshape(n, -1)
 
 
 def fp8_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +155,7 @@ class TorchDense:
     fp8_act_quant = staticmethod(fp8_act_quant)
     fake_fp8 = staticmethod(fake_fp8)
     norm_rope_fp8 = staticmethod(norm_rope_fp8)
+    rope_wo_a = staticmethod(rope_wo_a)
     hc_expand = staticmethod(hc_expand)
     mhc_site = staticmethod(mhc_site)
     mhc_site_fp8 = staticmethod(mhc_site_fp8)

@@ -222,6 +222,50 @@ def _norm_rope_fp8_kernel(
     tl.store(out_ptr + row * D + col, v.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _rope_wo_a_kernel(
+    o_ptr, cos_ptr, sin_ptr, w_ptr, z_ptr, N,
+    D: tl.constexpr, RD: tl.constexpr, KG: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
+    BN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, X_BF16: tl.constexpr,
+    DOT: tl.constexpr,
+):  # fmt: skip
+    """``z [N, G*R]``: group ``g``'s ``BR`` outputs of ``BN`` rows, the inverse RoPE applied to
+    each head's last ``RD`` lanes of ``o [N, H, D]`` as its tile is loaded."""
+    nrb: tl.constexpr = R // BR
+    g = tl.program_id(0) // nrb
+    r = (tl.program_id(0) % nrb) * BR + tl.arange(0, BR)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    n64 = n.to(tl.int64)
+    acc = tl.zeros([BN, BR], dtype=tl.float32)
+    for k0 in range(0, KG, BK):
+        kk = k0 + tl.arange(0, BK)
+        lane = kk % D
+        col = g * KG + kk
+        x = tl.load(o_ptr + n64[:, None] * (G * KG) + col[None, :], mask=nm[:, None], other=0.0)
+        x = x.to(tl.float32)
+        rope = (lane >= D - RD)[None, :] & nm[:, None]
+        xp = tl.load(o_ptr + n64[:, None] * (G * KG) + (col ^ 1)[None, :], mask=rope, other=0.0).to(
+            tl.float32
+        )
+        half = tl.where(lane >= D - RD, (lane - (D - RD)) // 2, 0)
+        c = tl.load(cos_ptr + n64[:, None] * (RD // 2) + half[None, :], mask=rope, other=1.0)
+        sn = tl.load(sin_ptr + n64[:, None] * (RD // 2) + half[None, :], mask=rope, other=0.0)
+        even = ((lane & 1) == 0)[None, :]
+        # the conjugate rotation: (re, im) -> (re c + im s, im c - re s)
+        rot = tl.where(even, x * c + xp * sn, x * c - xp * sn)
+        x = tl.where(rope, _to_stream(rot, X_BF16), x)
+        w = tl.load(w_ptr + (g * R + r)[:, None].to(tl.int64) * KG + kk[None, :])
+        if DOT == 1:  # bf16 operands
+            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w))
+        elif DOT == 2:  # float32 operands, IEEE products
+            acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # the interpreter: exact float32 products, summed
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out = z_ptr + n64[:, None] * (G * R) + (g * R + r)[None, :]
+    tl.store(out, acc.to(z_ptr.dtype.element_ty), mask=nm[:, None])
+
+
 @triton.jit
 def _expand_stream(x0, x1, x2, x3, y, C_ptr, post_ptr, r64, rmask, j: tl.constexpr):
     """Destination stream ``j``: ``sum_i C[i][j] X[i] + post[j] y`` in fp32; ``r64`` and
@@ -714,6 +758,44 @@ def _launch_norm_rope(y, weight, eps, cos, sin, quant):
     return out
 
 
+def _rope_wo_a_kernel_ok(o, cos, wo_a, groups) -> bool:
+    """Whether the inverse-RoPE grouped ``wo_a`` kernel covers ``o [N, H, D]``."""
+    if o.dim() != 3 or wo_a.dim() != 2 or o.dtype not in _KERNEL_DTYPES or wo_a.dtype != o.dtype:
+        return False
+    _, h, d = o.shape
+    kg = h * d // groups if groups and h % groups == 0 else 0
+    r = wo_a.shape[0] // groups if groups else 0
+    return (
+        kg > 0
+        and wo_a.shape == (groups * r, kg)
+        and r % 16 == 0
+        and kg % 64 == 0
+        and 2 * cos.shape[-1] <= d
+        and (o.is_cuda or (INTERPRETED and o.device.type == "cpu"))
+    )
+
+
+def _launch_rope_wo_a(o, cos, sin, wo_a, groups):
+    n, h, d = o.shape
+    kg, r = h * d // groups, wo_a.shape[0] // groups
+    z = torch.empty(n, groups * r, dtype=o.dtype, device=o.device)
+    if n:
+        bn = min(64, max(16, _next_pow2(n)))
+        br = 16 if r % 32 else 32
+        bk = 256 if kg % 256 == 0 else 64
+        if INTERPRETED:  # the interpreter's products, exact in float32 (no tl.dot)
+            bn, br, bk = max(1, min(16, _next_pow2(n))), 16, 64
+        grid = (groups * (r // br), triton.cdiv(n, bn))
+        _rope_wo_a_kernel[grid](
+            o.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
+            wo_a.contiguous(), z, n, D=d, RD=2 * cos.shape[-1], KG=kg, R=r, G=groups,
+            BN=bn, BR=br, BK=bk, X_BF16=o.dtype == torch.bfloat16,
+            DOT=0 if INTERPRETED else (1 if o.dtype == torch.bfloat16 else 2), num_warps=4,
+            num_stages=3,
+        )  # fmt: skip
+    return z
+
+
 def _launch_quant(x: torch.Tensor, block: int, dequant: bool):
     """Run the quantizer kernel over ``x [..., K]``: dequantized values, or (codes, scales)."""
     K = x.shape[-1]
@@ -939,6 +1021,21 @@ def _(y, weight, eps, cos, sin, quant):
     return y.new_empty(y.shape)
 
 
+@torch.library.custom_op("v41plan::rope_wo_a", mutates_args=())
+def _rope_wo_a_op(
+    o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``rope_wo_a``."""
+    if _rope_wo_a_kernel_ok(o, cos, wo_a, groups):
+        return _launch_rope_wo_a(o, cos, sin, wo_a, groups)
+    return dense_ref.rope_wo_a(o, cos, sin, wo_a, groups).contiguous()
+
+
+@_rope_wo_a_op.register_fake
+def _(o, cos, sin, wo_a, groups):
+    return o.new_empty((o.shape[0], wo_a.shape[0]))
+
+
 @torch.library.custom_op("v41plan::hc_expand", mutates_args=())
 def _hc_expand_op(
     y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
@@ -1096,6 +1193,16 @@ def norm_rope_fp8(
     return torch.ops.v41plan.norm_rope_fp8(y, weight, eps, cos, sin, Q.fake_quant_enabled())
 
 
+def rope_wo_a(
+    o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``dense_ref.rope_wo_a`` (the output projection's inverse RoPE and grouped ``wo_a``) in one
+    kernel: ``[N, groups * o_lora_rank]``. The RoPE rounds where the composition rounds; the
+    products accumulate in float32 in the kernel's own order (bf16 operands, as the cuBLAS
+    product of the composition; float32 operands in IEEE precision)."""
+    return torch.ops.v41plan.rope_wo_a(o, cos, sin, wo_a, groups)
+
+
 def hc_expand(
     y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor
 ) -> torch.Tensor:
@@ -1200,6 +1307,7 @@ class TritonDense:
     fp8_act_quant = staticmethod(fp8_act_quant)
     fake_fp8 = staticmethod(fake_fp8)
     norm_rope_fp8 = staticmethod(norm_rope_fp8)
+    rope_wo_a = staticmethod(rope_wo_a)
     hc_expand = staticmethod(hc_expand)
     mhc_site = staticmethod(mhc_site)
     mhc_site_fp8 = staticmethod(mhc_site_fp8)
