@@ -20,7 +20,26 @@ but fuses the norms, RoPE and quantizers into its own kernels, whose reductions 
 order: about one unit in the last place, except where that moves a value across an FP8 (E4M3,
 3 significand bits) rounding boundary and the element changes by one FP8 step (up to 2**-3
 relative). Before the casts were kept, bf16 window-KV rows measured 1.6e-2 (about 3% of lanes
-on another FP8 value); a wrong piece (a missing norm, a wrong scale) is of order 1."""
+on another FP8 value); a wrong piece (a missing norm, a wrong scale) is of order 1.
+
+The compressor's closed-group rows (``compressed_rows``) end in FP4 (E2M1, one significand bit:
+the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 times the block scale), where one value crossing a rounding
+boundary moves by up to a third of its block's largest value, so an L2 bound over a few rows
+says little. Their elements are held instead to ``FP4_FLIP_SHARE`` of the elements on another
+grid value, each by at most one grid step of its 16-lane block (``_within_one_fp4_step``)."""
+
+FP4_FLIP_SHARE = 0.05
+"""Largest share of a ``compressed_rows`` output's elements on another FP4 / FP8 grid value."""
+
+
+def _within_one_fp4_step(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+    """(every element within one grid step of its 16-lane block, the share that differ): the
+    largest E2M1 step is 2 of the block's 6 (a third of its largest magnitude), plus a float32
+    rounding of the block scale."""
+    g, w = got.double().reshape(-1, 16), want.double().reshape(-1, 16)
+    amax = torch.maximum(g.abs().amax(1, keepdim=True), w.abs().amax(1, keepdim=True))
+    ok = bool(((g - w).abs() <= amax / 3 * (1 + 2.0**-20)).all())
+    return ok, float((g != w).double().mean())
 
 
 class _Recorder:
@@ -85,15 +104,22 @@ def test_inductor_pieces_match_the_eager_pieces(dtype, resident):
     m.forward(step(spec, [(0, range(8), 40, 40, 1, "decode")]), ids[40:41])
     compiled = DensePieces("inductor")
     worst: dict[str, float] = {}
+    flips: dict[str, float] = {}
     for name, args, want in rec.calls:
         got = _tensors(getattr(compiled, name)(*args))
         assert [g.shape for g in got] == [w.shape for w in want], name
         for g, w in zip(got, want, strict=True):
             if not w.is_floating_point():  # expert ids: the router's choice
                 continue
+            if name == "compressed_rows" and w.shape[-1] % 16 == 0:
+                ok, share = _within_one_fp4_step(g, w)
+                assert ok and share <= FP4_FLIP_SHARE, (name, ok, share)
+                flips[name] = max(flips.get(name, 0.0), share)
+                continue
             err = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
             worst[name] = max(worst.get(name, 0.0), err)
     print("worst rel L2 by piece:", {k: f"{v:.2e}" for k, v in sorted(worst.items())})
+    print("FP4/FP8 rows on another grid value:", flips)
     assert {"window_kv", "query", "output", "cos_sin", "head"} <= worst.keys()
     assert all(v <= PIECE_REL_L2[dtype] for v in worst.values()), worst
 

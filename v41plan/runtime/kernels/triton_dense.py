@@ -782,7 +782,11 @@ def _launch_rope_wo_a(o, cos, sin, wo_a, groups):
     if n:
         bn = min(64, max(16, _next_pow2(n)))
         br = 16 if r % 32 else 32
-        bk = 256 if kg % 256 == 0 else 64
+        # two stages of the [bn, bk] and [br, bk] tiles (float32 at most) stay under ~64 KB of
+        # shared memory
+        bk = {16: 256, 32: 128, 64: 64}[bn]
+        while kg % bk:
+            bk //= 2
         if INTERPRETED:  # the interpreter's products, exact in float32 (no tl.dot)
             bn, br, bk = max(1, min(16, _next_pow2(n))), 16, 64
         grid = (groups * (r // br), triton.cdiv(n, bn))
@@ -791,7 +795,7 @@ def _launch_rope_wo_a(o, cos, sin, wo_a, groups):
             wo_a.contiguous(), z, n, D=d, RD=2 * cos.shape[-1], KG=kg, R=r, G=groups,
             BN=bn, BR=br, BK=bk, X_BF16=o.dtype == torch.bfloat16,
             DOT=0 if INTERPRETED else (1 if o.dtype == torch.bfloat16 else 2), num_warps=4,
-            num_stages=3,
+            num_stages=2,
         )  # fmt: skip
     return z
 
