@@ -775,7 +775,9 @@ def _rope_wo_a_kernel_ok(o, cos, wo_a, groups) -> bool:
     )
 
 
-def _launch_rope_wo_a(o, cos, sin, wo_a, groups):
+def _launch_rope_wo_a(o, cos, sin, wo_a, groups, tiles=None):
+    """Launch ``_rope_wo_a_kernel``; ``tiles`` ``(BR, BK, warps, stages)`` overrides the
+    default (``benchmarks/probe_rope_wo_a.py`` sweeps them)."""
     n, h, d = o.shape
     kg, r = h * d // groups, wo_a.shape[0] // groups
     z = torch.empty(n, groups * r, dtype=o.dtype, device=o.device)
@@ -785,6 +787,9 @@ def _launch_rope_wo_a(o, cos, sin, wo_a, groups):
         # two stages of the [bn, bk] and [br, bk] tiles (float32 at most) stay under ~64 KB of
         # shared memory
         bk = {16: 256, 32: 128, 64: 64}[bn]
+        warps, stages = 4, 2
+        if tiles is not None:
+            br, bk, warps, stages = tiles
         while kg % bk:
             bk //= 2
         if INTERPRETED:  # the interpreter's products, exact in float32 (no tl.dot)
@@ -794,8 +799,8 @@ def _launch_rope_wo_a(o, cos, sin, wo_a, groups):
             o.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
             wo_a.contiguous(), z, n, D=d, RD=2 * cos.shape[-1], KG=kg, R=r, G=groups,
             BN=bn, BR=br, BK=bk, X_BF16=o.dtype == torch.bfloat16,
-            DOT=0 if INTERPRETED else (1 if o.dtype == torch.bfloat16 else 2), num_warps=4,
-            num_stages=2,
+            DOT=0 if INTERPRETED else (1 if o.dtype == torch.bfloat16 else 2),
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return z
 
