@@ -75,7 +75,10 @@ def main(argv=None) -> int:
                       key=lambda x: x["ms"])[:3]  # fmt: skip
         for b in best:
             print(f"{n:>4} kernel {b['tiles']} {b['ms'] * 1e3:8.1f} us rel {b['rel_l2']:.1e}")
+    from v41plan.validation.provenance import provenance
+
     report = {
+        "provenance": provenance(),
         "device": torch.cuda.get_device_name(),
         "spec": "medium",
         "copy_bytes_per_s": bw,

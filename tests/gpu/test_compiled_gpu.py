@@ -28,8 +28,12 @@ boundary moves by up to a third of its block's largest value, so an L2 bound ove
 says little. Their elements are held instead to ``FP4_FLIP_SHARE`` of the elements on another
 grid value, each by at most one grid step of its 16-lane block (``_within_one_fp4_step``)."""
 
-FP4_FLIP_SHARE = 0.05
-"""Largest share of a ``compressed_rows`` output's elements on another FP4 / FP8 grid value."""
+FP4_FLIP_SHARE = 0.10
+"""Largest share of a ``compressed_rows`` output's elements on another FP4 / FP8 grid value.
+A value lands on the other side of a rounding boundary when it lies within its upstream error of
+one: for E2M1 at unit magnitude (step 0.5) one bf16 ulp upstream (2**-8) gives about 1.6% of
+the elements, and the pooled rows pass a softmax, a norm and RoPE in bf16 (a few ulps); the
+H200 measured 6.95% in bf16 (tiny40, 2026-12-02)."""
 
 
 def _within_one_fp4_step(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
