@@ -221,6 +221,8 @@ def _kernels(fn) -> tuple[int, int | None, dict[str, int], dict[str, dict[str, i
     linked = inside = 0
     dense: Counter = Counter()
     by_site: dict[str, Counter] = {}
+    linked_names: Counter = Counter()
+    backend_names: set = set()
     for e in events:
         if e.device_type != DeviceType.CPU:
             continue
@@ -228,28 +230,20 @@ def _kernels(fn) -> tuple[int, int | None, dict[str, int], dict[str, dict[str, i
             if k.name.startswith(("Memcpy", "Memset")):
                 continue
             linked += 1
+            linked_names[k.name] += 1
             p, site = e, None
             while p is not None and not p.name.startswith(BACKEND_RANGE):
                 if site is None and p.name.startswith(SITE_RANGE):
                     site = p.name[len(SITE_RANGE) :]
                 p = p.cpu_parent
-            inside += p is not None
-            if p is None:
+            if p is not None:
+                inside += 1
+                backend_names.add(k.name)
+            else:
                 dense[k.name[:100]] += 1
                 by_site.setdefault(site or "(none)", Counter())[k.name[:80]] += 1
     # kernels the profile links to no host event: charged by name (a name the linked backend
     # kernels carry is the backend's; any other counts as dense, the conservative side)
-    linked_names: Counter = Counter()
-    backend_names: set = set()
-    for e in events:
-        if e.device_type == DeviceType.CPU:
-            for k in getattr(e, "kernels", ()):
-                linked_names[k.name] += 1
-                p = e
-                while p is not None and not p.name.startswith(BACKEND_RANGE):
-                    p = p.cpu_parent
-                if p is not None:
-                    backend_names.add(k.name)
     all_names = Counter(n for n in names if not n.startswith(("Memcpy", "Memset")))
     unlinked = all_names - linked_names
     backend_names |= BACKEND_KERNELS

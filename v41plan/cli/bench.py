@@ -56,6 +56,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "probe_site.py",
         "where the decode mHC site's time goes: its parts taken away one by one (CUDA)",
     ),
+    "rope_wo_a": (
+        "probe_rope_wo_a.py",
+        "the fused output projection (inverse RoPE + grouped wo_a) tiles vs its composition (CUDA)",
+    ),
     "kernels": (
         "bench_kernels.py",
         "Triton backend kernels against their floors and in-image peers (CUDA)",

@@ -96,10 +96,6 @@ class LayerKernels:
     """``norm_rope_fp8(y, weight, eps, cos, sin)``: the window-KV epilogue (RMSNorm, RoPE,
     ``fake_fp8`` per 32) as one call; None: the composition with this ``fake_fp8``."""
 
-    rope_wo_a: Any = None
-    """``rope_wo_a(o, cos, sin, wo_a, groups)``: the output projection's inverse RoPE and
-    grouped ``wo_a`` as one call; None: the composition."""
-
     def make_linear(self, weight: Any, dtype: torch.dtype, act_quant: bool = True):
         """A linear over ``weight`` computing in ``dtype``."""
         if self.linear is not None:
@@ -487,10 +483,8 @@ class Attention:
 
     def output_local(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``output`` before its all-reduce: this rank's partial sum (all of it on one rank)."""
-        n, G = o.shape[0], self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's groups
-        if self.kernels.rope_wo_a is not None:
-            return self.wo_b(self.kernels.rope_wo_a(o, cos, sin, self.wo_a, G))
         o = apply_rope(o, cos, sin, inverse=True)
+        n, G = o.shape[0], self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's groups
         o = o.reshape(n, G, -1)
         z = torch.einsum("ngk,grk->ngr", o, self.wo_a.reshape(G, self.cfg.o_lora_rank, -1))
         return self.wo_b(z.reshape(n, -1))

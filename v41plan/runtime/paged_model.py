@@ -424,9 +424,8 @@ class RuntimeModel:
         # inside a compiled region the reference quantizer compiles into the kernels around it
         q8 = fake_fp8 if compile_backend is not None else self.dense.fake_fp8
         # the window-KV epilogue stays one fused launch (opaque to the compiler, which splits
-        # its norm, pair-lane RoPE and block quantizer into four kernels)
-        # (the fused inverse-RoPE grouped wo_a, ``rope_wo_a``, is not passed: on the H200 it
-        # measured 1.4x-9x slower than the composition, reports/gpu/probe_rope_wo_a.json)
+        # its norm, pair-lane RoPE and block quantizer into four kernels); the fused output
+        # projection (``rope_wo_a``) measured slower than its composition and is not used
         nrq = self.dense.norm_rope_fp8 if dense == "triton" else None
         kernels = LayerKernels(q8, _linear_factory(q8), nrq)
         w = weights
