@@ -24,19 +24,19 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
 ``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward,
-and of them the dense ones: launched outside the kernel-backend ops and the grouped MoE's
-expert product, which run inside ``record_function`` ranges here (``labelled_backend``), with
-their names per layer (``dense_kernels_by_name_per_layer``) and by the model function that
-launched them (``dense_kernels_by_site_per_layer``: ``labelled_sites`` ranges);
-graph tokens against eager tokens (the capture is exact) and the logits against the reference
-variant's at the same step (each variant prefilled the same tokens through its own kernels, so
-the pools differ by their roundings: a stated figure, not a check). The ceilings are measured in
-this process and every row carries ``kernel_table``: the ``--kernel-table`` kernels with the
-most device time in a profiled graph replay (per step: calls, microseconds), with
-``kernel_busy_ms`` (the sum of all kernel durations; replay minus busy is the launch and
-dependency gap), and ``floor_ms`` (``medium_model.step_floor``, weights in their
-shipped formats) and ``of_floor`` = floor / replay. Writes ``$OUT/bench_decode_paths.json``.
-"""
+and of them the dense ones: launched outside the kernel-backend ops and the grouped MoE's expert
+product, which run inside the runtime's ``record_function`` ranges
+(``RuntimeModel.label_backend_ops``), with their names per layer
+(``dense_kernels_by_name_per_layer``) and by the model function that launched them
+(``dense_kernels_by_site_per_layer``: ``labelled_sites`` ranges); graph tokens against eager tokens
+(the capture is exact) and the logits against the reference variant's at the same step (each
+variant prefilled the same tokens through its own kernels, so the pools differ by their roundings:
+a stated figure, not a check). The ceilings are measured in this process and every row carries
+``kernel_table``: the ``--kernel-table`` kernels with the most device time in a profiled graph
+replay (per step: calls, microseconds), with ``kernel_busy_ms`` (the sum of all kernel durations;
+replay minus busy is the launch and dependency gap), and ``floor_ms`` (``medium_model.step_floor``,
+weights in their shipped formats) and ``of_floor`` = floor / replay. Writes
+``$OUT/bench_decode_paths.json``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ from medium_model import (
 )
 from report_io import write_report
 
+from v41plan.runtime.kernels.backend import BACKEND_RANGE
+
 VARIANTS = {
     "reference": ("torch", "torch", "dense", False, None),
     "backend": ("triton", "torch", "dense", False, None),
@@ -77,9 +79,6 @@ VARIANTS = {
     "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
-
-BACKEND_RANGE = "backend."
-"""Prefix of the ``record_function`` ranges around backend ops (and the grouped experts)."""
 
 
 def _backend_kernels() -> frozenset:
@@ -104,25 +103,6 @@ def _backend_kernels() -> frozenset:
 
 BACKEND_KERNELS: frozenset = frozenset()
 """Filled by ``main`` (``_backend_kernels``) before the first profile."""
-
-
-class labelled_backend:
-    """A kernel backend whose every op runs inside a ``record_function`` range named
-    ``backend.<op>``, so a profile tells its kernels from the dense pieces'."""
-
-    def __init__(self, kb):
-        self._kb = kb
-
-    def __getattr__(self, name):
-        attr = getattr(self._kb, name)
-        if not callable(attr):
-            return attr
-
-        def call(*a, **k):
-            with torch.profiler.record_function(BACKEND_RANGE + name):
-                return attr(*a, **k)
-
-        return call
 
 
 SITE_RANGE = "site."
@@ -343,24 +323,13 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
         restore()
         graph_equal = bool(torch.equal(want.argmax(-1), got.argmax(-1)))
         graph_diff = float((want - got).abs().max())
-        m.backend = labelled_backend(kb)
-        moe_call = [type(x).experts for x in m.moe[:1] if hasattr(type(x), "experts")]
-        if moe_call:  # the grouped expert product counts with the backend's ops
-            cls = type(m.moe[0])
-
-            def experts(self, *a, _f=moe_call[0]):
-                with torch.profiler.record_function(BACKEND_RANGE + "moe"):
-                    return _f(self, *a)
-
-            cls.experts = experts
+        m.label_backend_ops()  # the runtime's own backend.* ranges
         saved = labelled_sites(m)
         kernels, backend_kernels, dense_names, dense_sites = _kernels(
             lambda plan=plan, tok=tok: m.forward(plan, tok)
         )
         unlabel_sites(m, saved)
-        m.backend = kb
-        if moe_call:
-            cls.experts = moe_call[0]
+        m.backend, m.pieces.ranged = kb, False
         restore()
         g = runner.graphs[m.prepare(plan, tok).key]
         replay_s = time_device(g.replay, args.iters)

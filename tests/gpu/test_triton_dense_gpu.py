@@ -187,6 +187,42 @@ def test_fused_epilogue_and_expand(N, dtype):
     assert torch.equal(_bits(ffn[6].cpu()), _bits(want_scales))
 
 
+@pytest.mark.parametrize("N", [1, 5, 16])
+def test_split_site_one_launch_equals_two_launches_in_a_graph(N, monkeypatch):
+    """The split site finished by its last program (one launch) gives the two-launch form's
+    bits, every time (50 eager calls and 50 graph replays: a missed ordering between the
+    programs would show as a stale partial), and leaves its arrival counters zero."""
+    _, _, _, td = _mods()
+    D, hc, iters = _medium()
+    assert td.site_config(N)[0] == "split"
+    X, pre_in, p, w, y = _site_inputs(N, D, hc, torch.bfloat16, seed=N + 7)
+    _, post, C, _ = td.mhc_site(X, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+
+    def site():
+        return td.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, hc, iters, HC_EPS, NORM_EPS)
+
+    monkeypatch.setattr(td, "SPLIT_ONE_LAUNCH", False)
+    want = [_bits(t).clone() for t in site()]
+    monkeypatch.setattr(td, "SPLIT_ONE_LAUNCH", True)
+    for _ in range(50):
+        for a, b in zip(site(), want, strict=True):
+            assert torch.equal(_bits(a), b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        site()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = site()
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, want, strict=True):
+            assert torch.equal(_bits(a), b)
+    assert int(td._COUNTERS[X.device].abs().sum()) == 0
+
+
 def test_custom_ops_compile_with_inductor_and_capture_in_a_graph():
     _, _, _, td = _mods()
     D, hc, iters = _medium()

@@ -52,6 +52,26 @@ def test_grouped_moe_runtime_matches_dense(spec_name):
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
+def test_backend_op_ranges_label_the_profile_and_change_nothing():
+    """``label_backend_ops`` (the profiling ranges the decode benchmarks count by) puts every
+    backend op and the grouped expert product in a ``backend.`` range; logits are unchanged."""
+    spec = model("tiny")[0]
+    ids = token_ids(21, 5)
+    plain = runtime("tiny", "bf16", "fp8", moe="grouped")
+    ranged = runtime("tiny", "bf16", "fp8", moe="grouped")
+    ranged.label_backend_ops()
+    ranged.label_backend_ops()  # idempotent: one range per op, not two
+    assert ranged.backend.name == plain.backend.name
+    want = _prefill_decode(plain, spec, ids)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = _prefill_decode(ranged, spec, ids)
+    for a, b in zip(want[:2], got[:2], strict=True):
+        assert torch.equal(a, b)
+    names = {e.name for e in prof.events() if e.name.startswith("backend.")}
+    assert {"backend.ring_write", "backend.sparse_attention", "backend.moe"} <= names
+    assert not any(n.startswith("backend.backend.") for n in names)
+
+
 def test_runtime_refuses_bad_kernel_choices():
     spec, cfg, w, eng = model("tiny")
     with pytest.raises(ValueError, match="dense='cuda'"):

@@ -303,12 +303,15 @@ def test_mhc_expand_site_is_expand_then_site(dtype, N):
         assert torch.equal(_bits(a), _bits(b))
 
 
-@pytest.fixture
-def split_form(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["one_launch", "two_launches"])
+def split_form(monkeypatch, request):
     """The split decode form up to 16 tokens, 32 lanes per first-pass program (3 programs per
-    token at D = 96, 2 at 64)."""
+    token at D = 96, 2 at 64), finished by the last program (the shipped form) or by a second
+    launch."""
     monkeypatch.setattr(td, "SITE_CONFIGS", [(16, ("split", 1, 32, 1)), SMALL_SITE_CONFIGS[-1]])
     monkeypatch.setattr(td, "SPLIT_LANES", 32)
+    monkeypatch.setattr(td, "SPLIT_ONE_LAUNCH", request.param)
+    return request.param
 
 
 def test_split_site_lanes():
@@ -328,6 +331,22 @@ def test_split_site_bf16_sinkhorn_and_epilogues(split_form):
     test_mhc_site_runs_exactly_the_sinkhorn_iterations(2, 5)
     test_fused_fp8_epilogue_quantizes_the_site_output(torch.bfloat16, 5)
     test_mhc_expand_site_is_expand_then_site(torch.float32, 4)
+
+
+def test_split_site_one_launch_equals_two_and_leaves_the_counters_zero(monkeypatch):
+    monkeypatch.setattr(td, "SITE_CONFIGS", [(16, ("split", 1, 32, 1)), SMALL_SITE_CONFIGS[-1]])
+    monkeypatch.setattr(td, "SPLIT_LANES", 32)
+    X, pre_in, p, w, y = _site_inputs(5, 96, seed=23)
+    _, post, C, _ = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    outs = []
+    for one in (True, False):
+        monkeypatch.setattr(td, "SPLIT_ONE_LAUNCH", one)
+        outs.append(
+            td.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+        )
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert int(td._COUNTERS[X.device].abs().sum()) == 0
 
 
 def test_split_site_is_batch_invariant(split_form):

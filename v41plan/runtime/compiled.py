@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from v41plan.model.layers import MoE, acc_dtype, apply_rope, hc_collapse, rms_norm
 from v41plan.model.quant import dequant_fp8_blocks
+from v41plan.runtime.kernels.backend import BACKEND_RANGE
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """``torch.compile`` backends level 3 takes: ``inductor`` (generated Triton / C++ kernels, the
@@ -220,6 +221,9 @@ class DensePieces:
                 f"compile backend {backend!r}; accepted: {', '.join(COMPILE_BACKENDS)}"
             )
         self.backend = backend
+        self.ranged = False
+        """Whether the grouped expert product runs inside a ``backend.moe`` profiler range
+        (``RuntimeModel.label_backend_ops``)."""
         for fn in _PIECES:
             setattr(self, fn.__name__, fn if backend is None else _compiled(fn, backend))
 
@@ -247,6 +251,9 @@ class DensePieces:
             y, ids = self.moe_local(moe, x, forced)
             return moe.tp.all_reduce(y).to(moe.dtype), ids
         ids, wts = self.route(moe, x, forced)
+        if self.ranged:  # the grouped product profiles as a backend op
+            with torch.profiler.record_function(BACKEND_RANGE + "moe"):
+                return moe.experts(x, ids, wts), ids
         return moe.experts(x, ids, wts), ids
 
 

@@ -29,6 +29,7 @@ until every query read its prefix), a decode forward writes first. Positions and
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from v41plan.model.quant import QuantWeight, fake_fp8
 from v41plan.runtime.collectives import SINGLE, TPGroup, tp_score_candidates_topk, tp_score_topk
 from v41plan.runtime.compiled import DensePieces, compiled_dense
 from v41plan.runtime.engram_device import DEVICE_TABLE_BYTES, DeviceEngram, table_bytes
+from v41plan.runtime.kernels.backend import RangedBackend
 from v41plan.runtime.kernels.torch_ref import TorchBackend
 from v41plan.runtime.pools import Pools
 from v41plan.runtime.sampler import SamplerInputs, SamplerOutput, sample_tokens
@@ -421,6 +423,8 @@ class RuntimeModel:
         self.pieces = DensePieces(compile_backend)
         """The dense pieces between the backend ops: the layers' methods (eager), or the same
         under ``torch.compile`` (``compile_backend``: ``compilation_level=3``)."""
+        if os.environ.get("V41PLAN_PROFILE_RANGES", "0") not in ("", "0"):
+            self.label_backend_ops()
         # inside a compiled region the reference quantizer compiles into the kernels around it
         q8 = fake_fp8 if compile_backend is not None else self.dense.fake_fp8
         # the window-KV epilogue stays one fused launch (opaque to the compiler, which splits
@@ -506,6 +510,17 @@ class RuntimeModel:
     row_count_fold_steps = 4096
     """Per-step row-count entries kept before they are folded into ``row_counts`` (a server
     that never reads them stays bounded)."""
+
+    def label_backend_ops(self) -> None:
+        """Run every kernel-backend op and the grouped expert product inside a
+        ``record_function`` range ``backend.<op>`` from now on (``RangedBackend``), so a
+        ``torch.profiler`` trace of a step tells their kernels from the dense pieces' (what
+        ``benchmarks/bench_decode_paths.py`` counts). Also on at construction under
+        ``V41PLAN_PROFILE_RANGES=1``. Graph replays are unaffected; eager steps pay a
+        dispatcher call per range."""
+        if not isinstance(self.backend, RangedBackend):
+            self.backend = RangedBackend(self.backend)
+        self.pieces.ranged = True
 
     @property
     def row_counts(self) -> Counter:

@@ -247,3 +247,31 @@ class KernelBackend(
     """Everything the runtime model asks of a kernel backend."""
 
     name: str
+
+
+BACKEND_RANGE = "backend."
+"""Prefix of the ``record_function`` range around each backend op (``RangedBackend``) and the
+grouped expert product, so a ``torch.profiler`` trace tells their kernels from the dense
+pieces'."""
+
+
+class RangedBackend:
+    """``backend`` with each op run inside a ``record_function`` range ``backend.<op>``.
+
+    The ranges cost a dispatcher call each in eager steps and nothing inside a graph replay, so
+    they are opt-in (``RuntimeModel.label_backend_ops``, ``V41PLAN_PROFILE_RANGES=1``)."""
+
+    def __init__(self, backend):
+        self.inner = backend
+        self.name = backend.name
+
+    def __getattr__(self, op: str):
+        attr = getattr(self.inner, op)
+        if not callable(attr):
+            return attr
+
+        def ranged(*args, **kwargs):
+            with torch.profiler.record_function(BACKEND_RANGE + op):
+                return attr(*args, **kwargs)
+
+        return ranged

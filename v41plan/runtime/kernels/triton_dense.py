@@ -9,9 +9,9 @@ Each function here has the call shape of the torch composition it replaces
   previous site's pre-mix and the RMSNorm; ``mhc_site_fp8`` also quantizes the normed ``x`` in
   its epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes). Three
   forms (``SITE_CONFIGS``): the split form (small decode batches: the first pass over 128-lane
-  slices in parallel, then a finishing program per token), one token per program with the mix
-  as per-lane products (up to 1024 tokens), or 16 tokens per program with the mix as a
-  ``tl.dot`` (longer prefill chunks).
+  slices in parallel, the last of them finishing the token in the same launch), one token per
+  program with the mix as per-lane products (up to 1024 tokens), or 16 tokens per program with
+  the mix as a ``tl.dot`` (longer prefill chunks).
 - ``mhc_expand_site``: the previous sublayer's ``hc_expand`` fused in front of the site (for
   rows where both run, e.g. every decode row).
 - ``hc_expand``: ``X'[j] = post[j] * y + sum_i C[i][j] * X[i]`` alone.
@@ -101,7 +101,8 @@ SITE_CONFIGS: list[tuple[int, tuple[str, int, int, int]]] = [
 ]
 """The site kernel by token count, the first bound that holds: ``(mix, tokens per program,
 lanes per chunk, warps)``. ``split``: the first pass spread over ``SPLIT_LANES``-lane programs,
-then one finishing program per token (two launches). ``products``: one token per program, the
+the last of a token's programs to finish it finishing the site (one launch,
+``SPLIT_ONE_LAUNCH``). ``products``: one token per program, the
 mix as per-lane float32 products summed once (decode batches: as many programs as tokens, no
 wasted rows; lanes per chunk = 32 * warps keeps every tile in one layout). ``tf32x3`` /
 ``ieee``: ``tl.dot`` over ``tokens per program`` rows (prefill: every program reads all of
@@ -587,17 +588,59 @@ PART_WIDTH = 34
 of squares of the streams and of the collapse."""
 
 
+@triton.jit
+def _site_finish(
+    part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
+    r64, rmask, hc_eps, norm_eps,
+    D: tl.constexpr, ITERS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """Pass 2 of the split site for the tokens ``r64``: the partials summed in split order (the
+    same sums at every batch width), the prediction (``_site_predict``) and the norm and
+    quantizer over ``x`` (``_site_norm``). The partials are read past L1 (``.cg``): other
+    programs wrote them."""
+    jj = tl.arange(0, 16)
+    m2 = rmask[:, None]
+    acc_pp = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for sp in range(SPLIT):
+        base = part_ptr + (r64 * SPLIT + sp) * 34
+        acc_pp += tl.load(base[:, None] + jj[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+        acc_c += tl.load(base[:, None] + 16 + jj[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+        ss += tl.load(base + 32, mask=rmask, other=0.0, cache_modifier=".cg")
+        xs += tl.load(base + 33, mask=rmask, other=0.0, cache_modifier=".cg")
+    _site_predict(
+        acc_pp, acc_c, ss, r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr, hc_eps,
+        norm_eps, D, ITERS,
+    )  # fmt: skip
+    _site_norm(
+        xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D, BLOCK_D, QBLOCK, QUANT,
+        X_BF16,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["N"])  # one build for every batch width
 def _mhc_site_part_kernel(
     X_ptr, pre_in_ptr, fn_ptr, y_ptr, post_prev_ptr, C_prev_ptr, X_out_ptr, x_ptr, part_ptr,
-    N, D: tl.constexpr, LANES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EXPAND: tl.constexpr, X_BF16: tl.constexpr,
+    base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, codes_ptr, scales_ptr, count_ptr,
+    N, hc_eps, norm_eps,
+    D: tl.constexpr, LANES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EXPAND: tl.constexpr, X_BF16: tl.constexpr, ITERS: tl.constexpr,
+    QBLOCK: tl.constexpr, QUANT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
 ):  # fmt: skip
     """Pass 1 of the split site (decode): ``BLOCK_N`` tokens x the ``LANES`` lanes of split
     ``program_id(1)``: the expand (``EXPAND``, stored to ``X_out``), the collapse (stored
     unnormalized in ``x``) and the partial mixes and sums of squares (``part [N, SPLIT, 34]``).
     Splitting the lanes spreads the reading of ``fn`` over ``SPLIT`` programs per token: one
-    program streaming all of it is latency-bound (the reason for this form)."""
+    program streaming all of it is latency-bound (the reason for this form).
+
+    ``ONE_LAUNCH``: the last of a token block's ``SPLIT`` programs to finish its pass 1 runs
+    pass 2 (``_site_finish``) itself. Each program counts itself in ``count[program_id(0)]``
+    after a CTA barrier (so every thread's stores precede the release); the program that sees
+    ``SPLIT - 1`` acquires them all and sets the count back to 0 for the next launch (the
+    counters stay zero between launches, so graph replays need no reset)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sp = tl.program_id(1)
     rmask = rows < N
@@ -613,6 +656,16 @@ def _mhc_site_part_kernel(
     tl.store(base[:, None] + 16 + jj[None, :], tl.sum(acc_c, axis=2), mask=m2)
     tl.store(base + 32, tl.sum(tl.sum(ss, axis=2), axis=1), mask=rmask)
     tl.store(base + 33, tl.sum(tl.sum(xs, axis=2), axis=1), mask=rmask)
+    if ONE_LAUNCH:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.store(count_ptr + tl.program_id(0), 0)
+            _site_finish(
+                part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr,
+                codes_ptr, scales_ptr, r64, rmask, hc_eps, norm_eps, D, ITERS, SPLIT, BLOCK_N,
+                BLOCK_D, QBLOCK, QUANT, X_BF16,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N"])  # one build for every batch width
@@ -622,31 +675,13 @@ def _mhc_site_finish_kernel(
     D: tl.constexpr, ITERS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Pass 2 of the split site: the partials summed in split order (the same sums at every
-    batch width), the prediction (``_site_predict``) and the norm and quantizer over ``x``
-    (``_site_norm``)."""
+    """Pass 2 of the split site as its own launch (``SPLIT_ONE_LAUNCH`` off)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    r64 = rows.to(tl.int64)
-    jj = tl.arange(0, 16)
-    m2 = rmask[:, None]
-    acc_pp = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    xs = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for sp in range(SPLIT):
-        base = part_ptr + (r64 * SPLIT + sp) * 34
-        acc_pp += tl.load(base[:, None] + jj[None, :], mask=m2, other=0.0)
-        acc_c += tl.load(base[:, None] + 16 + jj[None, :], mask=m2, other=0.0)
-        ss += tl.load(base + 32, mask=rmask, other=0.0)
-        xs += tl.load(base + 33, mask=rmask, other=0.0)
-    _site_predict(
-        acc_pp, acc_c, ss, r64, rmask, base_ptr, scale_ptr, pre_ptr, post_ptr, C_ptr, hc_eps,
-        norm_eps, D, ITERS,
-    )  # fmt: skip
-    _site_norm(
-        xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D, BLOCK_D, QBLOCK, QUANT,
-        X_BF16,
+    _site_finish(
+        part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr,
+        scales_ptr, rows.to(tl.int64), rmask, hc_eps, norm_eps, D, ITERS, SPLIT, BLOCK_N,
+        BLOCK_D, QBLOCK, QUANT, X_BF16,
     )  # fmt: skip
 
 
@@ -848,6 +883,23 @@ SPLIT_LANES = 128
 programs per token (8 at hidden 1024)."""
 
 
+SPLIT_ONE_LAUNCH = True
+"""Whether the split site runs as one launch (the last program of a token block finishes it,
+``_mhc_site_part_kernel``) instead of a first pass and a finishing launch."""
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(dev: torch.device, blocks: int) -> torch.Tensor:
+    """The split site's zeroed arrival counters on ``dev``: one int32 per token block, allocated
+    once (before any capture: the warm-up runs every shape first) and left zero by every launch."""
+    have = _COUNTERS.get(dev)
+    if have is None or have.numel() < blocks:
+        have = torch.zeros(max(64, blocks), dtype=torch.int32, device=dev)
+        _COUNTERS[dev] = have
+    return have
+
+
 def split_lanes(D: int, block_d: int) -> tuple[int, int]:
     """``(lanes per program, programs per token)`` of the split site's first pass: chunks of
     ``block_d`` lanes, ``SPLIT_LANES`` (at least one chunk) per program."""
@@ -913,17 +965,23 @@ def _launch_site(
     if N and mix == "split":
         lanes, split = split_lanes(D, block_d)
         part = torch.empty((N, split, PART_WIDTH), dtype=f32, device=dev)
-        _mhc_site_part_kernel[(triton.cdiv(N, block_n), split)](
-            X, pre_in, fn, y, post_prev, C_prev, X_out, x, part, N, D=D, LANES=lanes,
-            SPLIT=split, BLOCK_N=block_n, BLOCK_D=block_d, EXPAND=expand is not None,
-            X_BF16=bf16, num_warps=warps,
+        blocks = triton.cdiv(N, block_n)
+        one = SPLIT_ONE_LAUNCH
+        count = _arrival_counters(dev, blocks) if one else part
+        _mhc_site_part_kernel[(blocks, split)](
+            X, pre_in, fn, y, post_prev, C_prev, X_out, x, part,
+            base, scale, norm_weight, pre, post, C, codes, scales, count,
+            N, float(hc_eps), float(norm_eps), D=D, LANES=lanes, SPLIT=split, BLOCK_N=block_n,
+            BLOCK_D=block_d, EXPAND=expand is not None, X_BF16=bf16, ITERS=int(iters),
+            QBLOCK=qb, QUANT=quant_block is not None, ONE_LAUNCH=one, num_warps=warps,
         )  # fmt: skip
-        _mhc_site_finish_kernel[(triton.cdiv(N, block_n),)](
-            part, base, scale, norm_weight, pre, post, C, x, codes, scales,
-            N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters), SPLIT=split,
-            BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb, QUANT=quant_block is not None,
-            X_BF16=bf16, num_warps=warps,
-        )  # fmt: skip
+        if not one:
+            _mhc_site_finish_kernel[(blocks,)](
+                part, base, scale, norm_weight, pre, post, C, x, codes, scales,
+                N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters), SPLIT=split,
+                BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb, QUANT=quant_block is not None,
+                X_BF16=bf16, num_warps=warps,
+            )  # fmt: skip
     elif N:
         kernel, extra = _mhc_site_kernel, {}
         if mix != "products":
