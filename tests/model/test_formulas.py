@@ -414,27 +414,6 @@ def test_rope_rotates_interleaved_pairs_of_the_last_lanes_and_inverts():
     np.testing.assert_allclose(back.numpy(), xn, atol=1e-13)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("inverse", [False, True])
-def test_rope_compiled_form_is_bit_identical_to_the_eager_cat(dtype, inverse):
-    # under torch.compile apply_rope assembles its lanes with pad + where instead of a cat
-    rd, d = 16, 64
-    rope = layers.Rope(rd, 10000.0, None)
-    pos = torch.tensor([0, 3, 129])
-    x = torch.from_numpy(RNG.standard_normal((3, 4, d))).to(dtype)
-    cos, sin = rope.cos_sin(pos, torch.float32)
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        lambda x, c, s: layers.apply_rope(x, c, s, inverse=inverse),
-        backend="aot_eager",
-        fullgraph=True,
-    )
-    got = compiled(x, cos, sin)
-    want = layers.apply_rope(x, cos, sin, inverse=inverse)
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    assert got.dtype == want.dtype and torch.equal(got.view(bits), want.view(bits))
-
-
 # --- the sink softmax ------------------------------------------------------------------------
 def test_sparse_attention_is_the_sink_softmax_over_the_listed_keys():
     n, H, d, K, rows = 4, 3, 8, 6, 10

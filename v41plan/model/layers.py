@@ -157,13 +157,7 @@ def apply_rope(
     if inverse:
         sin = -sin
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).reshape(*x.shape[:-1], rd)
-    out = out.to(x.dtype)
-    if torch.compiler.is_compiling():
-        # the same values without a cat: Inductor copies each input of a cat whose consumer is
-        # not pointwise (a GEMM, a custom op) in its own kernel, while pad + where fuse into one
-        lanes = torch.arange(x.shape[-1], device=x.device)
-        return torch.where(lanes < x.shape[-1] - rd, x, F.pad(out, (x.shape[-1] - rd, 0)))
-    return torch.cat([x[..., :-rd], out], dim=-1)
+    return torch.cat([x[..., :-rd], out.to(x.dtype)], dim=-1)
 
 
 # --- mHC ----------------------------------------------------------------------------------
