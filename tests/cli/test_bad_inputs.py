@@ -172,6 +172,15 @@ def test_validate_runtime_graph_without_cuda():
     proc = validate_runtime("--graph")
     refused(proc, "--graph", "CUDA")
     assert proc.stdout == ""  # refused up front: no scenario ran
+    proc = validate_runtime("--graph", "--cudagraph-mode", "PIECEWISE")
+    refused(proc, "--graph", "PIECEWISE", "CUDA")
+    assert proc.stdout == ""
+
+
+def test_validate_runtime_cudagraph_mode_without_graph():
+    proc = validate_runtime("--cudagraph-mode", "PIECEWISE")
+    refused(proc, "--cudagraph-mode PIECEWISE needs --graph")
+    assert proc.stdout == ""
 
 
 # --- bench and the run's length cap ----------------------------------------------------------

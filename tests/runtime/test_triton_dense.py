@@ -606,3 +606,36 @@ def test_rope_wo_a_custom_op_passes_opcheck():
     wo_a = torch.randn(32, 128, generator=g) * 0.05
     ang = torch.rand(2, 8, generator=g)
     torch.library.opcheck(torch.ops.v41plan.rope_wo_a, (o, torch.cos(ang), torch.sin(ang), wo_a, 2))
+
+
+# --- the output projection's inverse RoPE, laid out for the grouped product -------------------
+
+
+@pytest.mark.parametrize(("dtype", "n", "groups"), [(torch.float32, 3, 2), (torch.bfloat16, 5, 4)])
+def test_inverse_rope_groups_is_the_composition_bit_for_bit(dtype, n, groups):
+    """The kernel rounds the rotation where ``apply_rope(inverse=True)`` rounds it (no fused
+    multiply-adds) and writes ``[groups, N, H * D / groups]``; a strided ``o`` (a row slice of a
+    wider buffer) is read in place."""
+    g = torch.Generator().manual_seed(n)
+    h, d, rd = 4, 64, 16
+    wide = torch.randn(n, h + 2, d, generator=g).to(dtype)
+    o = wide[:, 1 : h + 1]
+    assert not o.is_contiguous()
+    ang = torch.rand(n, rd // 2, generator=g) * 6.3
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    got = td.inverse_rope_groups(o, cos, sin, groups)
+    want = ref.inverse_rope_groups(o, cos, sin, groups)
+    assert got.shape == (groups, n, h * d // groups) and got.is_contiguous()
+    assert torch.equal(got, want)
+    # the rotation ran on the last rd lanes of every head, and only there
+    moved = (got != o.reshape(n, groups, -1).transpose(0, 1)).reshape(groups, n, -1, d)
+    assert moved[..., d - rd :].any() and not moved[..., : d - rd].any()
+
+
+def test_inverse_rope_groups_custom_op_passes_opcheck():
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(2, 4, 64, generator=g)
+    ang = torch.rand(2, 8, generator=g)
+    torch.library.opcheck(
+        torch.ops.v41plan.inverse_rope_groups, (o, torch.cos(ang), torch.sin(ang), 2)
+    )

@@ -107,3 +107,83 @@ def test_shapes_are_checked():
         w8a8_linear(torch.randn(4, 48), wc, ws)
     with pytest.raises(ValueError, match="K % 32 == 0"):
         act_quant_fp8(torch.randn(4, 48))
+
+
+def _rope_tables(n: int, rd: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.rand(n, rd // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    return torch.cos(ang).to(DEV), torch.sin(ang).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_epilogue_is_the_linear_then_rope_bit_for_bit(dtype):
+    """``rope=`` rotates every head of the output in the epilogue: the GEMM's output rounded to
+    ``dtype``, then ``layers.rope_heads`` in float32 rounded again, with no fused multiply-add
+    (the composition's roundings, so the bits are equal on the interpreter and the device)."""
+    from v41plan.model.layers import rope_heads
+
+    M, heads, d, rd, K = 7, 3, 64, 16, 96
+    x = _activations(M, K, 5).to(DEV).to(dtype)
+    wc, ws = quantize_fp8_weight(torch.randn(heads * d, K) * 0.05)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    cos, sin = _rope_tables(M, rd, 6)
+    got = w8a8_linear(x, wc, ws, dtype, rope=(cos, sin, d))
+    plain = w8a8_linear(x, wc, ws, dtype)
+    want = rope_heads(plain, cos, sin, d)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, plain)  # the rotation ran
+    # only the last rd lanes of each head move
+    lanes = (got != plain).reshape(M, heads, d).any(0).any(0)
+    assert not lanes[: d - rd].any() and lanes[d - rd :].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_input_is_read_in_place(dtype):
+    """``x [M, G, K/G]`` with any row and group strides (the transposed ``[G, M, K/G]`` product
+    of the grouped ``wo_a``) gives the flattened input's result, bit for bit, with no copy."""
+    G, M, KG, N = 3, 6, 64, 80
+    z = _activations(G * M, KG, 7).reshape(G, M, KG).to(DEV).to(dtype)
+    wc, ws = quantize_fp8_weight(torch.randn(N, G * KG) * 0.05)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    zt = z.transpose(0, 1)
+    assert not zt.is_contiguous()
+    got = w8a8_linear(zt, wc, ws, dtype)
+    assert torch.equal(got, w8a8_linear(zt.reshape(M, -1), wc, ws, dtype))
+    with pytest.raises(ValueError, match="K/G"):
+        w8a8_linear(torch.randn(M, 2, 48).to(DEV), *quantize_fp8_weight(torch.randn(N, 96)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_swiglu_is_the_shared_expert_composition(dtype):
+    """Gate/up GEMMs, clamped SwiGLU and the FP8 quantization of its result in one kernel: the
+    codes and scales of ``act_quant_fp8(swiglu(h1, h3).to(dtype))``. The interpreter's sigmoid
+    is numpy's, equal to torch's here; on the device Triton's ``sigmoid`` may differ from
+    torch's ``silu`` by a float32 rounding, so a code may move by one E4M3 step (at most 1% of
+    them)."""
+    from v41plan.runtime.kernels.moe_torch import swiglu
+    from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
+
+    M, N, K, limit = 9, 96, 128, 1.5
+    x = (_activations(M, K, 8) * 1e-2).to(DEV).to(dtype)
+    g = torch.Generator().manual_seed(9)
+    w1, w3 = (quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.2) for _ in range(2))
+    w1, w3 = tuple(t.to(DEV) for t in w1), tuple(t.to(DEV) for t in w3)
+    xq, xs = act_quant_fp8(x)
+    hq, hs = w8a8_swiglu(xq, xs, w1, w3, limit, dtype)
+    h1 = w8a8_linear(xq, *w1, dtype, x_scales=xs)
+    h3 = w8a8_linear(xq, *w3, dtype, x_scales=xs)
+    h = swiglu(h1, h3, limit, torch.float32).to(dtype)
+    assert float(h.abs().max()) > limit / 4  # the clamp and the curve's both sides are reached
+    rq, rs = act_quant_fp8(h)
+    got = hq.float() * e8m0_decode(hs).repeat_interleave(32, 1)
+    want = rq.float() * e8m0_decode(rs).repeat_interleave(32, 1)
+    if DEV == "cpu":
+        assert torch.equal(hq.view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(hs.view(torch.uint8), rs.view(torch.uint8))
+    else:
+        # one E4M3 step: 2**-3 of the value's binade, 2**-9 of the block scale when subnormal
+        scale = e8m0_decode(rs).repeat_interleave(32, 1)
+        step = 2.0**-3 * torch.maximum(got.abs(), want.abs()) + scale * 2.0**-9
+        assert bool(((got - want).abs() <= step).all())
+        assert float((hq.view(torch.uint8) != rq.view(torch.uint8)).float().mean()) <= 0.01
+    with pytest.raises(ValueError, match="w8a8_swiglu"):
+        w8a8_swiglu(xq[:, :96], xs[:, :3], w1, w3, limit, dtype)

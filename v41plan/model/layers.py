@@ -74,10 +74,13 @@ class Linear:
         self.act_quant = act_quant
         self.quantizer = quantizer
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        """``[N, out]``; ``rope = (cos, sin, head_dim)`` then rotates every head of the output
+        (``rope_heads``)."""
         if self.act_quant:
             x = self.quantizer(x, 32)
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        y = F.linear(x.to(self.weight.dtype), self.weight)
+        return y if rope is None else rope_heads(y, *rope)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ class LayerKernels:
     norm_rope_fp8: Any = None
     """``norm_rope_fp8(y, weight, eps, cos, sin)``: the window-KV epilogue (RMSNorm, RoPE,
     ``fake_fp8`` per 32) as one call; None: the composition with this ``fake_fp8``."""
+
+    output_rope: Any = None
+    """``output_rope(o, cos, sin, groups)``: the output projection's inverse RoPE of ``o [N, H,
+    d]`` laid out ``[groups, N, H * d / groups]`` for a ``torch.bmm`` with the grouped ``wo_a``
+    (``dense_ref.inverse_rope_groups``); None: ``apply_rope`` and an einsum."""
 
     def make_linear(self, weight: Any, dtype: torch.dtype, act_quant: bool = True):
         """A linear over ``weight`` computing in ``dtype``."""
@@ -158,6 +166,13 @@ def apply_rope(
         sin = -sin
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).reshape(*x.shape[:-1], rd)
     return torch.cat([x[..., :-rd], out.to(x.dtype)], dim=-1)
+
+
+def rope_heads(
+    y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    """``apply_rope`` on every ``head_dim``-lane head of rows ``y [N, heads * head_dim]``."""
+    return apply_rope(y.reshape(y.shape[0], -1, head_dim), cos, sin).reshape(y.shape)
 
 
 # --- mHC ----------------------------------------------------------------------------------
@@ -371,8 +386,7 @@ class Attention:
         """(q ``[N,H,d]`` with RoPE, qr ``[N,q_lora]`` the normed latent shared with the
         indexer)."""
         qr = rms_norm(self.wq_a(x), self.q_norm, self.eps)
-        q = self.wq_b(qr).reshape(x.shape[0], self.H, self.d)
-        return apply_rope(q, cos, sin), qr
+        return self.wq_b(qr, rope=(cos, sin, self.d)).reshape(x.shape[0], self.H, self.d), qr
 
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Window KV ``[N,d]``: wkv, kv_norm, RoPE, FP8 QAT over all lanes (block 32)."""
@@ -445,8 +459,7 @@ class Attention:
         """(qi ``[N,nih,ihd]``, its per-(token, head) fp32 scale ``[N,nih,1]`` for ``"fp8"`` else
         None,
         head weights ``[N,nih]`` scaled by ``ihd^-0.5 * nih^-0.5``)."""
-        qi = self.idx_wq_b(qr).reshape(x.shape[0], self.nih, self.ihd)
-        qi = apply_rope(qi, cos, sin)
+        qi = self.idx_wq_b(qr, rope=(cos, sin, self.ihd)).reshape(x.shape[0], self.nih, self.ihd)
         wts = F.linear(x, self.idx_weights_proj) * self.idx_scale
         if index_cache_dtype == "fp8":
             codes, qs = quant_fp8_rows(qi)
@@ -483,10 +496,15 @@ class Attention:
 
     def output_local(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``output`` before its all-reduce: this rank's partial sum (all of it on one rank)."""
-        o = apply_rope(o, cos, sin, inverse=True)
         n, G = o.shape[0], self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's groups
-        o = o.reshape(n, G, -1)
-        z = torch.einsum("ngk,grk->ngr", o, self.wo_a.reshape(G, self.cfg.o_lora_rank, -1))
+        wo_a = self.wo_a.reshape(G, self.cfg.o_lora_rank, -1)
+        if self.kernels.output_rope is not None:
+            # [G, n, K] @ [G, K, r]: the product's [n, G, r] view is what wo_b reads
+            z = torch.bmm(self.kernels.output_rope(o, cos, sin, G), wo_a.transpose(1, 2))
+            z = z.transpose(0, 1)
+            return self.wo_b(z if getattr(self.wo_b, "reads_groups", False) else z.reshape(n, -1))
+        o = apply_rope(o, cos, sin, inverse=True).reshape(n, G, -1)
+        z = torch.einsum("ngk,grk->ngr", o, wo_a)
         return self.wo_b(z.reshape(n, -1))
 
 

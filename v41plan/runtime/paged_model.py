@@ -431,7 +431,10 @@ class RuntimeModel:
         # its norm, pair-lane RoPE and block quantizer into four kernels); the fused output
         # projection (``rope_wo_a``) measured slower than its composition and is not used
         nrq = self.dense.norm_rope_fp8 if dense == "triton" else None
-        kernels = LayerKernels(q8, _linear_factory(q8), nrq)
+        # the output projection's inverse RoPE as one kernel writing the grouped product's
+        # operand (Inductor makes two to four kernels of it and a transposing copy)
+        orope = self.dense.inverse_rope_groups if dense == "triton" else None
+        kernels = LayerKernels(q8, _linear_factory(q8), nrq, orope)
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]

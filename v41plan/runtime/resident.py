@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from v41plan.model.layers import ONE_RANK, acc_dtype, moe_route
+from v41plan.model.layers import ONE_RANK, acc_dtype, moe_route, rope_heads
 from v41plan.model.quant import QuantWeight, fake_fp8
 from v41plan.runtime.kernels.moe_torch import grouped_moe_torch, swiglu
 
@@ -71,18 +71,32 @@ class ResidentLinear:
         """Rows of the weight (this rank's share)."""
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``[N, out]`` in ``dtype``."""
+    @property
+    def reads_groups(self) -> bool:
+        """Whether ``x`` may be ``[N, G, in/G]`` with any row and group strides (the Triton
+        GEMM reads it in place; else the caller flattens it)."""
+        return self.impl == "triton"
+
+    def __call__(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        """``[N, out]`` in ``dtype``; ``rope = (cos, sin, head_dim)`` rotates every head of the
+        output (``layers.rope_heads``; in the GEMM's epilogue on the Triton path)."""
         if self.impl == "triton":
+            cos, sin, head_dim = rope if rope is not None else (None, None, 0)
             if torch.compiler.is_compiling():  # inside a compiled region: the opaque custom op
                 from v41plan.runtime.kernels.ops import w8a8_linear
-            else:
-                from v41plan.runtime.kernels.triton_gemm import w8a8_linear
 
-            return w8a8_linear(x, self.weight.codes, self.weight.scales, self.dtype)
+                return w8a8_linear(
+                    x, self.weight.codes, self.weight.scales, self.dtype, cos, sin, head_dim
+                )
+            from v41plan.runtime.kernels.triton_gemm import w8a8_linear
+
+            return w8a8_linear(
+                x, self.weight.codes, self.weight.scales, self.dtype, rope=rope
+            )  # fmt: skip
         if self.act_quant:
             x = self.quantizer(x, 32)
-        return F.linear(x.to(self.dtype), self.weight)
+        y = F.linear(x.to(self.dtype), self.weight)
+        return y if rope is None else rope_heads(y, *rope)
 
     def quantized(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """The product of an already-quantized input (``act_quant_fp8``: E4M3 ``[N, in]``,
@@ -171,12 +185,15 @@ class GroupedMoE:
         ``[N, D]`` in dtype."""
         a = acc_dtype(self.dtype)
         if self.impl == "triton":
+            from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
             from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8
             from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
             xq, xs = act_quant_fp8(x.to(self.dtype))  # quantized once: routed and shared
-            h = swiglu(self.s1.quantized(xq, xs), self.s3.quantized(xq, xs), self.limit, a)
-            shared = self.s2(h.to(self.dtype))
+            # the shared expert: gate/up, SwiGLU and the FP8 codes of h in one GEMM, then w2
+            w1, w3 = ((s.weight.codes, s.weight.scales) for s in (self.s1, self.s3))
+            hq, hs = w8a8_swiglu(xq, xs, w1, w3, self.limit, self.dtype)
+            shared = self.s2.quantized(hq, hs)
             y = grouped_moe_w4a8(
                 xq,
                 xs,

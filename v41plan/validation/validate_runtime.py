@@ -680,7 +680,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--graph",
         action="store_true",
-        help="FULL decode graphs (enforce_eager=False); needs CUDA",
+        help="decode graphs (enforce_eager=False), their tokens checked against an eager "
+        "runner's; needs CUDA",
+    )
+    ap.add_argument(
+        "--cudagraph-mode",
+        choices=["FULL", "PIECEWISE"],
+        default="FULL",
+        help="with --graph: FULL (one replay a decode step) or PIECEWISE (the dense pieces "
+        "captured, attention eager between them)",
     )
     ap.add_argument(
         "--cases",
@@ -744,9 +752,11 @@ def _check_inputs(args: argparse.Namespace):
 
         if args.device == "cpu" or not torch.cuda.is_available():
             raise Refused(
-                "--graph: FULL decode graphs need CUDA, and this run is on the CPU "
-                "(omit --graph, or run on a GPU)"
+                f"--graph: {args.cudagraph_mode} decode graphs need CUDA, and this run is on "
+                "the CPU (omit --graph, or run on a GPU)"
             )
+    elif args.cudagraph_mode != "FULL":
+        raise Refused(f"--cudagraph-mode {args.cudagraph_mode} needs --graph")
     if args.checkpoint is not None:
         from v41plan.model.checkpoint import CheckpointError, check_checkpoint
 
@@ -797,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_parallel_size": tp,
         "enable_expert_parallel": args.enable_expert_parallel,
         "enforce_eager": not args.graph,
-        "cudagraph_mode": "FULL" if args.graph else "NONE",
+        "cudagraph_mode": args.cudagraph_mode if args.graph else "NONE",
         "max_num_seqs": 4,
         "max_num_batched_tokens": 10 * P,
         "max_model_len": 24 * P,
@@ -827,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_parallel_size": tp,
         "enable_expert_parallel": args.enable_expert_parallel,
         "graph": args.graph,
+        "cudagraph_mode": args.cudagraph_mode if args.graph else "NONE",
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
         "dtype": args.dtype,

@@ -28,6 +28,7 @@ __all__ = [
     "fake_fp8",
     "fp8_act_quant",
     "hc_expand",
+    "inverse_rope_groups",
     "mhc_expand_site",
     "mhc_expand_site_fp8",
     "mhc_site",
@@ -45,6 +46,15 @@ def norm_rope_fp8(
     """The window-KV epilogue of rows ``y [N, D]`` (``Attention.window_kv`` after ``wkv``):
     RMSNorm, RoPE on the last ``2 * cos.shape[-1]`` lanes, FP8 E4M3 per 32 lanes."""
     return Q.fake_fp8(apply_rope(rms_norm(y, weight, eps), cos, sin), 32)
+
+
+def inverse_rope_groups(
+    o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """The output projection's inverse RoPE of ``o [N, H, D]`` at the query positions, laid out
+    as ``[groups, N, H * D / groups]`` for the grouped ``wo_a`` product (``torch.bmm``)."""
+    o = apply_rope(o, cos, sin, inverse=True)
+    return o.reshape(o.shape[0], groups, -1).transpose(0, 1).contiguous()
 
 
 def rope_wo_a(
@@ -155,6 +165,7 @@ class TorchDense:
     fp8_act_quant = staticmethod(fp8_act_quant)
     fake_fp8 = staticmethod(fake_fp8)
     norm_rope_fp8 = staticmethod(norm_rope_fp8)
+    inverse_rope_groups = staticmethod(inverse_rope_groups)
     rope_wo_a = staticmethod(rope_wo_a)
     hc_expand = staticmethod(hc_expand)
     mhc_site = staticmethod(mhc_site)

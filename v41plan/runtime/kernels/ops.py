@@ -19,14 +19,16 @@ def register() -> None:
 
     @torch.library.custom_op("v41plan::w8a8_linear", mutates_args=())
     def w8a8_linear(
-        x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, out_dtype: torch.dtype
-    ) -> torch.Tensor:
+        x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, out_dtype: torch.dtype,
+        cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, head_dim: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
         from v41plan.runtime.kernels.triton_gemm import w8a8_linear as kernel
 
-        return kernel(x, w_codes, w_scales, out_dtype)
+        rope = None if cos is None or sin is None else (cos, sin, head_dim)
+        return kernel(x, w_codes, w_scales, out_dtype, rope=rope)
 
     @w8a8_linear.register_fake
-    def _(x, w_codes, w_scales, out_dtype):
+    def _(x, w_codes, w_scales, out_dtype, cos=None, sin=None, head_dim=0):
         return x.new_empty((x.shape[0], w_codes.shape[0]), dtype=out_dtype)
 
     @torch.library.custom_op("v41plan::moe_router", mutates_args=())
@@ -47,11 +49,18 @@ def register() -> None:
 
 
 def w8a8_linear(
-    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    out_dtype: torch.dtype,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    head_dim: int = 0,
 ) -> torch.Tensor:
-    """``triton_gemm.w8a8_linear`` through the custom op (what a compiled region calls)."""
+    """``triton_gemm.w8a8_linear`` through the custom op (what a compiled region calls); ``x``
+    ``[M, K]`` or ``[M, G, K/G]``, with the RoPE epilogue when ``cos``/``sin`` are given."""
     register()
-    return torch.ops.v41plan.w8a8_linear(x, w_codes, w_scales, out_dtype)
+    return torch.ops.v41plan.w8a8_linear(x, w_codes, w_scales, out_dtype, cos, sin, head_dim)
 
 
 def moe_router(

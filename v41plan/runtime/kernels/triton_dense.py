@@ -76,6 +76,7 @@ __all__ = [
     "fake_fp8",
     "fp8_act_quant",
     "hc_expand",
+    "inverse_rope_groups",
     "mhc_expand_site",
     "mhc_expand_site_fp8",
     "mhc_site",
@@ -221,6 +222,30 @@ def _norm_rope_fp8_kernel(
         _, v3, _ = _fp8_e4m3_pow2(v[None, :, :])
         v = tl.reshape(v3, [GROUPS, BLOCK])
     tl.store(out_ptr + row * D + col, v.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["N"])  # one build for every batch width
+def _inverse_rope_groups_kernel(
+    o_ptr, cos_ptr, sin_ptr, out_ptr, N, so_n, so_h,
+    D: tl.constexpr, RD: tl.constexpr, HG: tl.constexpr, X_BF16: tl.constexpr,
+):  # fmt: skip
+    """One (row, head) of ``inverse_rope_groups``: the head's ``D`` lanes with the inverse RoPE
+    on the last ``RD`` (pairs), stored at ``out[head // HG, row, (head % HG) * D:]``."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    col = tl.arange(0, D)
+    src = o_ptr + row * so_n + head * so_h
+    v = tl.load(src + col).to(tl.float32)
+    rope = col >= D - RD
+    vp = tl.load(src + (col ^ 1), mask=rope, other=0.0).to(tl.float32)  # the pair partner
+    half = tl.where(rope, (col - (D - RD)) // 2, 0)
+    c = tl.load(cos_ptr + row * (RD // 2) + half, mask=rope, other=1.0)
+    sn = tl.load(sin_ptr + row * (RD // 2) + half, mask=rope, other=0.0)
+    # the conjugate rotation: (re c + im s, im c - re s), as apply_rope(inverse=True) rounds it
+    rotated = tl.where((col & 1) == 0, v * c + vp * sn, v * c - vp * sn)
+    v = tl.where(rope, _to_stream(rotated, X_BF16), v)
+    dst = out_ptr + ((head // HG) * N + row) * (HG * D) + (head % HG) * D
+    tl.store(dst + col, v.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["N"])  # one build for every batch width
@@ -793,6 +818,32 @@ def _launch_norm_rope(y, weight, eps, cos, sin, quant):
     return out
 
 
+def _inverse_rope_groups_ok(o: torch.Tensor, cos: torch.Tensor, groups: int) -> bool:
+    """Whether the inverse-RoPE kernel covers ``o [N, H, D]`` (else the composition runs)."""
+    if o.dim() != 3 or o.dtype not in _KERNEL_DTYPES or groups <= 0 or o.shape[1] % groups:
+        return False
+    d, rd = o.shape[2], 2 * cos.shape[-1]
+    return (
+        d & (d - 1) == 0
+        and rd <= d
+        and o.stride(2) == 1
+        and (o.is_cuda or (INTERPRETED and o.device.type == "cpu"))
+    )
+
+
+def _launch_inverse_rope_groups(o, cos, sin, groups):
+    n, h, d = o.shape
+    out = torch.empty(groups, n, h * d // groups, dtype=o.dtype, device=o.device)
+    if n:
+        _inverse_rope_groups_kernel[(n, h)](
+            o, cos.float().contiguous(), sin.float().contiguous(), out, n, o.stride(0),
+            o.stride(1), D=d, RD=2 * cos.shape[-1], HG=h // groups,
+            X_BF16=o.dtype == torch.bfloat16, num_warps=4,
+            enable_fp_fusion=False,  # products and sums rounded apart, as apply_rope's
+        )  # fmt: skip
+    return out
+
+
 def _rope_wo_a_kernel_ok(o, cos, wo_a, groups) -> bool:
     """Whether the inverse-RoPE grouped ``wo_a`` kernel covers ``o [N, H, D]``."""
     if o.dim() != 3 or wo_a.dim() != 2 or o.dtype not in _KERNEL_DTYPES or wo_a.dtype != o.dtype:
@@ -1088,6 +1139,22 @@ def _(y, weight, eps, cos, sin, quant):
     return y.new_empty(y.shape)
 
 
+@torch.library.custom_op("v41plan::inverse_rope_groups", mutates_args=())
+def _inverse_rope_groups_op(
+    o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``inverse_rope_groups``."""
+    if _inverse_rope_groups_ok(o, cos, groups):
+        return _launch_inverse_rope_groups(o, cos, sin, groups)
+    return dense_ref.inverse_rope_groups(o, cos, sin, groups).clone()
+
+
+@_inverse_rope_groups_op.register_fake
+def _(o, cos, sin, groups):
+    n, h, d = o.shape
+    return o.new_empty((groups, n, h * d // groups))
+
+
 @torch.library.custom_op("v41plan::rope_wo_a", mutates_args=())
 def _rope_wo_a_op(
     o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int
@@ -1260,6 +1327,16 @@ def norm_rope_fp8(
     return torch.ops.v41plan.norm_rope_fp8(y, weight, eps, cos, sin, Q.fake_quant_enabled())
 
 
+def inverse_rope_groups(
+    o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``dense_ref.inverse_rope_groups`` in one kernel: the output projection's inverse RoPE of
+    ``o [N, H, D]``, written as ``[groups, N, H * D / groups]`` (what the grouped ``wo_a``
+    product reads without a copy). Bit-identical to the composition: the rotation's products
+    and sums round where ``apply_rope``'s do (no fused multiply-adds)."""
+    return torch.ops.v41plan.inverse_rope_groups(o, cos, sin, groups)
+
+
 def rope_wo_a(
     o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int
 ) -> torch.Tensor:
@@ -1377,6 +1454,7 @@ class TritonDense:
     fp8_act_quant = staticmethod(fp8_act_quant)
     fake_fp8 = staticmethod(fake_fp8)
     norm_rope_fp8 = staticmethod(norm_rope_fp8)
+    inverse_rope_groups = staticmethod(inverse_rope_groups)
     rope_wo_a = staticmethod(rope_wo_a)
     hc_expand = staticmethod(hc_expand)
     mhc_site = staticmethod(mhc_site)

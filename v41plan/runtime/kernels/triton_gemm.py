@@ -32,6 +32,7 @@ from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
     decode_e4m3,
     e8m0_value,
+    encode_e4m3,
     fp8_act_scale,
     round_bf16,
     round_e4m3,
@@ -128,30 +129,28 @@ def load_a_tile(
 
 
 @triton.jit
-def _w8a8_kernel(
-    x_ptr,
-    xs_ptr,
-    w_ptr,
-    ws_ptr,
-    y_ptr,
-    M,
-    N,
-    K: tl.constexpr,
-    sxm,
-    sxsm,
-    swn,
-    swsn,
-    sym,
-    QUANT_X: tl.constexpr,
-    DOT: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
-    constant: a weight's width, and the interpreter needs Python loop bounds."""
+def w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT: tl.constexpr):
+    """``acc`` plus one K step of ``a @ W^T`` over the lanes ``rk`` (see ``_w8a8_kernel``)."""
+    bmask = nmask[:, None] & kmask[None, :]
+    wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
+    if DOT == 2:
+        sw = tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0)
+        part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
+        acc += part * (sx[:, None] * e8m0_value(sw)[None, :])
+    else:
+        fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
+        b = decode_e4m3(wb) * e8m0_value(fld)
+        if DOT == 1:
+            acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+        else:
+            acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row ids ``[BM]``, lane ids ``[BN]``) of this program's output tile, row tiles walked
+    ``GROUP_M`` at a time so that a weight tile is read from L2 while it is hot."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -160,8 +159,64 @@ def _w8a8_kernel(
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    return pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN)
+
+
+@triton.jit
+def rope_lanes(acc, rm, rn, mmask, cos_ptr, sin_ptr, scm, HEAD_D: tl.constexpr,
+               ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """``acc [BM, BN]`` (lanes ``rn`` of ``[.., heads * HEAD_D]``) with RoPE on the last
+    ``ROPE_D`` lanes of every head: interleaved pairs ``(2i, 2i + 1)`` rotated by row ``rm``'s
+    ``cos, sin [M, ROPE_D / 2]`` (``layers.apply_rope``, in float32)."""
+    re, im = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))
+    even = tl.reshape(tl.split(tl.reshape(rn, [BN // 2, 2]))[0], [BN // 2])
+    lane = even % HEAD_D
+    rot = lane >= HEAD_D - ROPE_D
+    pair = tl.where(rot, (lane - (HEAD_D - ROPE_D)) // 2, 0)
+    cmask = mmask[:, None] & rot[None, :]
+    c = tl.load(cos_ptr + rm[:, None] * scm + pair[None, :], mask=cmask, other=1.0)
+    s = tl.load(sin_ptr + rm[:, None] * scm + pair[None, :], mask=cmask, other=0.0)
+    re2 = tl.where(rot[None, :], re * c - im * s, re)
+    im2 = tl.where(rot[None, :], re * s + im * c, im)
+    return tl.reshape(tl.join(re2, im2), [BM, BN])
+
+
+@triton.jit
+def _w8a8_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    y_ptr,
+    cos_ptr,
+    sin_ptr,
+    M,
+    N,
+    K: tl.constexpr,
+    sxm,
+    sxg,
+    sxsm,
+    swn,
+    swsn,
+    sym,
+    scm,
+    QUANT_X: tl.constexpr,
+    DOT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    KG: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    ROPE_D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
+    constant: a weight's width, and the interpreter needs Python loop bounds. ``KG > 0``: ``x``
+    is ``[M, K / KG, KG]`` with group stride ``sxg`` (lane ``k`` at group ``k // KG``).
+    ``ROPE_D > 0``: RoPE on the last ``ROPE_D`` lanes of every ``HEAD_D``-lane head of the
+    output, after its bf16 rounding, then rounded again."""
+    rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -173,26 +228,83 @@ def _w8a8_kernel(
             kb = k0 + j * SUB
             rk = kb + tl.arange(0, SUB)
             kmask = rk < K
+            rka = rk if KG == 0 else (rk // KG) * sxg + rk % KG
             a, sx = load_a_tile(
-                x_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
+                x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
             )
-            bmask = nmask[:, None] & kmask[None, :]
-            wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
-            if DOT == 2:
-                sw = tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0)
-                part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
-                acc += part * (sx[:, None] * e8m0_value(sw)[None, :])
-            else:
-                fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
-                b = decode_e4m3(wb) * e8m0_value(fld)
-                if DOT == 1:
-                    acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
-                else:
-                    acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+            acc = w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
     if OUT_BF16:
         acc = round_bf16(acc)
+    if ROPE_D > 0:
+        acc = rope_lanes(acc, rm, rn, mmask, cos_ptr, sin_ptr, scm, HEAD_D, ROPE_D, BM, BN)
+        if OUT_BF16:
+            acc = round_bf16(acc)
     ymask = mmask[:, None] & nmask[None, :]
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def _w8a8_swiglu_kernel(
+    xq_ptr,
+    xs_ptr,
+    w1_ptr,
+    ws1_ptr,
+    w3_ptr,
+    ws3_ptr,
+    h_ptr,
+    hs_ptr,
+    limit,
+    M,
+    N,
+    K: tl.constexpr,
+    sxm,
+    sxsm,
+    swn,
+    swsn,
+    shm,
+    shsm,
+    DOT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One ``[BM, BN]`` tile of the shared expert's ``h = swiglu(x W1^T, x W3^T)`` from
+    pre-quantized ``x``, written as its FP8 activation codes (E4M3 + E8M0 per 32 lanes; ``BN``
+    a multiple of 32): what ``w2`` reads. See ``w8a8_swiglu``."""
+    rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
+    mmask = rm < M
+    nmask = rn < N
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    SUB: tl.constexpr = 32 if DOT == 2 else BK
+    for k0 in range(0, K, BK):
+        for j in tl.static_range(BK // SUB):
+            kb = k0 + j * SUB
+            rk = kb + tl.arange(0, SUB)
+            kmask = rk < K
+            a, sx = load_a_tile(
+                xq_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, False, DOT, BM, SUB
+            )
+            acc1 = w8a8_step(acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
+            acc3 = w8a8_step(acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
+    if ROUND_BF16:  # the linears' outputs are rounded to the compute dtype
+        acc1 = round_bf16(acc1)
+        acc3 = round_bf16(acc3)
+    gate = tl.minimum(acc1, limit)
+    up = tl.minimum(tl.maximum(acc3, -limit), limit)
+    act = gate * tl.sigmoid(gate) * up
+    if ROUND_BF16:
+        act = round_bf16(act)
+    act3 = tl.reshape(act, [BM, BN // 32, 32])
+    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(act3), axis=2))
+    q = tl.reshape(encode_e4m3(round_e4m3(act3 * inv[:, :, None])), [BM, BN])
+    hmask = mmask[:, None] & nmask[None, :]
+    tl.store(h_ptr + rm[:, None] * shm + rn[None, :], q.to(tl.uint8), mask=hmask)
+    rb = tl.min(rn, axis=0) // 32 + tl.arange(0, BN // 32)  # the tile's 32-lane blocks
+    bmask = mmask[:, None] & (rb < N // 32)[None, :]
+    tl.store(hs_ptr + rm[:, None] * shsm + rb[None, :], field.to(tl.uint8), mask=bmask)
 
 
 def default_dot(device: torch.device) -> str:
@@ -213,32 +325,58 @@ def w8a8_linear(
     x_scales: torch.Tensor | None = None,
     dot: str | None = None,
     config: GemmConfig | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """``y [M, N] = fake_fp8(x, 32) @ dequant(w)^T`` with FP8 operands, one kernel.
 
     ``x [M, K]``: bf16/fp32/fp16 activations, quantized in the GEMM's prologue; or, with
     ``x_scales`` (E8M0 ``[M, K/32]``), E4M3 codes already quantized (``act_quant_fp8``).
+    ``x`` may also be ``[M, G, K/G]`` with any row and group strides (read as its flattening,
+    with no copy; ``K/G % 32 == 0``, quantized in the prologue only): the grouped output
+    projection's ``wo_a`` result, ``[G, M, K/G]`` transposed.
     ``w_codes`` ``float8_e4m3fn [N, K]``, ``w_scales`` E8M0 (``float8_e8m0fnu`` or uint8)
     ``[ceil(N/32), K/32]``. ``K % 32 == 0``. ``out_dtype`` defaults to ``x``'s float dtype (bf16
-    for pre-quantized input). See the module docstring for the error bound and ``dot``.
+    for pre-quantized input). ``rope = (cos, sin, head_dim)`` (``cos, sin [M, rd/2]`` float32)
+    applies ``layers.apply_rope`` to every ``head_dim``-lane head of the output in the epilogue.
+    See the module docstring for the error bound and ``dot``.
     """
-    M, K = x.shape
+    grouped = x.dim() == 3
+    M = x.shape[0]
+    K = x.shape[1] * x.shape[2] if grouped else x.shape[1]
     N = w_codes.shape[0]
-    if K % QUANT_BLOCK or w_codes.shape[1] != K:
-        raise ValueError(f"w8a8_linear: x {list(x.shape)} and w {list(w_codes.shape)}")
+    if K % QUANT_BLOCK or w_codes.shape[1] != K or (grouped and x.shape[2] % QUANT_BLOCK):
+        raise ValueError(
+            f"w8a8_linear: x {list(x.shape)} and w {list(w_codes.shape)} (x [M, K] or "
+            f"[M, G, K/G] against w [N, K], with K and K/G multiples of {QUANT_BLOCK})"
+        )
     dot = dot or default_dot(x.device)
     quant_x = x_scales is None
+    if grouped and not quant_x:
+        raise ValueError("w8a8_linear: a grouped [M, G, K/G] input is quantized in the prologue")
     if out_dtype is None:
         out_dtype = x.dtype if quant_x else torch.bfloat16
     cfg = config or default_config(M, N, K, dot)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
-    xk = x.contiguous() if quant_x else _bytes(x)
+    if grouped:
+        xk = x if x.stride(2) == 1 else x.contiguous()
+        kg, sxg = x.shape[2], xk.stride(1)
+    else:
+        xk = x.contiguous() if quant_x else _bytes(x)
+        kg, sxg = 0, 0
     xs = xk if quant_x else _bytes(x_scales)
     w, ws = _bytes(w_codes), _bytes(w_scales)
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
+    head_d = rope_d = 0
+    cos = sin = y
+    if rope is not None:
+        cos, sin, head_d = rope
+        rope_d = 2 * cos.shape[-1]
+        if cos.dtype != torch.float32 or N % head_d or cfg.block_n % 2 or head_d % 2:
+            raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
+        cos, sin = cos.contiguous(), sin.contiguous()
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _w8a8_kernel[grid](
         xk,
@@ -246,22 +384,75 @@ def w8a8_linear(
         w,
         ws,
         y,
+        cos,
+        sin,
         M,
         N,
         K,
         xk.stride(0),
+        sxg,
         xs.stride(0),
         w.stride(0),
         ws.stride(0),
         y.stride(0),
+        cos.stride(0),
         QUANT_X=quant_x,
         DOT=DOT_MODES[dot],
         OUT_BF16=out_dtype == torch.bfloat16,
+        KG=kg,
+        HEAD_D=head_d,
+        ROPE_D=rope_d,
         BM=cfg.block_m,
         BN=cfg.block_n,
         BK=cfg.block_k,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        # the RoPE's products and sums round apart, as apply_rope's (the scale products of the
+        # K loop multiply by powers of two: exact either way)
+        enable_fp_fusion=rope is None,
     )
     return y
+
+
+def w8a8_swiglu(
+    xq: torch.Tensor,
+    x_scales: torch.Tensor,
+    w1: tuple[torch.Tensor, torch.Tensor],
+    w3: tuple[torch.Tensor, torch.Tensor],
+    limit: float,
+    dtype: torch.dtype,
+    dot: str | None = None,
+    config: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's gate/up product, clamped SwiGLU and the FP8 quantization of its
+    result in one kernel: ``act_quant_fp8(swiglu(x W1^T, x W3^T).to(dtype))`` with ``x`` the
+    pre-quantized ``xq [M, K]`` (E4M3) and ``x_scales`` (E8M0 ``[M, K/32]``), ``w1``/``w3``
+    ``(codes [N, K], E8M0 scales [N/32, K/32])``, ``N % 32 == 0``. The products round to
+    ``dtype`` as ``w8a8_linear``'s outputs do; the SwiGLU is ``moe_torch.swiglu``'s (Triton's
+    ``sigmoid``: a float32 rounding or two from torch's ``silu``), rounded to ``dtype``.
+    Returns (codes ``float8_e4m3fn [M, N]``, scales ``float8_e8m0fnu [M, N/32]``), what
+    ``w8a8_linear(..., x_scales=)`` reads.
+    """
+    M, K = xq.shape
+    N = w1[0].shape[0]
+    if K % QUANT_BLOCK or N % QUANT_BLOCK or w1[0].shape != w3[0].shape or w1[0].shape[1] != K:
+        raise ValueError(f"w8a8_swiglu: x {list(xq.shape)}, w1 {list(w1[0].shape)}")
+    dot = dot or default_dot(xq.device)
+    cfg = config or default_config(M, N, K, dot)
+    if cfg.block_k % QUANT_BLOCK or cfg.block_n % QUANT_BLOCK:
+        raise ValueError(f"w8a8_swiglu: tiles {cfg} (block_n and block_k multiples of 32)")
+    x, xs = _bytes(xq), _bytes(x_scales)
+    (c1, s1), (c3, s3) = ((_bytes(c), _bytes(s)) for c, s in (w1, w3))
+    h = torch.empty((M, N), dtype=torch.uint8, device=xq.device)
+    hs = torch.empty((M, N // QUANT_BLOCK), dtype=torch.uint8, device=xq.device)
+    if M:
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        _w8a8_swiglu_kernel[grid](
+            x, xs, c1, s1, c3, s3, h, hs, float(limit), M, N, K,
+            x.stride(0), xs.stride(0), c1.stride(0), s1.stride(0), h.stride(0), hs.stride(0),
+            DOT=DOT_MODES[dot], ROUND_BF16=dtype == torch.bfloat16, BM=cfg.block_m,
+            BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return h.view(torch.float8_e4m3fn), hs.view(torch.float8_e8m0fnu)
