@@ -48,16 +48,20 @@ run_step tests 420 python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovi
 # one report per transfer when TRANSFER names one (medium's two transfers need two device calls)
 SUFFIX=$([ "$TRANSFER" = both ] && echo "" || echo "_$TRANSFER")${CASES:+_cases}
 CASE_ARGS=(${CASES:+--cases "$CASES"})
+# GRAPH_MODE: validate_runtime --cudagraph-mode of the tiny40 and medium steps (FULL or PIECEWISE)
+GRAPH_MODE=${GRAPH_MODE:-FULL}
+MODE_SUFFIX=$([ "$GRAPH_MODE" = FULL ] && echo "" || echo "_$(echo "$GRAPH_MODE" | tr A-Z a-z)")
 run_step tiny40 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40.yaml --graph --device cuda \
-    --transfer "$TRANSFER" "${CASE_ARGS[@]}" --output "$OUT/validate_tiny40_graph$SUFFIX.json"
+    --cudagraph-mode "$GRAPH_MODE" --transfer "$TRANSFER" "${CASE_ARGS[@]}" \
+    --output "$OUT/validate_tiny40_graph$MODE_SUFFIX$SUFFIX.json"
 run_step ckpt 240 python3 -m v41plan init-checkpoint --spec specs/medium.yaml --out "$CKPT"
 # decode: over the ckpt step's checkpoint when there is one, else the seeded random weights
 run_step decode 300 python3 benchmarks/bench_decode.py $([ -d "$CKPT" ] && echo --checkpoint "$CKPT") \
     --engine-steps "${ENGINE_STEPS:-20}" --out "$OUT/bench_decode.json"
 run_step prefill 150 python3 benchmarks/bench_prefill.py --checkpoint "$CKPT" --out "$OUT/bench_prefill.json"
 run_step medium 540 python3 -m v41plan.validation.validate_runtime --spec specs/medium.yaml --graph --device cuda \
-    --dtype float64 --transfer "$TRANSFER" "${CASE_ARGS[@]}" --checkpoint "$CKPT" \
-    --output "$OUT/validate_medium_graph$SUFFIX.json"
+    --cudagraph-mode "$GRAPH_MODE" --dtype float64 --transfer "$TRANSFER" "${CASE_ARGS[@]}" --checkpoint "$CKPT" \
+    --output "$OUT/validate_medium_graph$MODE_SUFFIX$SUFFIX.json"
 run_step fasttests 300 python3 -m pytest tests/gpu/test_fast_paths_gpu.py -q -s -p no:cacheprovider --durations=5
 run_step crosscheck 120 python3 scripts/crosscheck_backend.py --out "$OUT/crosscheck_tiny40.json"
 run_step compiled 300 python3 -m pytest tests/gpu/test_compiled_gpu.py \
@@ -65,7 +69,7 @@ run_step compiled 300 python3 -m pytest tests/gpu/test_compiled_gpu.py \
     -q -s -p no:cacheprovider --durations=8
 # VARIANTS: bench_decode_paths variants (all seven run past one device call; about 70-110 s each)
 run_step paths 420 python3 benchmarks/bench_decode_paths.py --variants "${VARIANTS:-resident,dense_compiled,compiled}" \
-    --out "$OUT/bench_decode_paths.json"
+    ${BATCH_SIZES:+--batch-sizes "$BATCH_SIZES"} --out "$OUT/bench_decode_paths.json"
 run_step startup 420 python3 benchmarks/bench_startup.py --out "$OUT/bench_startup.json"
 run_step tiles 480 python3 benchmarks/sweep_decode_tiles.py --budget-s 400 --out "$OUT/sweep_decode_tiles.json"
 run_step site 90 python3 benchmarks/probe_site.py --out "$OUT/probe_site.json"

@@ -101,7 +101,9 @@ def _git(root: Path, *args: str, input: bytes | None = None) -> bytes | None:
 
 def provenance(root: str | Path = ROOT) -> dict:
     """What a report records: ``tree_sha256``, ``files``, and where git answers ``commit``
-    (HEAD) and ``dirty`` (a hashed file differs from HEAD or is untracked); else both None."""
+    (HEAD) and ``dirty`` (a hashed file differs from HEAD or is untracked); else both None.
+    ``V41PLAN_COMMIT`` in the environment names the commit instead (``commit_from``; ``dirty``
+    stays None): a copy of the tree on another machine may carry a stale ``.git``."""
     root = Path(root)
     files = hashed_files(root)
     out = {
@@ -112,9 +114,15 @@ def provenance(root: str | Path = ROOT) -> dict:
         "host": platform.node(),
         "time_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    named = os.environ.get("V41PLAN_COMMIT")
     head = _git(root, "rev-parse", "HEAD")
-    if head is not None:
+    if named:
+        # the caller names the commit it sent (a device machine's copy can carry a stale .git);
+        # ``--check`` still verifies it against the tree hash
+        out["commit"], out["commit_from"] = named, "V41PLAN_COMMIT"
+    elif head is not None:
         out["commit"] = head.decode().strip()
+    if head is not None and not named:
         status = _git(root, "status", "--porcelain", "--untracked-files=all", "--", *HASHED_DIRS)
         files_status = _git(root, "status", "--porcelain", "--", *HASHED_FILES)
         if status is not None and files_status is not None:
