@@ -66,6 +66,11 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
         cx = {"BLOCK_N": 4, "BLOCK_D": 256, "X_BF16": xdt == "*bf16"}
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"hc_expand {xdt}", td._hc_expand_kernel, sig, cx, 4))
+        sig = {"o_ptr": xdt, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": xdt}
+        sig.update({"N": "i32", "so_n": "i32", "so_h": "i32"})
+        cx = {"D": 512, "RD": 64, "HG": 4, "X_BF16": xdt == "*bf16"}
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"inverse_rope_groups {xdt}", td._inverse_rope_groups_kernel, sig, cx, 4))
         forms = [cfg for _, cfg in td.SITE_CONFIGS]
         if not any(f[0] == "split" for f in forms):
             forms.append(("split", 1, 128, 4))  # the decode form the tile sweep times
@@ -105,14 +110,26 @@ def _gemm_variants(hidden: int) -> list:
     from v41plan.runtime.kernels import triton_moe as tm
 
     i32 = "i32"
-    sig = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16"}
-    sig.update(dict.fromkeys(("M", "N"), i32))
+    out = []
+    # plain, the grouped wo_b input (K/G = 256) and the query's RoPE epilogue (heads of 512)
+    for name, kg, head_d, rope_d in (("", 0, 0, 0), (" grouped", 256, 0, 0), (" rope", 0, 512, 64)):
+        sig = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8"}
+        sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+        sig.update(dict.fromkeys(("M", "N"), i32))
+        sig["K"] = "constexpr"
+        sig.update(dict.fromkeys(("sxm", "sxg", "sxsm", "swn", "swsn", "sym", "scm"), i32))
+        cx = {"K": hidden, "QUANT_X": True, "DOT": 2, "OUT_BF16": True, "KG": kg}
+        cx.update({"HEAD_D": head_d, "ROPE_D": rope_d, "BM": 16, "BN": 32, "BK": 128})
+        cx["GROUP_M"] = 8
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"w8a8 fp8 bk=128{name}", tg._w8a8_kernel, sig, cx, 4))
+    sig = {n: "*u8" for n in ("xq_ptr", "xs_ptr", "w1_ptr", "ws1_ptr", "w3_ptr", "ws3_ptr")}
+    sig.update({"h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32", "M": i32, "N": i32})
     sig["K"] = "constexpr"
-    sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "sym"), i32))
-    cx = {"K": hidden, "QUANT_X": True, "DOT": 2, "OUT_BF16": True, "BM": 16, "BN": 32}
-    cx.update({"BK": 128, "GROUP_M": 8})
+    sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "shm", "shsm"), i32))
+    cx = {"K": hidden, "DOT": 2, "ROUND_BF16": True, "BM": 16, "BN": 32, "BK": 64, "GROUP_M": 8}
     sig.update(dict.fromkeys(cx, "constexpr"))
-    out = [("w8a8 fp8 bk=128", tg._w8a8_kernel, sig, cx, 4)]
+    out.append(("w8a8 swiglu fp8 bk=64", tg._w8a8_swiglu_kernel, sig, cx, 4))
     ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8", "w3_ptr": "*u8"}
     ptrs.update({"s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32", "rw_ptr": "*fp32"})
     ptrs.update({"act_ptr": "*u8", "acts_ptr": "*u8", "limit": "fp32"})

@@ -29,6 +29,7 @@ def test_every_kernel_form_compiles_for_sm90():
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    # the quantizer, the expand, the split site's two kernels, the products and tf32x3 sites,
-    # the W8A8 linear, the MoE gate/up GEMM, the permutation
-    assert "0 failed" in res.stdout and res.stdout.count("ok ") == 9
+    # the quantizer, the expand, the output projection's inverse RoPE, the split site's two
+    # kernels, the products and tf32x3 sites, the W8A8 linear (plain, grouped input, RoPE
+    # epilogue), the shared expert's gate/up SwiGLU, the MoE gate/up GEMM, the permutation
+    assert "0 failed" in res.stdout and res.stdout.count("ok ") == 13
