@@ -120,7 +120,10 @@ def load_a_tile(
         bits = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=amask, other=0)
         if DOT == 2:
             a = bits.to(tl.float8e4nv, bitcast=True)
-            sx = e8m0_value(tl.load(xs_ptr + rm * sxsm + k0 // 32, mask=mmask, other=0))
+            # a block past K (a partial last K tile) has no scale: read none (a neighbour's
+            # byte, or 0xFF = NaN past the end, would poison the zero codes' product)
+            live = tl.sum(kmask.to(tl.int32), axis=0) > 0
+            sx = e8m0_value(tl.load(xs_ptr + rm * sxsm + k0 // 32, mask=mmask & live, other=0))
         else:
             fld = tl.load(xs_ptr + rm[:, None] * sxsm + rk[None, :] // 32, mask=amask, other=0)
             a = decode_e4m3(bits) * e8m0_value(fld)
