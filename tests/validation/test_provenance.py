@@ -92,6 +92,26 @@ def test_provenance_reports_git_where_it_answers_and_the_hash_without_it(repo, t
     assert q["tree_sha256"] == p["tree_sha256"]
 
 
+def test_a_named_commit_is_recorded_and_checked_against_the_tree(repo, tmp_path, monkeypatch):
+    """``V41PLAN_COMMIT`` names the commit a copy runs (its ``.git`` may be stale); the checker
+    still maps the tree hash to a commit and says nothing of staleness when the two agree."""
+    head = _git(repo, "rev-parse", "HEAD")
+    copy = tmp_path / "device"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setenv("V41PLAN_COMMIT", head[:7])
+    rec = pv.provenance(copy)
+    assert rec["commit"] == head[:7] and rec["commit_from"] == "V41PLAN_COMMIT"
+    assert rec["dirty"] is None
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"provenance": rec}))
+    ok, msg = pv.check(report, repo)
+    assert ok and head in msg and "stale" not in msg
+    monkeypatch.setenv("V41PLAN_COMMIT", "0" * 40)  # a wrong name is called out, not trusted
+    report.write_text(json.dumps({"provenance": pv.provenance(copy)}))
+    ok, msg = pv.check(report, repo)
+    assert ok and head in msg and "stale" in msg
+
+
 def test_the_checker_finds_the_commit_that_ran_and_fails_otherwise(repo, tmp_path, capsys):
     first = _git(repo, "rev-parse", "HEAD")
     copy = tmp_path / "device"

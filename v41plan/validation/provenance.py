@@ -220,7 +220,7 @@ def check(path: str | Path, root: str | Path = ROOT, depth: int = 200) -> tuple[
             f"(recorded commit {rec.get('commit')}, dirty {rec.get('dirty')})"
         )
     note = ""
-    if rec.get("commit") and rec["commit"] != commit:
+    if rec.get("commit") and not commit.startswith(rec["commit"]):
         note = f"; it recorded commit {rec['commit'][:12]} (a stale .git where it ran)"
     return True, f"{path}: ran the tree of commit {commit}{note}"
 
