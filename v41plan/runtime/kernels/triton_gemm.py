@@ -132,22 +132,49 @@ def load_a_tile(
 
 
 @triton.jit
+def qdot(acc, a, sa, b, sb, DOT: tl.constexpr):
+    """``acc + a @ b^T``: per-32-block scales applied to the partial product in the ``"fp8"``
+    mode, bf16 or exact float32 operands otherwise."""
+    if DOT == 2:
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    elif DOT == 1:
+        acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+    else:
+        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT: tl.constexpr):
     """``acc`` plus one K step of ``a @ W^T`` over the lanes ``rk`` (see ``_w8a8_kernel``)."""
     bmask = nmask[:, None] & kmask[None, :]
     wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
     if DOT == 2:
-        sw = tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0)
-        part = tl.dot(a, tl.trans(wb.to(tl.float8e4nv, bitcast=True)))
-        acc += part * (sx[:, None] * e8m0_value(sw)[None, :])
+        sw = e8m0_value(tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0))
+        acc = qdot(acc, a, sx, wb.to(tl.float8e4nv, bitcast=True), sw, DOT)
     else:
         fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
-        b = decode_e4m3(wb) * e8m0_value(fld)
-        if DOT == 1:
-            acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
-        else:
-            acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+        acc = qdot(acc, a, sx, decode_e4m3(wb) * e8m0_value(fld), sx, DOT)
     return acc
+
+
+@triton.jit
+def swiglu_fp8(acc1, acc3, limit, rw, ROUND_BF16: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr):  # fmt: skip
+    """The clamped SwiGLU of gate/up products ``[BM, BN]`` (rounded to bf16 first where the
+    linears round) times the routing weights ``rw [BM]``, rounded, then its FP8 activation codes:
+    (E4M3 bytes ``[BM, BN]``, E8M0 fields ``[BM, BN / 32]``)."""
+    if ROUND_BF16:  # the linears' outputs are rounded to the compute dtype
+        acc1 = round_bf16(acc1)
+        acc3 = round_bf16(acc3)
+    gate = tl.minimum(acc1, limit)
+    up = tl.minimum(tl.maximum(acc3, -limit), limit)
+    act = gate * tl.sigmoid(gate) * up * rw[:, None]
+    if ROUND_BF16:
+        act = round_bf16(act)
+    act3 = tl.reshape(act, [BM, BN // 32, 32])
+    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(act3), axis=2))
+    return tl.reshape(encode_e4m3(round_e4m3(act3 * inv[:, :, None])), [BM, BN]), field
 
 
 @triton.jit
@@ -292,17 +319,8 @@ def _w8a8_swiglu_kernel(
             )
             acc1 = w8a8_step(acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
             acc3 = w8a8_step(acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
-    if ROUND_BF16:  # the linears' outputs are rounded to the compute dtype
-        acc1 = round_bf16(acc1)
-        acc3 = round_bf16(acc3)
-    gate = tl.minimum(acc1, limit)
-    up = tl.minimum(tl.maximum(acc3, -limit), limit)
-    act = gate * tl.sigmoid(gate) * up
-    if ROUND_BF16:
-        act = round_bf16(act)
-    act3 = tl.reshape(act, [BM, BN // 32, 32])
-    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(act3), axis=2))
-    q = tl.reshape(encode_e4m3(round_e4m3(act3 * inv[:, :, None])), [BM, BN])
+    ones = tl.full([BM], 1.0, dtype=tl.float32)  # no routing weight: times one is exact
+    q, field = swiglu_fp8(acc1, acc3, limit, ones, ROUND_BF16, BM, BN)
     hmask = mmask[:, None] & nmask[None, :]
     tl.store(h_ptr + rm[:, None] * shm + rn[None, :], q.to(tl.uint8), mask=hmask)
     rb = tl.min(rn, axis=0) // 32 + tl.arange(0, BN // 32)  # the tile's 32-lane blocks

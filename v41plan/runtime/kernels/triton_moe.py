@@ -28,16 +28,19 @@ import triton.language as tl
 from v41plan.model.quant import QuantWeight
 from v41plan.runtime.kernels.moe_torch import MoERows, align_rows, padded_rows
 from v41plan.runtime.kernels.triton_common import interpreted
-from v41plan.runtime.kernels.triton_gemm import DOT_MODES, default_dot, load_a_tile
+from v41plan.runtime.kernels.triton_gemm import (
+    DOT_MODES,
+    default_dot,
+    load_a_tile,
+    qdot,
+    swiglu_fp8,
+)
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
     decode_e2m1,
     e2m1_as_e4m3,
     e8m0_value,
-    encode_e4m3,
-    fp8_act_scale,
     round_bf16,
-    round_e4m3,
 )
 
 
@@ -176,19 +179,6 @@ def load_fp4_tile(
 
 
 @triton.jit
-def qdot(acc, a, sa, b, sb, DOT: tl.constexpr):
-    """``acc + a @ b^T``: per-32-block scales applied to the partial product in the ``"fp8"``
-    mode, bf16 or exact float32 operands otherwise."""
-    if DOT == 2:
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    elif DOT == 1:
-        acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
-    else:
-        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _gate_up_kernel(
     xq_ptr,
     xs_ptr,
@@ -251,18 +241,8 @@ def _gate_up_kernel(
             acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
             b3, sw3 = load_fp4_tile(w3, s3, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
             acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
-    if ROUND_BF16:  # the published linears round their outputs to bf16
-        acc1 = round_bf16(acc1)
-        acc3 = round_bf16(acc3)
-    gate = tl.minimum(acc1, limit)
-    up = tl.minimum(tl.maximum(acc3, -limit), limit)
     rw = tl.load(rw_ptr + flat, mask=valid, other=0.0)
-    act = gate * tl.sigmoid(gate) * up * rw[:, None]
-    if ROUND_BF16:
-        act = round_bf16(act)
-    act3 = tl.reshape(act, [BM, BN // 32, 32])
-    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(act3), axis=2))
-    q = tl.reshape(encode_e4m3(round_e4m3(act3 * inv[:, :, None])), [BM, BN])
+    q, field = swiglu_fp8(acc1, acc3, limit, rw, ROUND_BF16, BM, BN)
     tl.store(act_ptr + rr[:, None] * sa + rn[None, :], q.to(tl.uint8), mask=nmask[None, :])
     rb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
     bmask = (rb < I // 32)[None, :]
