@@ -90,9 +90,7 @@ class ResidentLinear:
                 )
             from v41plan.runtime.kernels.triton_gemm import w8a8_linear
 
-            return w8a8_linear(
-                x, self.weight.codes, self.weight.scales, self.dtype, rope=rope
-            )  # fmt: skip
+            return w8a8_linear(x, self.weight.codes, self.weight.scales, self.dtype, rope=rope)
         if self.act_quant:
             x = self.quantizer(x, 32)
         y = F.linear(x.to(self.dtype), self.weight)
