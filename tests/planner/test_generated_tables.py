@@ -14,7 +14,7 @@ from v41plan.geometry.runtime import load_cache_spec
 from v41plan.planner.checkpoint import image_layout, layout_rows, load_image_layout
 from v41plan.planner.stages import derive_stage_table, stage_table
 
-SHIPPED = ("deepseek_v41_flash", "flash_slice", "medium", "tiny", "tiny40")
+SHIPPED = ("deepseek_v41_flash", "flash_slice", "medium", "tiny", "tiny40", "tiny40_dspark")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -29,7 +29,8 @@ def test_generated_stage_tables_match_and_are_used(name):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_generated_span_tables_match(name):
     cs = load_cache_spec(name)
-    for g in cs.geometries.values():
+    for g in (*cs.geometries.values(), *cs.speculative_geometries.values()):
+        assert load_image_layout(g, name).layout_id == g.layout_id
         assert layout_rows(load_image_layout(g, name)) == layout_rows(image_layout(g))
 
 

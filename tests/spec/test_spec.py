@@ -18,7 +18,7 @@ from v41plan.geometry.errors import Locator, SpecError
 from v41plan.geometry.spec import SECTION_MODELS, compile_spec, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ("deepseek_v41_flash", "tiny", "tiny40", "medium", "flash_slice")
+SHIPPED = ("deepseek_v41_flash", "tiny", "tiny40", "medium", "flash_slice", "tiny40_dspark")
 
 
 def test_base_spec_compiles(tmp_path):

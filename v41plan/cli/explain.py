@@ -10,6 +10,9 @@ of one format pair. ``--json`` prints one object whose names are a stable interf
   rows_per_page, bytes_per_page, offset}], state_fields: [{name, dtype, shape, offset,
   payload_bytes, bytes, in_checkpoint}]}`` (a state field's ``bytes`` is what it occupies,
   padded to the alignment; an image is the sum of the carried fields' ``bytes``)
+- ``speculative``: null, or (a spec with a DSpark draft, BF16 main) the second layout's
+  ``{speculative_tokens, draft_layers, ring_rows, state_bytes, image_bytes, units_per_image,
+  state_fields, layout_id}``
 - ``layout_id``, plus ``name``, ``spec_sha256``, ``kv_cache_dtype``, ``index_cache_dtype``,
   ``decoder_start``, ``replay`` and ``capture``.
 """
@@ -92,20 +95,10 @@ def explain_dict(cs: CacheSpec, kv_cache_dtype: str, index_cache_dtype: str) -> 
                 }
                 for p in g.planes
             ],
-            "state_fields": [
-                {
-                    "name": f.name,
-                    "dtype": f.dtype,
-                    "shape": list(f.shape),
-                    "offset": f.offset,
-                    "payload_bytes": f.nbytes,
-                    "bytes": f.field_bytes,
-                    "in_checkpoint": f.in_checkpoint,
-                }
-                for f in g.state_fields
-            ],
+            "state_fields": _fields(g),
         },
         "layout_id": g.layout_id,
+        "speculative": _speculative(cs, kv_cache_dtype, index_cache_dtype),
         "replay": {
             "encoder_swa_bounded_replay": cs.replay.encoder_swa_bounded_replay,
             "decoder_swa_bounded_replay": cs.replay.decoder_swa_bounded_replay,
@@ -117,6 +110,38 @@ def explain_dict(cs: CacheSpec, kv_cache_dtype: str, index_cache_dtype: str) -> 
             "batch_sizes": list(cs.capture.batch_sizes),
             "query_buckets": list(cs.capture.query_buckets),
         },
+    }
+
+
+def _fields(g) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": f.name,
+            "dtype": f.dtype,
+            "shape": list(f.shape),
+            "offset": f.offset,
+            "payload_bytes": f.nbytes,
+            "bytes": f.field_bytes,
+            "in_checkpoint": f.in_checkpoint,
+        }
+        for f in g.state_fields
+    ]
+
+
+def _speculative(cs: CacheSpec, kv: str, ix: str) -> dict[str, Any] | None:
+    """The DSpark layout of the pair, or None (no draft, or a main format it refuses)."""
+    g = cs.speculative_geometries.get((kv, ix))
+    if g is None:
+        return None
+    return {
+        "speculative_tokens": g.speculative_tokens,
+        "draft_layers": g.draft_layers,
+        "ring_rows": g.ring_rows,
+        "state_bytes": g.state_bytes,
+        "image_bytes": g.image_bytes,
+        "units_per_image": g.units_per_image,
+        "state_fields": _fields(g),
+        "layout_id": g.layout_id,
     }
 
 
@@ -176,6 +201,20 @@ def explain_text(d: dict[str, Any]) -> str:
         f"global KV {g['global_kv_bytes_per_token']} B per token",
         f"layout {d['layout_id']}",
     ]
+    sp = d.get("speculative")
+    if sp is not None:
+        ring = next(f for f in sp["state_fields"] if f["name"] == "swa_rings")
+        out += [
+            "",
+            (
+                f"DSpark layout ({sp['speculative_tokens']} speculative tokens, "
+                f"{sp['draft_layers']} draft rings): STATE {sp['state_bytes']:,} B "
+                f"(was {g['state_bytes']:,}), rings {'x'.join(map(str, ring['shape']))} "
+                f"({ring['bytes']:,} B), image {sp['image_bytes']:,} B = "
+                f"{sp['units_per_image']} PAGE units"
+            ),
+            f"layout {sp['layout_id']}",
+        ]
     return "\n".join(out)
 
 

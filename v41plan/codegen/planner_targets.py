@@ -33,7 +33,8 @@ def render_checkpoint(cs: CacheSpec) -> str:
     """``checkpoint.py``: image span rows, regions and sizes per pool geometry."""
     from v41plan.planner.checkpoint import image_layout, layout_rows, regions
 
-    geoms = sorted(cs.geometries.values(), key=lambda g: g.layout_id)
+    every = (*cs.geometries.values(), *cs.speculative_geometries.values())
+    geoms = sorted(every, key=lambda g: g.layout_id)
     spans = {g.layout_id: layout_rows(image_layout(g)) for g in geoms}
     return render_template(
         "checkpoint.py.j2",

@@ -101,9 +101,12 @@ def layout_id(
     index: str,
     history: int,
     image_fields: tuple[str, ...] = DEFAULT_IMAGE_FIELDS,
+    speculative_tokens: int = 0,
+    draft_layers: int = 0,
 ) -> str:
     """Identity of every byte meaning of a pool: changes when formats, PAGE, layers, dims,
-    window, history or the image's fields change (the default image adds no term)."""
+    window, history, the image's fields or the speculative slack and draft rings change (the
+    default image and no speculation add no term)."""
     owners = ",".join(f"{o}:{dims.compress_ratios[o]}" for o in dims.kv_source_layer_ids)
     carried = tuple(f for f in STATE_FIELD_ORDER if f in image_fields)
     image = "" if carried == DEFAULT_IMAGE_FIELDS else ":image=" + "+".join(carried)
@@ -112,6 +115,7 @@ def layout_id(
         f":owners={owners}:page={page_tokens}:window={dims.sliding_window}"
         f":dims={dims.head_dim},{dims.qk_rope_head_dim},{dims.index_head_dim}:history={history}"
         f"{image}"
+        + (f":spec={speculative_tokens}:draft={draft_layers}" if speculative_tokens else "")
     )
 
 
@@ -121,8 +125,12 @@ def derive_geometry(
     kv_cache_dtype: str,
     index_cache_dtype: str,
     image_fields: tuple[str, ...] = ("swa_rings", "cursor"),
+    speculative_tokens: int = 0,
+    draft_layers: int = 0,
 ) -> PoolGeometry:
-    """Byte geometry of the PAGE unit and the STATE entry for one format pair."""
+    """Byte geometry of the PAGE unit and the STATE entry for one format pair; with
+    ``speculative_tokens`` the DSpark layout: rings of ``window + speculative_tokens`` rows,
+    and ``draft_layers`` more rings (the draft stages') after the backbone's."""
     hd, ihd = dims.head_dim, dims.index_head_dim
     alignment = 2 * hd if kv_cache_dtype == "bf16" else 256
     field_align = max(256, alignment)
@@ -152,7 +160,8 @@ def derive_geometry(
             unit_off += nbytes
     page_unit_bytes = unit_off
 
-    ring_rows = dims.sliding_window
+    ring_rows = dims.sliding_window + speculative_tokens
+    ring_layers = dims.num_hidden_layers + draft_layers
     rrow = ring_row_bytes(kv_cache_dtype, hd)
     n_tail_owners = sum(1 for o in owners if dims.compress_ratios[o] == 2)
     history = dims.engram_max_ngram_size - 1
@@ -160,8 +169,8 @@ def derive_geometry(
         (
             "swa_rings",
             "bfloat16" if kv_cache_dtype == "bf16" else "uint8",
-            (dims.num_hidden_layers, ring_rows, hd if kv_cache_dtype == "bf16" else rrow),
-            dims.num_hidden_layers * ring_rows * rrow,
+            (ring_layers, ring_rows, hd if kv_cache_dtype == "bf16" else rrow),
+            ring_layers * ring_rows * rrow,
         ),
         ("tail_values", "float32", (n_tail_owners, hd), n_tail_owners * hd * 4),
         ("tail_scores", "float32", (n_tail_owners, hd), n_tail_owners * hd * 4),
@@ -197,8 +206,17 @@ def derive_geometry(
         units_per_image=math.ceil(image_bytes / page_unit_bytes),
         global_kv_bytes_per_token=per_token,
         layout_id=layout_id(
-            dims, page_tokens, kv_cache_dtype, index_cache_dtype, history, tuple(image_fields)
+            dims,
+            page_tokens,
+            kv_cache_dtype,
+            index_cache_dtype,
+            history,
+            tuple(image_fields),
+            speculative_tokens,
+            draft_layers,
         ),
+        speculative_tokens=speculative_tokens,
+        draft_layers=draft_layers,
     )
 
 
@@ -227,6 +245,22 @@ def build_cache_spec(raw: Mapping[str, Any], spec_path: str, spec_sha256: str) -
         for ix in INDEX_CACHE_DTYPES
         if ix in pool.get("index_cache_dtypes", INDEX_CACHE_DTYPES)
     }
+    spec_geometries = {}
+    if model.get("dspark_block_size") is not None:
+        # DSpark admits BF16 caches only: its layout exists for the BF16-main pairs
+        spec_geometries = {
+            (kv, ix): derive_geometry(
+                dims,
+                pool["page_tokens"],
+                kv,
+                ix,
+                ckpt,
+                int(model["dspark_block_size"]),
+                int(model["num_nextn_predict_layers"]),
+            )
+            for (kv, ix) in geometries
+            if kv == "bf16"
+        }
     rp = raw["replay"]
     cap = raw["capture"]
     return CacheSpec(
@@ -246,6 +280,7 @@ def build_cache_spec(raw: Mapping[str, Any], spec_path: str, spec_sha256: str) -
         checkpoint_image_fields=ckpt,
         capture=CaptureBuckets(tuple(cap["batch_sizes"]), tuple(cap["query_buckets"])),
         model_config=_plain(model),
+        speculative_geometries=spec_geometries,
     )
 
 

@@ -147,6 +147,12 @@ class PoolGeometry:
     units_per_image: int
     global_kv_bytes_per_token: float
     layout_id: str
+    speculative_tokens: int = 0
+    """Draft tokens a verify forward writes past the committed position (0: no speculation).
+    The SWA rings hold ``window + speculative_tokens`` rows, so a rejected draft's rows never
+    overwrite the window the next forward reads."""
+    draft_layers: int = 0
+    """DSpark draft stages whose window rings follow the backbone's in ``swa_rings``."""
 
     def plane(self, name: str) -> PlaneInfo:
         """Return the plane called ``name``."""
@@ -197,11 +203,21 @@ class CacheSpec:
     capture: CaptureBuckets
     model_config: dict = field(hash=False, compare=False)
     """HF ``config.json`` fields (published V4.1 names) for this spec's model."""
+    speculative_geometries: dict[tuple[str, str], PoolGeometry] = field(
+        default_factory=dict, hash=False, compare=False
+    )
+    """The second layout of a spec whose model declares a DSpark draft: per BF16-main format
+    pair, rings of ``window + dspark_block_size`` rows and the draft stages' rings in STATE
+    (its own layout id); empty without a draft."""
 
     def geometry(
-        self, kv_cache_dtype: str = "bf16", index_cache_dtype: str = "fp8"
+        self,
+        kv_cache_dtype: str = "bf16",
+        index_cache_dtype: str = "fp8",
+        speculative: bool = False,
     ) -> PoolGeometry:
-        """Return the pool geometry of a format pair, refusing unknown formats."""
+        """Return the pool geometry of a format pair (the DSpark layout with ``speculative``),
+        refusing unknown formats and pairs the spec does not declare."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
@@ -215,7 +231,19 @@ class CacheSpec:
         key = (kv_cache_dtype, index_cache_dtype)
         if key not in self.geometries:
             raise ValueError(f"spec {self.name} does not declare the pair {key}")
-        return self.geometries[key]
+        if not speculative:
+            return self.geometries[key]
+        if not self.speculative_geometries:
+            raise ValueError(
+                f"spec {self.name} declares no DSpark draft (no dspark_* fields): "
+                "speculative decoding needs one"
+            )
+        if key not in self.speculative_geometries:
+            raise ValueError(
+                f"speculative decoding needs BF16 caches: kv_cache_dtype={kv_cache_dtype!r} "
+                "is refused; accepted: 'bf16'"
+            )
+        return self.speculative_geometries[key]
 
     @property
     def owners(self) -> tuple[LayerInfo, ...]:

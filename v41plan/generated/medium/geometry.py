@@ -681,6 +681,8 @@ CACHE_SPEC: CacheSpec = CacheSpec(
             units_per_image=15,
             global_kv_bytes_per_token=2890.0,
             layout_id="v41plan-main-bf16-index-fp8-state-tails-v1:layers=40:owners=2:2,8:2,14:2,20:1:page=128:window=128:dims=512,64,128:history=3",
+            speculative_tokens=0,
+            draft_layers=0,
         ),
         ("bf16", "fp4"): PoolGeometry(
             kv_cache_dtype="bf16",
@@ -870,6 +872,8 @@ CACHE_SPEC: CacheSpec = CacheSpec(
             units_per_image=16,
             global_kv_bytes_per_token=2730.0,
             layout_id="v41plan-main-bf16-index-fp4-state-tails-v1:layers=40:owners=2:2,8:2,14:2,20:1:page=128:window=128:dims=512,64,128:history=3",
+            speculative_tokens=0,
+            draft_layers=0,
         ),
         ("fp4", "fp8"): PoolGeometry(
             kv_cache_dtype="fp4",
@@ -1015,6 +1019,8 @@ CACHE_SPEC: CacheSpec = CacheSpec(
             units_per_image=21,
             global_kv_bytes_per_token=1050.0,
             layout_id="v41plan-main-fp4-index-fp8-state-tails-v1:layers=40:owners=2:2,8:2,14:2,20:1:page=128:window=128:dims=512,64,128:history=3",
+            speculative_tokens=0,
+            draft_layers=0,
         ),
         ("fp4", "fp4"): PoolGeometry(
             kv_cache_dtype="fp4",
@@ -1204,6 +1210,8 @@ CACHE_SPEC: CacheSpec = CacheSpec(
             units_per_image=24,
             global_kv_bytes_per_token=890.0,
             layout_id="v41plan-main-fp4-index-fp4-state-tails-v1:layers=40:owners=2:2,8:2,14:2,20:1:page=128:window=128:dims=512,64,128:history=3",
+            speculative_tokens=0,
+            draft_layers=0,
         ),
     },
     replay=ReplayRules(
@@ -1317,5 +1325,6 @@ CACHE_SPEC: CacheSpec = CacheSpec(
         "bos_token_id": 256,
         "eos_token_id": 257,
     },
+    speculative_geometries={},
 )
 """The whole compiled spec."""
