@@ -151,6 +151,55 @@ class StepOutput:
     sampled: SamplerOutput | None = None
     """The tokens sampled on the device from ``logits`` (when the step was prepared with a
     ``StepSampling``): ``[running_bs]`` ids, their logprobs and the top logprobs asked for."""
+    spec: SpecOutput | None = None
+    """A speculating model's verification and next drafts (``StepSpec`` given)."""
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Host facts of a speculating model's step (``RuntimeModel(speculative=True)``), per real
+    request in batch order: which rows verify drafts, the drafts, the cursor each accepted
+    length leaves. Every request whose last row samples also drafts the next block."""
+
+    verify: np.ndarray
+    """bool ``[n]``: a decode request whose rows are its anchor and ``block_size`` drafts."""
+    drafts: np.ndarray
+    """int64 ``[n, block_size]``: the drafts a verifying request's rows hold (0 elsewhere)."""
+    cursors: np.ndarray
+    """int64 ``[n, block_size + 1, 1 + history]``: a verifying request's cursor after ``a``
+    accepted drafts (position ``start + a + 1`` and the Engram history through it)."""
+    proposes: np.ndarray
+    """bool ``[n]``: the request samples this step (a final chunk or a decode row), so its
+    draft proposes the next block."""
+
+
+@dataclass
+class SpecInputs:
+    """``StepSpec`` on the device, at the request width (fixed addresses per width)."""
+
+    verify: torch.Tensor
+    verify_rows: torch.Tensor
+    """int64 ``[b, block_size + 1]`` flat rows of each verifying request (0 elsewhere)."""
+    drafts: torch.Tensor
+    cursors: torch.Tensor
+    proposes: torch.Tensor
+
+
+@dataclass
+class SpecOutput:
+    """A speculating step's results (device tensors, ``[running_bs]`` rows)."""
+
+    accepted: torch.Tensor
+    """int64 ``[b]`` drafts accepted (0 for a request that did not verify)."""
+    tokens: torch.Tensor
+    """int64 ``[b, block_size + 1]`` the tokens the step emits: the accepted drafts, then the
+    target's token after them; -1 after. A request that did not verify emits its sampled token."""
+    logprobs: torch.Tensor
+    """float32 ``[b, block_size + 1]`` raw log-softmax of each emitted token."""
+    drafts: torch.Tensor
+    """int64 ``[b, block_size]`` the next block each proposing request drafted."""
+    confidence: torch.Tensor
+    """``[b, block_size]`` the draft's confidence logits for that block."""
 
 
 class RowSets:
@@ -249,13 +298,15 @@ class StepInputs:
     None: the whole width (a decode step: its graph replays whatever the context)."""
     sampling_shape: tuple | None = None
     """``StepSampling.shape_key`` of the staged sampler (None without one)."""
+    spec: SpecInputs | None = None
+    """A speculating model's verification inputs (None: the model does not speculate)."""
 
     @property
     def key(self) -> tuple:
         """What a captured graph is specific to: equal keys read equal device addresses."""
         return (
             self.t, self.b, self.decode, self.all_row_logits, self.sampling_shape,
-            self.layout.key,
+            self.layout.key, self.spec is not None,
         )  # fmt: skip
 
 
@@ -392,6 +443,7 @@ class RuntimeModel:
         dense: str = "torch",
         moe: str = "dense",
         compile_backend: str | None = None,
+        speculative: bool = False,
     ):
         check_formats(kv_cache_dtype, index_cache_dtype)
         if dense not in DENSE_IMPLS:
@@ -403,7 +455,7 @@ class RuntimeModel:
             raise ValueError("weights kept as published (resident) run with moe='grouped'")
         self.spec = cache_spec
         self.cfg = cfg = cfg or config_from_cache_spec(cache_spec)
-        self.geometry = cache_spec.geometry(kv_cache_dtype, index_cache_dtype)
+        self.geometry = cache_spec.geometry(kv_cache_dtype, index_cache_dtype, speculative)
         self.index_fmt = "fp8" if index_cache_dtype == "fp8" else None
         self.dtype, self.acc, self.device = dtype, acc_dtype(dtype), torch.device(device)
         self.backend = backend or TorchBackend()
@@ -509,6 +561,28 @@ class RuntimeModel:
         self.forced_experts: dict[int, torch.Tensor] = {}
         """Routed expert ids ``[running_tokens, num_experts_per_tok]`` by flat row to use instead
         of the router's, per layer."""
+        self.draft = None
+        """The DSpark draft (``dspark_paged.PagedDraft``) when ``speculative``: the pools are
+        then in the DSpark layout (rings of ``window + block_size`` rows, the draft's rings
+        in STATE)."""
+        self._taps: dict[int, int] = {}
+        if speculative:
+            from v41plan.runtime.dspark_paged import PagedDraft
+
+            self.draft = PagedDraft(self, weights)
+            taps = self.draft.draft.taps
+            self._taps = {L: j for j, L in enumerate(taps)}
+            t_max = self._arange.shape[0]
+            self._tap_rows = torch.zeros(t_max, len(taps), cfg.hidden_size, dtype=dtype,
+                                         device=self.device)  # fmt: skip
+            self._tapped = torch.zeros(t_max, dtype=torch.bool, device=self.device)
+            self._tail_stage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            B = self.draft.block_size
+            self._spec_ws: dict[int, SpecInputs] = {}
+            self._spec_offsets = torch.arange(B + 1, device=self.device)
+            self.draft_probs = None
+            """``[slots + 1, block_size, V]`` per slot, the distributions its pending block was
+            sampled from (allocated at the first sampled proposal)."""
 
     row_count_fold_steps = 4096
     """Per-step row-count entries kept before they are folded into ``row_counts`` (a server
@@ -658,11 +732,21 @@ class RuntimeModel:
         *,
         all_row_logits: bool = False,
         sampling: StepSampling | None = None,
+        spec: StepSpec | None = None,
     ) -> StepInputs:
         """Host work of one planned forward over ``token_ids`` (``[scheduled_tokens]`` or the
         width): every input ``run()`` reads, staged and moved to the device in one copy. Also
         commits the step's cursor values to the host mirror. With ``sampling`` the forward
-        also samples each request's last row on the device (``StepOutput.sampled``)."""
+        also samples each request's last row on the device (``StepOutput.sampled``); a
+        speculating model needs ``spec`` and ``sampling`` (``StepOutput.spec``), and the host
+        mirror of a verifying request's cursor is its ``a = block_size`` candidate until
+        ``commit_accepted``."""
+        if (spec is None) != (self.draft is None):
+            raise ValueError(
+                "a speculating model's step needs its StepSpec, and only such a model takes one"
+            )
+        if spec is not None and sampling is None:
+            raise ValueError("a speculating step samples: give it a StepSampling")
         ids_np = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         t, b = plan.running_tokens, plan.running_bs
         if ids_np.shape[0] > t:
@@ -819,7 +903,54 @@ class RuntimeModel:
             sampler=sampler,
             sampling_shape=None if sampling is None else sampling.shape_key,
             index_pages=index_pages,
+            spec=None if spec is None else self._stage_spec(plan, spec),
         )
+
+    def _stage_spec(self, plan, spec: StepSpec) -> SpecInputs:
+        """``spec`` into this width's device buffers (fixed addresses: a graph of the width
+        reads them)."""
+        b, n, B = plan.running_bs, plan.scheduled_bs, self.draft.block_size
+        if spec.drafts.shape != (n, B) or spec.cursors.shape[:2] != (n, B + 1):
+            raise ValueError(
+                f"StepSpec for {spec.drafts.shape[0]} requests of {spec.drafts.shape[1:]} drafts; "
+                f"the step has {n} requests and the draft {B}"
+            )
+        lens = np.diff(plan.cu_seqlens_q[: n + 1])
+        if (lens[spec.verify] != B + 1).any():
+            raise ValueError(f"a verifying request runs its anchor and {B} drafts: {B + 1} rows")
+        rows = np.zeros((b, B + 1), dtype=np.int64)
+        rows[:n][spec.verify] = plan.cu_seqlens_q[:n][spec.verify, None] + np.arange(B + 1)
+        h = spec.cursors.shape[2]
+        host = {
+            "verify": np.zeros(b, dtype=bool),
+            "verify_rows": rows,
+            "drafts": np.zeros((b, B), dtype=np.int64),
+            "cursors": np.zeros((b, B + 1, h), dtype=np.int64),
+            "proposes": np.zeros(b, dtype=bool),
+        }
+        host["verify"][:n] = spec.verify
+        host["drafts"][:n] = spec.drafts
+        host["cursors"][:n] = spec.cursors
+        host["proposes"][:n] = spec.proposes
+        ws = self._spec_ws.get(b)
+        if ws is None:
+            ws = self._spec_ws[b] = SpecInputs(
+                **{k: torch.from_numpy(v).to(self.device) for k, v in host.items()}
+            )
+        else:
+            for k, v in host.items():
+                getattr(ws, k).copy_(torch.from_numpy(v), non_blocking=True)
+        mirror = self.pools.cursor_host
+        slots = plan.slots[:n].astype(np.int64)
+        v = spec.verify
+        if v.any():  # until commit_accepted: the whole block's cursor
+            mirror[slots[v]] = spec.cursors[v, B]
+        return ws
+
+    def commit_accepted(self, slots: np.ndarray, cursors: np.ndarray) -> None:
+        """The host mirror of verifying requests' cursors, once their accepted lengths are read
+        (the device committed the same in ``run``)."""
+        self.pools.cursor_host[np.asarray(slots, dtype=np.int64)] = cursors
 
     def _sub_views(self, layout: Layout, dv: dict[str, torch.Tensor]) -> dict:
         """Views into ``dv`` that ``StepInputs`` hands out (per-request rows, compress groups,
@@ -897,11 +1028,15 @@ class RuntimeModel:
         self._routed, self._width = {}, si.t
         cand: torch.Tensor | None = None
         sel: dict[int, torch.Tensor] = {}
+        if self.draft is not None:
+            self._tapped[: si.t] = False
         for st in si.stages:
             if st.rows is not None and st.rows.shape[0] == 0:
                 continue  # a stage the plan runs on no row (the decoder of a non-final chunk)
             fr = self.frame(si, st, X, pre)
             for L in range(st.first_layer, st.last_layer + 1):
+                if L in self._taps:
+                    self._record_tap(L, si, fr)
                 p = self.layer_pre(L, si, fr)
                 if p is None:
                     continue
@@ -913,7 +1048,125 @@ class RuntimeModel:
                 X[st.rows] = fr.X
                 pre[st.rows] = fr.pre
         self.selections = sel
-        return self.head_rows(si, X, pre)
+        if self.draft is not None:
+            self._observe(si)
+        out = self.head_rows(si, X, pre)
+        if si.spec is not None:
+            out.spec = self._speculate(si, X, pre, out)
+        return out
+
+    # -- DSpark ---------------------------------------------------------------------------
+    def _record_tap(self, L: int, si: StepInputs, fr: Frame) -> None:
+        """Keep the stream mean entering tap layer ``L`` of the frame's rows, by flat row."""
+        j = self._taps[L]
+        mean = fr.X.mean(dim=1)
+        if fr.full:
+            self._tap_rows[: si.t, j] = mean
+            if j == 0:
+                self._tapped[: si.t] = True
+        else:
+            self._tap_rows[fr.rows, j] = mean
+            if j == 0:
+                self._tapped[fr.rows] = True
+
+    def _observe(self, si: StepInputs) -> None:
+        """The draft's rings take the rows this forward ran its tap layers on (each request's
+        last ``ring_rows`` of them)."""
+        t = si.t
+        bid = si.batch_ids
+        b = bid.clamp(min=0)
+        ok = self._tapped[:t] & (bid >= 0)
+        slot = torch.where(ok, si.slots[b], -1)
+        write_from = si.per_request["forward_end"][b] - self.geometry.ring_rows
+        self.draft.observe(self._tap_rows[:t].flatten(1), slot, si.positions, write_from)
+
+    def _speculate(self, si: StepInputs, X, pre, out: StepOutput) -> SpecOutput:
+        """Verify the drafts (strict acceptance: greedy rows the longest prefix equal to the
+        target's argmax, sampled rows the rejection rule), commit each verifying request's
+        cursor and FP32 tails at its accepted length, then draft the next block of every
+        request that sampled."""
+        from v41plan.runtime.sampler import (
+            SamplerInputs,
+            _keep_threshold,
+            processed_logits,
+            scaled_logits,
+        )
+        from v41plan.runtime.speculative import accept_greedy, accept_sampled
+
+        sp, sm, draft = si.spec, si.sampler, self.draft
+        B = draft.block_size
+        b = si.b
+        eps = self.cfg.rms_norm_eps
+        rows = sp.verify_rows.reshape(-1)
+        lg = self.pieces.head(X[rows], pre[rows], self.norm, self.head, eps)  # [b * (B+1), V]
+        V = lg.shape[1]
+        rep = SamplerInputs(
+            *(x.repeat_interleave(B + 1) for x in (sm.temperature, sm.top_k, sm.top_p, sm.min_p,
+                                                   sm.seed)),  # fmt: skip
+            output_index=(sm.output_index[:, None] + self._spec_offsets[None, :]).reshape(-1),
+        )
+        x = processed_logits(lg, rep)
+        target = torch.argmax(x, dim=1).reshape(b, B + 1)
+        accepted, nxt = accept_greedy(sp.drafts, target)
+        shape_sampled, truncate, _ = si.sampling_shape
+        if shape_sampled and self.draft_probs is not None:
+            z, hot = scaled_logits(x, rep)
+            if truncate:
+                z = torch.where(z >= _keep_threshold(z, rep), z, float("-inf"))
+            p = torch.softmax(z, dim=1).reshape(b, B + 1, V)
+            q = self.draft_probs[torch.where(si.slots >= 0, si.slots, self.pools.sink_slot)]
+            a_s, n_s = accept_sampled(sp.drafts, q.to(p.dtype), p, sm.seed, sm.output_index)
+            hot_req = hot.reshape(b, B + 1)[:, 0]
+            accepted = torch.where(hot_req, a_s, accepted)
+            nxt = torch.where(hot_req, n_s, nxt)
+        accepted = torch.where(sp.verify, accepted, 0)
+        nxt = torch.where(sp.verify, nxt, out.sampled.token_ids)
+        col = self._spec_offsets[None, :]
+        drafts_ext = torch.cat([sp.drafts, sp.drafts[:, :1]], dim=1)
+        tokens = torch.where(col < accepted[:, None], drafts_ext, -1)
+        tokens = torch.where(col == accepted[:, None], nxt[:, None], tokens)
+        lp = torch.log_softmax(lg.to(torch.float32), dim=1).reshape(b, B + 1, V)
+        lp_tok = lp.gather(2, tokens.clamp(min=0)[..., None]).squeeze(-1)
+        lp_tok = torch.where(sp.verify[:, None], lp_tok, out.sampled.logprobs[:, None])
+        lp_tok = torch.where(tokens >= 0, lp_tok, 0.0)
+        self._commit_accepted(si, accepted)
+        # the next block, from the token just emitted, at its position
+        fe = si.per_request["forward_end"]
+        anchor_pos = torch.where(sp.verify, fe - B + accepted, fe)
+        slot = torch.where(sp.proposes, si.slots, -1)
+        block = draft.propose(
+            nxt, anchor_pos, slot, sm.temperature, sm.seed, sm.output_index + accepted + 1,
+            sampled=shape_sampled,
+        )  # fmt: skip
+        if block.probs is not None:
+            if self.draft_probs is None:
+                self.draft_probs = torch.zeros(
+                    self.pools.num_slots + 1, B, V, dtype=torch.float32, device=self.device
+                )
+            s = torch.where(sp.proposes & (si.slots >= 0), si.slots, self.pools.sink_slot)
+            self.draft_probs[s] = block.probs.to(torch.float32)
+        return SpecOutput(accepted, tokens, lp_tok, block.tokens, block.confidence)
+
+    def _commit_accepted(self, si: StepInputs, accepted: torch.Tensor) -> None:
+        """A verifying request's cursor and ratio-2 tails as they stand after its accepted
+        rows: the cursor candidate of its accepted length, and (when the last accepted
+        position opens a group) that row's projection in the tail. Rows written for rejected
+        positions stay: no window, selection or group reads them before they are rewritten."""
+        sp, pools = si.spec, self.pools
+        b = si.b
+        ar = self._arange[:b]
+        ok = sp.verify & (si.slots >= 0)
+        slot = torch.where(ok, si.slots, pools.sink_slot)
+        self.backend.cursor_write(pools.cursor, torch.where(ok, si.slots, -1),
+                                  sp.cursors[ar, accepted], pools.sink_slot)  # fmt: skip
+        row = sp.verify_rows[ar, accepted]
+        last = si.per_request["forward_end"] - self.draft.block_size - 1 + accepted
+        opens = ok & (last % 2 == 0)
+        s = torch.where(opens, slot, pools.sink_slot)
+        for L, (v, g) in self._tail_stage.items():
+            ti = pools.tail_index[L]
+            pools.tail_values[s, ti] = v[row].to(pools.tail_values.dtype)
+            pools.tail_scores[s, ti] = g[row].to(pools.tail_scores.dtype)
 
     def forward(
         self, plan, token_ids, *, all_row_logits: bool = False, sampling=None
@@ -1184,6 +1437,14 @@ class RuntimeModel:
             if r == 2:
                 g_full = torch.zeros_like(v_full)
                 g_full[p.cp] = p.g
+        if r == 2 and self.draft is not None:  # the tails a verifying request may commit
+            if fr.full:
+                self._tail_stage[L] = (v_full, g_full)
+            else:
+                tv = torch.zeros(si.t, v_full.shape[1], dtype=v_full.dtype, device=self.device)
+                tg = torch.zeros_like(tv)
+                tv[fr.rows], tg[fr.rows] = v_full, g_full
+                self._tail_stage[L] = (tv, tg)
         if r == 2:
             first = _take(ci.first_from_tail, None if fr.full else fr.rows)
             store = _take(ci.tail_store, None if fr.full else fr.rows)

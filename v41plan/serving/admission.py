@@ -7,7 +7,7 @@ so a refused configuration costs no loading.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from v41plan.geometry.runtime import INDEX_CACHE_DTYPES, KV_CACHE_DTYPES, CacheSpec
 from v41plan.model.config import ConfigError
@@ -75,6 +75,10 @@ class EngineOptions:
     resident_weights: bool | None = None
     """Keep the FP8 linears and FP4 experts on the device as published (W8A8 / W4A8 Triton
     kernels; needs ``moe_impl`` grouped, CUDA, bf16 or float32); None: on where those hold."""
+    speculative_config: dict | None = None
+    """DSpark speculative decoding: ``{"method": "dspark", "num_speculative_tokens": 5}``
+    (the count is the spec's ``dspark_block_size``; None: no speculation). BF16 caches only;
+    each decode step verifies the anchor and the draft's block in one forward."""
     async_scheduling: bool | None = None
     """Schedule and launch decode step N+1 before reading step N's results (the sampled tokens
     stay on the device and feed the next step): the host's work hides behind the device's.
@@ -145,6 +149,62 @@ def _check_kv_transfer(config: object, world_size: int) -> dict:
     return dict(config)
 
 
+SPECULATIVE_METHODS = ("dspark",)
+
+
+def _check_speculative(config: object, spec: CacheSpec, o: EngineOptions) -> dict:
+    """A ``speculative_config`` checked against the spec and the other options (before any
+    load): DSpark with the spec's block size, BF16 caches, eager steps."""
+    if not isinstance(config, dict):
+        raise _fail(
+            "speculative_config",
+            config,
+            "a dict, e.g. {'method': 'dspark', 'num_speculative_tokens': 5}",
+        )
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise _fail(
+            f"speculative_config[{unknown[0]!r}]",
+            config[unknown[0]],
+            "accepted keys: method, num_speculative_tokens",
+        )
+    method = config.get("method", "dspark")
+    if method not in SPECULATIVE_METHODS:
+        raise _fail(
+            "speculative_config['method']", method, f"accepted: {', '.join(SPECULATIVE_METHODS)}"
+        )
+    block = spec.model_config.get("dspark_block_size")
+    if block is None:
+        raise _fail(
+            "speculative_config",
+            config,
+            f"spec {spec.name} declares no DSpark draft (no dspark_* fields); accepted: None",
+        )
+    n = config.get("num_speculative_tokens", block)
+    if not isinstance(n, int) or isinstance(n, bool) or n != block:
+        raise _fail(
+            "speculative_config['num_speculative_tokens']",
+            n,
+            f"DSpark drafts the spec's dspark_block_size; accepted: {block}",
+        )
+    if o.kv_cache_dtype != "bf16":
+        raise _fail(
+            "kv_cache_dtype",
+            o.kv_cache_dtype,
+            "packed (kv_cache_dtype='fp4') speculative caches are refused; accepted with "
+            "speculative_config: 'bf16'",
+        )
+    mode = str(o.cudagraph_mode).split(".")[-1].upper()
+    if mode != "NONE" or not o.enforce_eager:
+        raise _fail(
+            "cudagraph_mode",
+            o.cudagraph_mode,
+            "speculative steps run eagerly (their verify graphs are not captured yet); "
+            "accepted with speculative_config: NONE with enforce_eager=True",
+        )
+    return {"method": method, "num_speculative_tokens": n}
+
+
 def _type_name(t) -> str:
     return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
 
@@ -167,6 +227,8 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r}; accepted: {', '.join(sorted(known))}")
     o = EngineOptions(**opts, kv_transfer_config=kv_transfer)
+    if speculative is not None:
+        o = replace(o, speculative_config=_check_speculative(speculative, spec, o))
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise _fail("kv_cache_dtype", o.kv_cache_dtype, f"accepted: {', '.join(KV_CACHE_DTYPES)}")
     if o.index_cache_dtype not in INDEX_CACHE_DTYPES:
@@ -187,18 +249,6 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
         )
     if page % 2:
         raise _fail("page_tokens", page, "the cache block size must be even")
-    if speculative is not None:
-        if o.kv_cache_dtype == "fp4":
-            raise _fail(
-                "speculative_config",
-                speculative,
-                "packed (kv_cache_dtype='fp4') speculative caches are refused; accepted: None",
-            )
-        raise _fail(
-            "speculative_config",
-            speculative,
-            "speculative decoding is not implemented; accepted: None",
-        )
     mode = str(o.cudagraph_mode).split(".")[-1].upper()
     if mode not in CUDAGRAPH_MODES:
         raise _fail("cudagraph_mode", o.cudagraph_mode, f"accepted: {', '.join(CUDAGRAPH_MODES)}")
@@ -238,7 +288,9 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
             o.long_prefill_token_threshold,
             "accepted: 0 (off) or >= 1",
         )
-    max_len = o.max_model_len or int(spec.model_config.get("max_position_embeddings", 4096))
+    max_pos = int(spec.model_config.get("max_position_embeddings", 4096))
+    spec_block = o.speculative_config["num_speculative_tokens"] if o.speculative_config else 0
+    max_len = o.max_model_len or max_pos - spec_block
     enc = (
         spec.replay.encoder_swa_bounded_replay
         if o.encoder_swa_bounded_replay is None
@@ -317,6 +369,22 @@ def check_options(options: dict, spec: CacheSpec, world_size: int = 1) -> Engine
                 "resident_weights", True, "resident FP4 experts run grouped; with moe_impl='dense' "
                 "accepted: False",
             )  # fmt: skip
+    if o.speculative_config is not None:
+        if max_len + spec_block > max_pos:
+            raise _fail(
+                "max_model_len",
+                max_len,
+                f"a verify forward runs {spec_block} positions past the last token; accepted "
+                f"with speculative_config: <= max_position_embeddings - {spec_block} = "
+                f"{max_pos - spec_block}",
+            )
+        if o.resident_weights:
+            raise _fail(
+                "resident_weights",
+                True,
+                "the DSpark draft runs on dequantised weights; accepted with speculative_config: "
+                "False or None",
+            )
     num_pages = o.num_pages or o.max_num_seqs * (-(-max_len // page) + 1) + 16
     return EngineOptions(
         **{
@@ -354,8 +422,8 @@ def resolve_kernels(o: EngineOptions, device_type: str) -> dict:
     dense = o.dense_kernels if o.dense_kernels != "auto" else ("triton" if fast else "torch")
     moe = o.moe_impl if o.moe_impl != "auto" else ("grouped" if fast else "dense")
     resident = o.resident_weights
-    if resident is None:
-        resident = fast and moe == "grouped"
+    if resident is None:  # (the DSpark draft runs on dequantised weights)
+        resident = fast and moe == "grouped" and o.speculative_config is None
     level = o.compilation_level
     if level is None:
         graphs = not o.enforce_eager and str(o.cudagraph_mode).split(".")[-1].upper() != "NONE"

@@ -391,6 +391,12 @@ class RunnerOutput:
         scheduler's columnar postprocess reads."""
         self.row_logprobs: np.ndarray | None = None
         """The sampled tokens' raw logprobs per batch row (beside ``row_tokens``)."""
+        self.spec_tokens: np.ndarray | None = None
+        """Speculative decoding: int64 ``[rows, block_size + 1]`` the tokens each batch row
+        emits, in order (accepted drafts, then the target's next token), -1 after; None
+        without speculation."""
+        self.spec_logprobs: np.ndarray | None = None
+        """Their raw logprobs, beside ``spec_tokens``."""
         self._row_ids: np.ndarray | None = None
 
     def set_rows(self, seq_ids: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

@@ -95,7 +95,8 @@ class LLM:
         mc = self.spec.model_config
         self.vocab_size = int(mc.get("vocab_size", 0))
         self.eos_token_id = mc.get("eos_token_id")
-        geom = self.spec.geometry(o.kv_cache_dtype, o.index_cache_dtype)
+        speculative = o.speculative_config is not None
+        geom = self.spec.geometry(o.kv_cache_dtype, o.index_cache_dtype, speculative)
         self.page_tokens = geom.page_tokens
         # the KV connector before any weight loads: a server down at start refuses cheaply
         self.connector = _build_connector(o, geom)
@@ -130,6 +131,9 @@ class LLM:
                 min_final_prefill_rows=self.spec.replay.min_final_prefill_rows,
                 eos_token_id=self.eos_token_id,
                 enable_prefix_caching=o.enable_prefix_caching,
+                speculative_tokens=(
+                    o.speculative_config["num_speculative_tokens"] if speculative else 0
+                ),
             ),
             self.block_manager,
             self.connector,

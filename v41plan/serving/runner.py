@@ -67,6 +67,8 @@ class PagedRunner:
         """The kernel choices the options' ``auto`` values resolved to on this device."""
         self.vocab_size = int(spec.model_config["vocab_size"])
         self.device_type = device.type
+        self.speculative = options.speculative_config is not None
+        """DSpark: every decode row verifies its anchor and the draft's block in one forward."""
         P = spec.replay.hash_block_tokens
         if ckpt.weights is not None:
             weights = ckpt.weights
@@ -91,7 +93,11 @@ class PagedRunner:
             backend=_backend(self.kernels["kernel_backend"], device),
             dense=self.kernels["dense_kernels"], moe=self.kernels["moe_impl"],
             compile_backend=self.kernels["compile_backend"],
+            speculative=self.speculative,
         )  # fmt: skip
+        self.spec_block = self.model.draft.block_size if self.speculative else 0
+        self._drafts = np.zeros((options.max_num_seqs, max(self.spec_block, 1)), dtype=np.int64)
+        """Per slot, the block its draft proposed last (what its next decode row verifies)."""
         self.kernels["resident_weights"] = self.model.resident  # as loaded
         from v41plan.runtime.graphs import build_cuda_graphs
 
@@ -188,10 +194,17 @@ class PagedRunner:
         plan = plan_step(step, self.spec, **self.flags)
         check_plan(batch, plan)
         slots = step.slots  # request order
-        ids = step_token_ids(batch, self.tables, slots)
+        spec = None
+        if self.speculative:
+            ids, spec = self._spec_inputs(batch, slots)
+        else:
+            ids = step_token_ids(batch, self.tables, slots)
         sampling = self.tables.sampling(slots)
         pend = None
-        if decode:
+        if spec is not None:
+            want_rows = bool(rows.all_logits.any())
+            final = np.flatnonzero(rows.is_final_chunk)
+        elif decode:
             want_rows, final = False, slice(None)
             held = self.tables.num_tokens[slots]
             if not bool((held > rows.start).all()):
@@ -202,7 +215,7 @@ class PagedRunner:
         else:
             want_rows = bool(rows.all_logits.any())
             final = np.flatnonzero(rows.is_final_chunk)
-        inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling)
+        inputs = model.prepare(plan, ids, all_row_logits=want_rows, sampling=sampling, spec=spec)
         if pend is not None:
             self._feed_pending(inputs, pend)
         res = self.graphs.run(inputs) if self.graphs is not None else None
@@ -217,6 +230,7 @@ class PagedRunner:
             self.stats["tail_rows"] += len(plan.tail_rows)
         launched = Launched(batch, n, decode, final, want_rows, plan, slots,
                             sampling.top_n, res.sampled.token_ids, pend)  # fmt: skip
+        launched.spec = spec
         launched.host, launched.done = self._queue_read_back(res, want_rows)
         self._src_row[:] = -1
         sampled_rows = np.arange(n) if decode else final
@@ -224,6 +238,46 @@ class PagedRunner:
         self._src_seq[slots[sampled_rows]] = rows.seq_id[sampled_rows]
         self._last = launched
         return launched
+
+    def _spec_inputs(self, batch: ScheduledBatch, slots: np.ndarray):
+        """(flat token ids, ``StepSpec``) of a speculating step: a decode row runs its anchor
+        and the block its slot's draft proposed; its cursor candidates are the cursor after
+        each accepted length (position and Engram history through the accepted tokens)."""
+        from v41plan.runtime.paged_model import StepSpec
+
+        rows, t = batch.requests, self.tables
+        B = self.spec_block
+        verify = rows.start >= rows.prompt_len
+        n = len(rows)
+        if verify.any() and not bool((rows.end[verify] - rows.start[verify] == B + 1).all()):
+            raise RuntimeError(f"step {batch.step}: a speculative decode row must run {B + 1} rows")
+        drafts = np.zeros((n, B), dtype=np.int64)
+        drafts[verify] = self._drafts[slots[verify], :B]
+        parts = []
+        for i in range(n):
+            s = int(slots[i])
+            if verify[i]:
+                parts.append(np.concatenate([t.tokens(s, int(rows.start[i]), int(rows.start[i]) + 1),
+                                             drafts[i]]))  # fmt: skip
+            else:
+                parts.append(t.tokens(s, int(rows.start[i]), int(rows.end[i])))
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        mirror = self.model.pools.cursor_host
+        h = mirror.shape[1]
+        cursors = np.zeros((n, B + 1, h), dtype=np.int64)
+        v = np.flatnonzero(verify)
+        if len(v):
+            block = np.concatenate([t.last_token[slots[v]][:, None], drafts[v]], axis=1)
+            hist = mirror[slots[v], 1:]
+            for a in range(B + 1):
+                cursors[v, a, 0] = rows.start[v] + a + 1
+                if h > 1:
+                    cu = np.arange(len(v) + 1, dtype=np.int64) * (a + 1)
+                    cursors[v, a, 1:] = self.engram.advance_batch(
+                        block[:, : a + 1].reshape(-1), cu, hist
+                    )
+        spec = StepSpec(verify, drafts, cursors, rows.is_final_chunk.copy())
+        return ids, spec
 
     def _pending(self, batch: ScheduledBatch, held: np.ndarray):
         """``(rows, source rows)`` of the decode rows whose token the previous launch sampled
@@ -273,6 +327,8 @@ class PagedRunner:
         needs the token ids on the host)."""
         if not launched.decode or launched.n == 0 or launched.want_rows:
             return False
+        if self.speculative:  # the next rows' drafts and cursors come from these results
+            return False
         model = self.model
         return model.engram_device is not None or not model._engram_shapes
 
@@ -302,9 +358,16 @@ class PagedRunner:
             mirror = self.model.pools.cursor_host
             if mirror.shape[1] > 1:
                 mirror[later.slots[p_rows], 1] = self.engram.token_map[tokens[p_src]]
+        if launched.spec is not None:
+            tokens, logprobs = self._collect_spec(launched, host)
         if not launched.decode:  # only final chunks sample
             tokens = np.where(rows.is_final_chunk, tokens, -1)
         out.set_rows(rows.seq_id, tokens, logprobs)
+        if launched.spec is not None:
+            emitted = host["spec_tokens"].numpy()[:n].astype(np.int64)
+            sampled = rows.is_final_chunk
+            out.spec_tokens = np.where(sampled[:, None], emitted, -1)
+            out.spec_logprobs = host["spec_logprobs"].numpy()[:n]
         if launched.top_n > 0:
             top_n = self.tables.top_n[launched.slots].tolist()
             for i in np.arange(n)[launched.final].tolist():
@@ -319,6 +382,29 @@ class PagedRunner:
                 sid = int(rows.seq_id[i])
                 out.row_logits[sid] = host["row_logits"][int(cu[i]) : int(cu[i + 1])]
         return out
+
+    def _collect_spec(self, launched: Launched, host: dict) -> tuple[np.ndarray, np.ndarray]:
+        """A speculating step's results on the host: the verifying requests' cursors committed
+        on the mirror at their accepted lengths, each proposing slot's next block kept, the
+        acceptance counters; returns every row's next token (the one after its accepted
+        drafts) and its logprob."""
+        n, sp = launched.n, launched.spec
+        slots = launched.slots
+        accepted = host["spec_accepted"].numpy()[:n].astype(np.int64)
+        v = np.flatnonzero(sp.verify)
+        if len(v):
+            self.model.commit_accepted(slots[v], sp.cursors[v, accepted[v]])
+            self.stats["spec_verify_rows"] += len(v)
+            self.stats["spec_drafted"] += len(v) * self.spec_block
+            self.stats["spec_accepted"] += int(accepted[v].sum())
+            for a in accepted[v].tolist():
+                self.stats[f"spec_accepted_len_{a}"] += 1
+        props = np.flatnonzero(sp.proposes)
+        self._drafts[slots[props], : self.spec_block] = host["spec_drafts"].numpy()[props]
+        emitted = host["spec_tokens"].numpy()[:n]
+        lps = host["spec_logprobs"].numpy()[:n]
+        ar = np.arange(n)
+        return emitted[ar, accepted].astype(np.int64), lps[ar, accepted]
 
     def transfer_kv(self, batch: ScheduledBatch) -> None:
         """The batch's connector offers (read before anything of this batch writes the pools),
@@ -345,6 +431,10 @@ class PagedRunner:
         them (None on the CPU, where they are already copies)."""
         s = res.sampled
         parts = {"token_ids": s.token_ids, "logprobs": s.logprobs}
+        if res.spec is not None:
+            sp = res.spec
+            parts.update(spec_accepted=sp.accepted, spec_tokens=sp.tokens,
+                         spec_logprobs=sp.logprobs, spec_drafts=sp.drafts)  # fmt: skip
         if s.top_ids.shape[1]:
             parts["top_ids"], parts["top_logprobs"] = s.top_ids, s.top_logprobs
         if want_rows and res.row_logits is not None:
@@ -385,6 +475,8 @@ class Launched:
         read)."""
         self.pend = pend
         """``(rows, source rows, source launch)`` of the rows that read a token on the device."""
+        self.spec = None
+        """The step's ``StepSpec`` when the model speculates."""
         self.host: dict = {}
         self.done = None
         self.collected = False
@@ -409,10 +501,12 @@ def load_weights(spec: CacheSpec, checkpoint: str | None, options: EngineOptions
     from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
     from v41plan.model.config import config_from_cache_spec
 
+    speculative = options.speculative_config is not None  # the draft's mtp.* tensors too
     if checkpoint is not None:
-        return load_checkpoint(checkpoint, spec, dtype=None)
+        return load_checkpoint(checkpoint, spec, dtype=None, speculative=speculative)
     cfg = config_from_cache_spec(spec)
-    return LoadedCheckpoint.from_state(cfg, random_state(cfg, options.random_weights_seed))
+    state = random_state(cfg, options.random_weights_seed, draft=speculative)
+    return LoadedCheckpoint.from_state(cfg, state)
 
 
 def device_of(options: EngineOptions) -> torch.device:

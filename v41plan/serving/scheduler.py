@@ -83,6 +83,8 @@ class SchedulerConfig:
     min_final_prefill_rows: int = 8
     eos_token_id: int | None = None
     enable_prefix_caching: bool = True
+    speculative_tokens: int = 0
+    """DSpark: a decode row runs its anchor and this many drafted positions (0: one row)."""
 
     @property
     def transfer(self) -> str:
@@ -232,7 +234,7 @@ class Scheduler:
         cfg = self.config
         if seq.num_tokens >= cfg.max_model_len:
             return f"unschedulable: {seq.num_tokens} tokens reach max_model_len={cfg.max_model_len}"
-        if self._pages_for(seq.num_tokens + 1) > self.bm.num_pages:
+        if self._pages_for(seq.num_tokens + 1 + cfg.speculative_tokens) > self.bm.num_pages:
             return f"unschedulable: needs more than the {self.bm.num_pages} PAGEs of the pool"
         return None
 
@@ -254,7 +256,7 @@ class Scheduler:
                 self._finish(seq, "aborted")
         # Phase 0: every running request past its prefill decodes one row.
         decode, members = self._schedule_decode(budget)
-        budget -= len(members)
+        budget -= len(members) * (1 + cfg.speculative_tokens)
         reqs: list[ScheduledRequest] = []  # the prefill chunks, one object each
         seqs: list[Sequence] = []
         # Phase 1: partial prefills already running, in queue order (running requests are
@@ -561,8 +563,10 @@ class Scheduler:
         itself). Returns the rows and their requests."""
         members, slots = self._members()
         R, P = self.rows, self.config.page_tokens
+        k = self.config.speculative_tokens
+        budget //= 1 + k  # rows: a speculative row runs 1 + k positions
         pos = R.pos[slots]
-        need = (pos // P) >= R.num_blocks[slots]
+        need = ((pos + k) // P) >= R.num_blocks[slots]
         if len(members) > budget or need.any():
             keep = self._take_pages(members, slots, need, budget)
             members = [s for s, k in zip(members, keep.tolist(), strict=True) if k]
@@ -576,7 +580,11 @@ class Scheduler:
         R = self.rows
         cols = RequestColumns.decode(R.seq_id[slots], slots, pos, R.prompt_len[slots],
                                      R.prefix_hit[slots])  # fmt: skip
-        R.pos[slots] = pos + 1
+        k = self.config.speculative_tokens
+        if k:  # the anchor and the drafts; the cursor moves by what is accepted (postprocess)
+            cols.end = pos + 1 + k
+        else:
+            R.pos[slots] = pos + 1
         return cols
 
     def schedule_overlap(self, inflight: ScheduledBatch) -> ScheduledBatch | None:
@@ -691,6 +699,9 @@ class Scheduler:
             m_slots, m_ends = rows.slot[mi], rows.end[mi]
             m_seqs = [R.seq[s] for s in m_slots.tolist()]
         P = cfg.page_tokens  # (the rows' cursors moved when they were scheduled)
+        spec_finishing: list[tuple[Sequence, str]] = []
+        if output.spec_tokens is not None:  # tokens first: the blocks' hashes need them
+            m_ends, spec_finishing = self._spec_tokens(rows, mi, m_slots, m_seqs, output)
         # a batch scheduled after this one (overlapped) has already run past these rows: their
         # images were queued then (``schedule_overlap``), and a slot no longer holds them now
         images = copy and self.step_count == batch.step
@@ -715,25 +726,31 @@ class Scheduler:
             finishing += [(s, "aborted") for s in self.running if s.aborted]
             sources += bool(finishing)
         # Decode rows: tokens, cursors and stop checks over the columns.
-        live = np.array([not s.aborted for s in m_seqs], dtype=bool) if finishing else None
-        toks = self._row_tokens(rows, mi, m_seqs, output, live)
-        ok = toks >= 0
-        if ok.all():  # (one pass of Python per step: the requests' records)
-            for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
-                seq.num_cached_tokens = end
-                seq.token_ids.append(tok)
+        if output.spec_tokens is not None:  # (done above; cancelled ones finish as aborted)
+            ended = [(s, r) for s, r in spec_finishing if not s.aborted]
+            finishing += ended
+            sources += bool(ended)
         else:
-            for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
-                seq.num_cached_tokens = end
-                if tok >= 0:
+            live = np.array([not s.aborted for s in m_seqs], dtype=bool) if finishing else None
+            toks = self._row_tokens(rows, mi, m_seqs, output, live)
+            ok = toks >= 0
+            if ok.all():  # (one pass of Python per step: the requests' records)
+                for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
+                    seq.num_cached_tokens = end
                     seq.token_ids.append(tok)
-            m_slots, toks, m_seqs = m_slots[ok], toks[ok], [s for s, g in zip(m_seqs, ok) if g]
-        R.num_tokens[m_slots] += 1
-        R.last_token[m_slots] = toks
-        stop, length = R.stop_reasons(m_slots, toks)
-        ended = np.flatnonzero(stop | length).tolist()
-        finishing += [(m_seqs[k], "stop" if stop[k] else "length") for k in ended]
-        sources += bool(ended)
+            else:
+                for seq, end, tok in zip(m_seqs, m_ends.tolist(), toks.tolist(), strict=True):
+                    seq.num_cached_tokens = end
+                    if tok >= 0:
+                        seq.token_ids.append(tok)
+                m_slots, toks = m_slots[ok], toks[ok]
+                m_seqs = [s for s, g in zip(m_seqs, ok, strict=True) if g]
+            R.num_tokens[m_slots] += 1
+            R.last_token[m_slots] = toks
+            stop, length = R.stop_reasons(m_slots, toks)
+            ended = np.flatnonzero(stop | length).tolist()
+            finishing += [(m_seqs[k], "stop" if stop[k] else "length") for k in ended]
+            sources += bool(ended)
         # Prefill rows, one at a time: a final chunk samples the request's first token.
         n_before = len(finishing)
         for seq, req in others:
@@ -762,6 +779,48 @@ class Scheduler:
             if ended and R.seq[seq.slot] is not seq:
                 R.load(seq, self._stop_rule(seq))
         return done
+
+    def _spec_tokens(self, rows, mi, m_slots: np.ndarray, m_seqs: list[Sequence],
+                     output: RunnerOutput) -> tuple[np.ndarray, list[tuple[Sequence, str]]]:  # fmt: skip
+        """Speculative decode rows: each request takes its emitted tokens in order (accepted
+        drafts, then the target's next token) up to a stop token or its length limit, and
+        its cursor moves past the accepted ones. Returns the rows' new cursors (where their
+        KV and tokens both reach: what may be published) and the requests that end."""
+        R = self.rows
+        emitted = output.spec_tokens[mi]
+        lps = output.spec_logprobs[mi]
+        ends = np.zeros(len(m_seqs), dtype=np.int64)
+        finishing: list[tuple[Sequence, str]] = []
+        starts = rows.start[mi].tolist()
+        for k, seq in enumerate(m_seqs):
+            start = starts[k]
+            if seq.aborted:
+                ends[k] = start
+                continue
+            stops, limit = self._stop_rule(seq)
+            reason, n = None, 0
+            for tok in emitted[k].tolist():
+                if tok < 0:
+                    break
+                seq.token_ids.append(tok)
+                if seq.params.logprobs is not None:
+                    seq.output_logprobs.append((float(lps[k, n]), {}))
+                n += 1
+                if tok in stops:
+                    reason = "stop"
+                elif len(seq.token_ids) >= limit:
+                    reason = "length"
+                if reason is not None:
+                    break
+            ends[k] = start + n
+            seq.num_cached_tokens = start + n
+            s = int(m_slots[k])
+            R.num_tokens[s] = len(seq.token_ids)
+            R.last_token[s] = seq.token_ids[-1]
+            R.pos[s] = start + n
+            if reason is not None:
+                finishing.append((seq, reason))
+        return ends, finishing
 
     def _advance(self, seq: Sequence, req: ScheduledRequest, output: RunnerOutput) -> None:
         """A forward of ``req`` ran: count its replay, score its rows, move the cursor."""
