@@ -55,7 +55,7 @@ def test_images_of_one_layout_are_refused_by_the_other(tmp_path):
     with pytest.raises(CopyError, match="image layout .* != pool layout"):
         planner.check(ImageOp(0, units, plain.layout_id, plain.image_bytes), "restore")
     # a store directory shared by both layouts: an image saved under one is not found by the other
-    args = dict(bytes=1 << 24, path=str(tmp_path))
+    args = {"bytes": 1 << 24, "path": str(tmp_path)}
     a = LocalConnector(plain.layout_id, plain.page_unit_bytes, plain.units_per_image, **args)
     b = LocalConnector(spec.layout_id, spec.page_unit_bytes, spec.units_per_image, **args)
     data = np.zeros((plain.units_per_image, plain.page_unit_bytes), np.uint8)

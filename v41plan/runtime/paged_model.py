@@ -1100,9 +1100,9 @@ class RuntimeModel:
         rows = sp.verify_rows.reshape(-1)
         lg = self.pieces.head(X[rows], pre[rows], self.norm, self.head, eps)  # [b * (B+1), V]
         V = lg.shape[1]
+        per_row = (sm.temperature, sm.top_k, sm.top_p, sm.min_p, sm.seed)
         rep = SamplerInputs(
-            *(x.repeat_interleave(B + 1) for x in (sm.temperature, sm.top_k, sm.top_p, sm.min_p,
-                                                   sm.seed)),  # fmt: skip
+            *(x.repeat_interleave(B + 1) for x in per_row),
             output_index=(sm.output_index[:, None] + self._spec_offsets[None, :]).reshape(-1),
         )
         x = processed_logits(lg, rep)

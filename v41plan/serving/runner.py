@@ -255,10 +255,9 @@ class PagedRunner:
         drafts[verify] = self._drafts[slots[verify], :B]
         parts = []
         for i in range(n):
-            s = int(slots[i])
+            s, start = int(slots[i]), int(rows.start[i])
             if verify[i]:
-                parts.append(np.concatenate([t.tokens(s, int(rows.start[i]), int(rows.start[i]) + 1),
-                                             drafts[i]]))  # fmt: skip
+                parts.append(np.concatenate([t.tokens(s, start, start + 1), drafts[i]]))
             else:
                 parts.append(t.tokens(s, int(rows.start[i]), int(rows.end[i])))
         ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

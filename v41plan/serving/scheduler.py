@@ -780,8 +780,9 @@ class Scheduler:
                 R.load(seq, self._stop_rule(seq))
         return done
 
-    def _spec_tokens(self, rows, mi, m_slots: np.ndarray, m_seqs: list[Sequence],
-                     output: RunnerOutput) -> tuple[np.ndarray, list[tuple[Sequence, str]]]:  # fmt: skip
+    def _spec_tokens(
+        self, rows, mi, m_slots: np.ndarray, m_seqs: list[Sequence], output: RunnerOutput
+    ) -> tuple[np.ndarray, list[tuple[Sequence, str]]]:
         """Speculative decode rows: each request takes its emitted tokens in order (accepted
         drafts, then the target's next token) up to a stop token or its length limit, and
         its cursor moves past the accepted ones. Returns the rows' new cursors (where their
