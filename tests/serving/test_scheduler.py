@@ -479,7 +479,7 @@ def test_refused_before_load(option, value, needle):
 def test_packed_speculative_cache_refused():
     with pytest.raises(ConfigError, match="packed"):
         LLM(
-            TINY,
+            "tiny40_dspark",  # (a spec with a draft: tiny has none)
             runner_factory=_never_load,
             world_size=1,
             kv_cache_dtype="fp4",

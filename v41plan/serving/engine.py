@@ -281,6 +281,29 @@ class LLM:
         self._progress += 1
         return self.scheduler.postprocess(launched.batch, self.runner.collect(launched))
 
+    def speculative_stats(self) -> dict | None:
+        """DSpark acceptance counters since the runner started (None without speculation):
+        ``drafts`` (blocks verified), ``draft_tokens``, ``accepted_tokens``,
+        ``acceptance_rate`` (accepted / drafted), ``mean_accepted_length`` (tokens a verify
+        step emits: accepted drafts plus the target's own) and ``accepted_length_histogram``
+        (``[a]``: blocks with ``a`` drafts accepted, ``a = 0 .. block_size``)."""
+        block = getattr(self.runner, "spec_block", 0)
+        if not block:
+            return None
+        st = self.runner.stats
+        drafts = st.get("spec_verify_rows", 0)
+        drafted, accepted = st.get("spec_drafted", 0), st.get("spec_accepted", 0)
+        return {
+            "drafts": drafts,
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "accepted_length_histogram": [
+                st.get(f"spec_accepted_len_{a}", 0) for a in range(block + 1)
+            ],
+        }
+
     def close(self) -> None:
         """Release the KV connector (pending stores confirmed, bounded by its timeout); the
         engine itself holds nothing else to release."""

@@ -17,7 +17,12 @@ looked up / found, per admission), ``v41plan:prompt_tokens_total`` /
 ``v41plan:request_success_total{finished_reason}`` (finished choices by reason),
 ``v41plan:engine_steps_total``, ``v41plan:runner_<name>_total`` (the runner's step counters:
 forwards, rows, replay rows, ...), ``v41plan:cudagraph_replays_total`` and
-``v41plan:eager_decode_steps_total`` (0 under eager execution).
+``v41plan:eager_decode_steps_total`` (0 under eager execution). With speculative decoding:
+``v41plan:spec_decode_num_drafts_total`` (blocks verified),
+``v41plan:spec_decode_num_draft_tokens_total`` (tokens drafted),
+``v41plan:spec_decode_num_accepted_tokens_total`` (drafted tokens accepted) and
+``v41plan:spec_decode_accepted_length_total{accepted_len}`` (blocks by accepted length, the
+histogram of accepted lengths).
 
 Histograms: ``v41plan:time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds`` and ``request_queue_time_seconds``.
@@ -40,6 +45,15 @@ _GAUGES = {
     "num_slots_in_use": "STATE slots held by requests.",
     "num_slots_total": "STATE slots of the pool.",
 }
+
+
+SPEC_COUNTERS = {
+    "spec_verify_rows": ("spec_decode_num_drafts", "Draft blocks verified."),
+    "spec_drafted": ("spec_decode_num_draft_tokens", "Tokens drafted."),
+    "spec_accepted": ("spec_decode_num_accepted_tokens", "Drafted tokens accepted."),
+}
+"""Runner counters of speculative decoding -> (metric, help)."""
+_LEN_PREFIX = "spec_accepted_len_"
 
 
 class ServerMetrics:
@@ -158,6 +172,20 @@ class _SnapshotCollector:
         for key, (metric, doc) in named.items():
             c = CounterMetricFamily(f"v41plan:{metric}", doc, labels=["model_name"])
             c.add_metric([name], float(counters.pop(key, 0)))
+            yield c
+        if "spec_verify_rows" in counters:
+            for key, (metric, doc) in SPEC_COUNTERS.items():
+                c = CounterMetricFamily(f"v41plan:{metric}", doc, labels=["model_name"])
+                c.add_metric([name], float(counters.pop(key, 0)))
+                yield c
+            c = CounterMetricFamily(
+                "v41plan:spec_decode_accepted_length",
+                "Verified draft blocks by accepted length.",
+                labels=["model_name", "accepted_len"],
+            )
+            lens = {k: counters.pop(k) for k in list(counters) if k.startswith(_LEN_PREFIX)}
+            for key in sorted(lens, key=lambda k: int(k[len(_LEN_PREFIX) :])):
+                c.add_metric([name, key[len(_LEN_PREFIX) :]], float(lens[key]))
             yield c
         for key, value in sorted(counters.items()):
             metric = key if key.startswith("graph_") else f"runner_{key}"

@@ -177,7 +177,8 @@ class Validator:
         first = max(i for i, (st, res, _e, ph) in enumerate(spans) if res == hit and ph != "decode")
         spans = spans[first:]
         P = self.P
-        n_pages = -(-(len(prompt) + PARAMS.max_tokens + 2) // P)
+        spec_block = getattr(self.runner, "spec_block", 0)  # a decode span's drafted rows
+        n_pages = -(-(len(prompt) + PARAMS.max_tokens + 2 + spec_block) // P)
         prefix_pages = tuple(range(hit // P))
         own = tuple(range(hit // P, hit // P + n_pages))  # pages only this request writes
         cold_pages = prefix_pages + tuple(range(hit // P + n_pages, hit // P + n_pages + 2))
@@ -218,9 +219,14 @@ class Validator:
             out = run(req, "decode" if phase == "decode" else "prefill", deltas)
             if end >= len(prompt) and len(tokens) - len(prompt) < PARAMS.max_tokens:
                 check(
-                    end == len(tokens), f"reference span {start}..{end} past {len(tokens)} tokens"
+                    end - (spec_block if start >= len(prompt) else 0) == len(tokens),
+                    f"reference span {start}..{end} past {len(tokens)} tokens",
                 )
-                tokens.append(out.tokens[-2])  # greedy: the slot was given no parameters
+                if out.spec_tokens is not None:  # the accepted drafts and the next token
+                    emitted = [t for t in out.spec_tokens[0].tolist() if t >= 0]
+                    tokens += emitted[: PARAMS.max_tokens - (len(tokens) - len(prompt))]
+                else:
+                    tokens.append(out.tokens[-2])  # greedy: the slot was given no parameters
         return tokens[len(prompt) :]
 
 
@@ -572,7 +578,8 @@ def scenarios(v: Validator, tok, only: frozenset[str] | None = None) -> dict[str
                     continue
                 check(s.seq_id in ends, f"step {ev['step']}: request {s.seq_id} did not decode")
                 st, en = ends[s.seq_id]
-                check(en - st == 1, f"request {s.seq_id} ran {en - st} rows beside the prefill")
+                rows = 1 + getattr(v.runner, "spec_block", 0)  # (DSpark: the anchor and drafts)
+                check(en - st == rows, f"request {s.seq_id} ran {en - st} rows beside the prefill")
         check(state["steps"] >= 2, "the long prompt's prefill took fewer than two mixed steps")
         for i, prompt in enumerate((other, unique)):
             alone = v.cold(prompt, CANCEL_PARAMS, **chunked)
@@ -722,6 +729,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_kernel_flags(ap)
     ap.add_argument(
+        "--speculative",
+        action="store_true",
+        help="DSpark speculative decoding (the spec's draft): every scenario runs with it, and "
+        "its tokens are compared with the same scenarios run without it",
+    )
+    ap.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
@@ -816,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         **kernel_options(args),
     }
+    if args.speculative:
+        base_options["speculative_config"] = {"method": "dspark"}
     from v41plan.serving.admission import ConfigError, check_options
 
     try:
@@ -841,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "index_cache_dtype": args.index_cache_dtype,
         "dtype": args.dtype,
+        "speculative": args.speculative,
         **kernel_options(args),
         "transfers": {},
     }
@@ -913,6 +929,32 @@ def main(argv: list[str] | None = None) -> int:
                 g = runner.graph_stats() if hasattr(runner, "graph_stats") else {}
                 results["graph_replays"] = graph_validation(results, eager_results, g, v.events)
                 del eager_runner, ve
+            if args.speculative:  # the same scenarios without speculation: equal tokens
+                t0 = time.perf_counter()
+                plain_base = {k: x for k, x in base_options.items() if k != "speculative_config"}
+                plain_probe = LLM(spec, args.checkpoint, runner_factory=lambda *a: None,
+                                  encoder_swa_bounded_replay=(transfer == "replay"),
+                                  world_size=info.world_size, **plain_base)  # fmt: skip
+                plain_runner = build_runner(spec, args.checkpoint, plain_probe.options)
+                vp = Validator(spec, args.checkpoint, transfer,
+                               dict(plain_base, world_size=info.world_size), plain_runner)  # fmt: skip
+                plain = scenarios(vp, plain_probe, only)
+                timing["plain_scenarios_s"] = time.perf_counter() - t0
+                differ = sorted(
+                    k for k, r in plain.items()
+                    if "tokens" in r and r.get("tokens") != results.get(k, {}).get("tokens")
+                )  # fmt: skip
+                stats = runner.stats
+                failed = sorted(k for k, r in plain.items() if not r["passed"])
+                results["speculative_matches_plain"] = {
+                    "passed": not differ and not failed,
+                    "error": f"tokens differ in {differ}, plain cases failed: {failed}",
+                    "differ": differ,
+                    "cases": len(plain),
+                    "drafted": stats.get("spec_drafted", 0),
+                    "accepted": stats.get("spec_accepted", 0),
+                }
+                del plain_runner, vp
             ok = all(r["passed"] for r in results.values())
             passed &= ok
             report["transfers"][transfer] = {
