@@ -936,8 +936,8 @@ def main(argv: list[str] | None = None) -> int:
                                   encoder_swa_bounded_replay=(transfer == "replay"),
                                   world_size=info.world_size, **plain_base)  # fmt: skip
                 plain_runner = build_runner(spec, args.checkpoint, plain_probe.options)
-                vp = Validator(spec, args.checkpoint, transfer,
-                               dict(plain_base, world_size=info.world_size), plain_runner)  # fmt: skip
+                plain_opts = dict(plain_base, world_size=info.world_size)
+                vp = Validator(spec, args.checkpoint, transfer, plain_opts, plain_runner)
                 plain = scenarios(vp, plain_probe, only)
                 timing["plain_scenarios_s"] = time.perf_counter() - t0
                 differ = sorted(
