@@ -599,3 +599,37 @@ def test_fake_engine_server_roundtrip():
         assert r.usage.completion_tokens <= 2
     finally:
         bg.stop(grace_s=0.5)
+
+
+def test_speculative_server_serves_the_plain_greedy_tokens_and_counts_acceptance():
+    """``speculative_config`` on a served engine: greedy completions equal a plain engine's,
+    and ``/metrics`` carries the acceptance counters."""
+    dspark = {"method": "dspark", "num_speculative_tokens": 5}
+    opts = {"max_num_seqs": 4, "dtype": "float64"}
+    plain = LLM("tiny40_dspark", world_size=1, **opts)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    _, want = offline_texts(plain, PROMPTS[:2], params)
+    server = OpenAIServer(LLM("tiny40_dspark", world_size=1, speculative_config=dspark, **opts))
+    bg = start_in_thread(server)
+    try:
+        c = client(bg)
+        for p, ids in zip(PROMPTS[:2], want, strict=True):
+            r = c.completions.create(
+                model=server.model_name, prompt=p, max_tokens=8, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.choices[0].text == plain.decode(ids)
+        m = metrics(bg)
+        drafts = m["v41plan:spec_decode_num_drafts_total"]
+        assert m["v41plan:spec_decode_num_draft_tokens_total"] == 5 * drafts
+        hist = {
+            int(re.search(r'accepted_len="(\d+)"', k).group(1)): v
+            for k, v in m.items()
+            if k.startswith("v41plan:spec_decode_accepted_length_total")
+        }
+        assert sum(hist.values()) == drafts >= 2
+        # each request's first token comes from its prefill, the other 7 from verify steps
+        # (a + 1 each; the last step of a request may be cut by max_tokens)
+        assert sum((a + 1) * n for a, n in hist.items()) >= 2 * 7
+    finally:
+        bg.stop(grace_s=1.0)

@@ -245,3 +245,30 @@ def test_server_metrics_name_the_acceptance_counters():
     assert 'v41plan:spec_decode_accepted_length_total{accepted_len="2",model_name="m"} 3.0' in text
     assert 'v41plan:runner_forwards_total{model_name="m"} 9.0' in text
     assert "runner_spec_" not in text
+
+
+@pytest.mark.slow
+def test_validate_runtime_speculative_matches_plain(tmp_path):
+    """``validate_runtime --speculative`` on both transfers, over the scenarios where the
+    scheduler moves a speculating request (a prefix fork, a preemption mid-prefill, decode rows
+    beside a prefill): each passes, and its tokens equal the same scenario run without
+    speculation. About 60 s of CPU; the full scenario list is the README's command."""
+    import json
+
+    from v41plan.validation import validate_runtime
+
+    out = tmp_path / "report.json"
+    cases = "prefix_fork,preempt_resume,mixed_decode_and_prefill"
+    rc = validate_runtime.main(
+        ["--spec", SPEC, "--speculative", "--cases", cases, "--output", str(out)]
+    )
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["passed"] and report["speculative"]
+    for transfer in ("replay", "copy"):
+        got = report["transfers"][transfer]["cases"]
+        assert all(c["passed"] for c in got.values()), got
+        match = got["speculative_matches_plain"]
+        assert match["differ"] == [] and match["cases"] == len(cases.split(","))
+        assert match["drafted"] > 0
+        stats = report["transfers"][transfer]["runner_stats"]
+        assert stats["spec_verify_rows"] > 0

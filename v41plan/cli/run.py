@@ -152,6 +152,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         '"127.0.0.1", "port": 5555}\' (default: none)',
     )
     e.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='DSpark speculative decoding, as JSON: \'{"method": "dspark", '
+        '"num_speculative_tokens": 5}\' (a spec with dspark_* fields, BF16 caches, eager steps; '
+        "default: none)",
+    )
+    e.add_argument(
         "--engine-seed",
         type=int,
         default=0,
@@ -304,6 +312,14 @@ def _print_text(llm, outs, elapsed_s: float) -> None:
             f"{sum(len(o.prompt_token_ids) for o in outs)} prompt tokens, {gen} generated "
             f"({rate:.1f} tokens/s overall)"
         )
+    st = llm.speculative_stats()
+    if st is not None and st["drafts"]:
+        hist = " ".join(f"{a}:{h}" for a, h in enumerate(st["accepted_length_histogram"]))
+        print(
+            f"DSpark: {st['drafts']} blocks verified, {st['accepted_tokens']} of "
+            f"{st['draft_tokens']} drafted tokens accepted ({st['acceptance_rate']:.1%}), "
+            f"{st['mean_accepted_length']:.2f} tokens a verify step; accepted lengths {hist}"
+        )
 
 
 def _json_line(o) -> str:
@@ -418,10 +434,12 @@ def build_engine(args: argparse.Namespace, world_size: int, spec=None):
     }
     if args.kv_transfer_config is not None:
         options["kv_transfer_config"] = args.kv_transfer_config
+    if args.speculative_config is not None:
+        options["speculative_config"] = args.speculative_config
     try:
         return LLM(spec, args.checkpoint, world_size=world_size, **options)
     except ConfigError as exc:
-        name = str(exc).split("=", 1)[0]
+        name = str(exc).split("=", 1)[0].split("[", 1)[0]  # (a dict option names its key)
         flag = _ENGINE_FLAGS.get(name, "--" + name.replace("_", "-"))
         known = name in _ENGINE_FLAGS or name in options
         raise Refused(f"{flag}: {exc}" if known and name.isidentifier() else str(exc)) from None
