@@ -8,6 +8,9 @@ draft proposes what the dense reference draft proposes. Options are refused befo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -206,8 +209,8 @@ def test_emitted_logprobs_are_the_targets(plain_tokens):
         ({"speculative_config": DSPARK, "kv_cache_dtype": "fp4"}, "packed"),
         ({"speculative_config": DSPARK, "max_model_len": 4094}, "max_position_embeddings - 5"),
         (
-            {"speculative_config": DSPARK, "enforce_eager": False, "cudagraph_mode": "FULL"},
-            "speculative steps run eagerly",
+            {"speculative_config": DSPARK, "enforce_eager": False, "cudagraph_mode": "PIECEWISE"},
+            "accepted with speculative_config: FULL, NONE",
         ),
         ({"speculative_config": DSPARK, "resident_weights": True}, "dequantised"),
     ],
@@ -218,6 +221,69 @@ def test_options_refused_before_load(options, needle):
 
     with pytest.raises(ConfigError, match=needle):
         LLM(SPEC, runner_factory=never, world_size=1, **options)
+
+
+class _Recorded:
+    """A "graph" that keeps the captured call and, on replay, re-runs it and refreshes every
+    tensor of the captured output in place (what a CUDA replay does to its output)."""
+
+    fn = out = None
+
+    def replay(self):
+        _refresh(self.out, self.fn())
+
+
+def _refresh(old, new):
+    if isinstance(old, torch.Tensor):
+        old.copy_(new)
+    elif old is not None:
+        for f in dataclasses.fields(old):
+            _refresh(getattr(old, f.name), getattr(new, f.name))
+
+
+class _RecordingAPI:
+    """``CudaGraphAPI`` on the CPU: a capture records the callable (FULL runs exactly what a
+    CUDA capture would record: ``RuntimeModel.run`` on the bucket's prepared inputs)."""
+
+    def new_graph(self):
+        return _Recorded()
+
+    def pool(self):
+        return None
+
+    def capture(self, graph, pool, fn):
+        graph.fn, graph.out = fn, fn()
+        return graph.out
+
+    def guard(self, what, pool, record, refuse_outside=True):
+        record.append({"what": what, "new_segments": 0, "pool_ids_reported": True,
+                       "outside_pool": []})  # fmt: skip
+        return contextlib.nullcontext()
+
+    def synchronize(self):
+        pass
+
+
+def test_full_graph_verify_steps_give_the_plain_tokens(plain_tokens):
+    """FULL graphs of the verify step (buckets ``(bs, 6)``, captured from ``run`` with its
+    draft, acceptance and commit): every decode step a replay, the oracle's every accepted
+    length, the plain tokens; the capture leaves the pools as they were."""
+    from v41plan.runtime.graphs import FULL_SAMPLER, GREEDY, CudaGraphs
+
+    llm = _llm(speculative_config=DSPARK)
+    runner = llm.runner
+    graphs = CudaGraphs(runner.model, llm.spec, [(1, 6), (2, 6), (4, 6)], "FULL",
+                        api=_RecordingAPI(), samplings=(GREEDY, FULL_SAMPLER))  # fmt: skip
+    before = runner.model.pools.backing.clone()
+    graphs.capture()
+    assert torch.equal(runner.model.pools.backing, before)
+    assert graphs.report["pages_untouched"] and graphs.report["slots_untouched"]
+    runner.graphs = graphs
+    full = {"prompts": [p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)]}
+    _oracle(llm, full, wrong_at=lambda step, row: (2 * step + row) % 6)
+    assert _run(llm, full) == plain_tokens
+    assert graphs.stats["graph_steps"] >= 5 and graphs.stats["eager_decode_steps"] == 0
+    assert all(h > 0 for h in llm.speculative_stats()["accepted_length_histogram"])
 
 
 def test_a_spec_without_a_draft_is_refused():

@@ -398,7 +398,16 @@ class CudaGraphs:
         st = None
         if sampling is not None:
             st = StepSampling.neutral(bs, sampled=sampling[0], truncate=sampling[1])
-        return m.prepare(plan, np.zeros(bs * q, dtype=np.int64), sampling=st)
+        spec = None
+        if m.draft is not None:  # every row verifies a block, and drafts the next
+            from v41plan.runtime.paged_model import StepSpec
+
+            B = m.draft.block_size
+            cursors = np.zeros((bs, B + 1, m.pools.cursor_host.shape[1]), dtype=np.int64)
+            cursors[:, :, 0] = plan.forward_start[:bs, None] + np.arange(1, B + 2)
+            ones = np.ones(bs, dtype=bool)
+            spec = StepSpec(ones, np.zeros((bs, B), dtype=np.int64), cursors, ones)
+        return m.prepare(plan, np.zeros(bs * q, dtype=np.int64), sampling=st, spec=spec)
 
     def _capture_full(self, bs: int, q: int, inputs) -> None:
         api = self.api
@@ -521,9 +530,11 @@ def build_cuda_graphs(model, spec, options) -> CudaGraphs | None:
     if model.device.type != "cuda":
         log.warning("cudagraph_mode=%s needs CUDA; running eager on %s", mode, model.device)
         return None
-    buckets = capture_buckets(
-        spec, options.max_num_seqs, max(options.max_num_batched_tokens, options.max_num_seqs)
-    )
+    width = max(options.max_num_batched_tokens, options.max_num_seqs)
+    buckets = capture_buckets(spec, options.max_num_seqs, width)
+    if model.draft is not None:  # every decode row verifies: the anchor and the block
+        q = 1 + model.draft.block_size
+        buckets = sorted({(bs, q) for bs, _ in buckets if bs * q <= width})
     graphs = CudaGraphs(model, spec, buckets, mode, samplings=(GREEDY, FULL_SAMPLER))
     graphs.capture()
     return graphs

@@ -1030,6 +1030,7 @@ class RuntimeModel:
         sel: dict[int, torch.Tensor] = {}
         if self.draft is not None:
             self._tapped[: si.t] = False
+            self._tail_stage = {}
         for st in si.stages:
             if st.rows is not None and st.rows.shape[0] == 0:
                 continue  # a stage the plan runs on no row (the decoder of a non-final chunk)
@@ -1161,12 +1162,12 @@ class RuntimeModel:
                                   sp.cursors[ar, accepted], pools.sink_slot)  # fmt: skip
         row = sp.verify_rows[ar, accepted]
         last = si.per_request["forward_end"] - self.draft.block_size - 1 + accepted
-        opens = ok & (last % 2 == 0)
-        s = torch.where(opens, slot, pools.sink_slot)
+        opens = (ok & (last % 2 == 0))[:, None]
         for L, (v, g) in self._tail_stage.items():
             ti = pools.tail_index[L]
-            pools.tail_values[s, ti] = v[row].to(pools.tail_values.dtype)
-            pools.tail_scores[s, ti] = g[row].to(pools.tail_scores.dtype)
+            # a verifying row rewrites its own tail (kept where no group opens): no sink write
+            for tails, new in ((pools.tail_values, v), (pools.tail_scores, g)):
+                tails[slot, ti] = torch.where(opens, new[row].to(tails.dtype), tails[slot, ti])
 
     def forward(
         self, plan, token_ids, *, all_row_logits: bool = False, sampling=None

@@ -195,12 +195,12 @@ def _check_speculative(config: object, spec: CacheSpec, o: EngineOptions) -> dic
             "speculative_config: 'bf16'",
         )
     mode = str(o.cudagraph_mode).split(".")[-1].upper()
-    if mode != "NONE" or not o.enforce_eager:
+    if mode == "PIECEWISE":
         raise _fail(
             "cudagraph_mode",
             o.cudagraph_mode,
-            "speculative steps run eagerly (their verify graphs are not captured yet); "
-            "accepted with speculative_config: NONE with enforce_eager=True",
+            "a verify step's draft and acceptance run after the layers, inside the FULL "
+            "graph; accepted with speculative_config: FULL, NONE",
         )
     return {"method": method, "num_speculative_tokens": n}
 
