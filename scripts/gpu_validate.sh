@@ -3,7 +3,7 @@
 #   GPU tests, validate_runtime --graph for tiny40 and medium, the decode and prefill benchmarks.
 # Reports land in $OUT (default reports/gpu); the log and every JSON report record the tree's
 # provenance (v41plan/validation/provenance.py). STEPS picks a subset, in this order:
-#   STEPS="profile tests tiny40 ckpt decode prefill medium fasttests crosscheck compiled paths startup tiles site kernels dense gemm sampler serve scorer" \
+#   STEPS="profile tests tiny40 ckpt decode prefill medium fasttests crosscheck compiled paths startup tiles site kernels dense gemm sampler serve scorer dspark dsparkbench" \
 #     TRANSFER=both scripts/gpu_validate.sh
 # Step limits are overridable as LIMIT_<step> (seconds). The whole list runs past one 10-minute
 # device call (measured on an H200: tests about 190 s, kernels 70 s, tiny40 both transfers about 230 s, ckpt 20 s,
@@ -84,4 +84,11 @@ run_step serve 240 bash -c 'python3 -m pip install -q --no-index --no-deps --no-
     --spec medium --checkpoint "$0" --device cuda --rate 4 --num-requests 100 --duration-s 30 \
     --out "$1/bench_serve.json"' "$CKPT" "$OUT"
 run_step scorer 120 python3 benchmarks/bench_scorer.py --spec medium --device cuda --out "$OUT/bench_scorer.json"
+# DSpark: validate_runtime --speculative under FULL graphs on tiny40_dspark (float64: greedy ties
+# away), its tokens against the eager runner's and the plain engine's; then the step costs on medium
+run_step dspark 300 python3 -m v41plan.validation.validate_runtime --spec specs/tiny40_dspark.yaml --graph \
+    --device cuda --speculative --transfer "$TRANSFER" "${CASE_ARGS[@]}" \
+    --output "$OUT/validate_tiny40_dspark_graph$SUFFIX.json"
+run_step dsparkbench 300 python3 benchmarks/bench_dspark.py ${BATCH_SIZES:+--batch-sizes "$BATCH_SIZES"} \
+    --out "$OUT/bench_dspark.json"
 exit $status
