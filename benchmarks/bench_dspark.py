@@ -54,13 +54,13 @@ def _engines(spec, args, max_bs: int):
         return PagedRunner(spec_, ckpt, options, dtype=DTYPES[args.dtype], device=device)
 
     graphs = args.device == "cuda"
-    opts = dict(
-        enforce_eager=not graphs, cudagraph_mode="FULL" if graphs else "NONE",
-        device=args.device, dtype=args.dtype, max_num_seqs=max_bs,
-        max_num_batched_tokens=max(max_bs * args.context, 2 * spec.replay.hash_block_tokens),
-        max_model_len=args.context + 6 * (args.steps + 4) + 16, compilation_level=0,
-        resident_weights=False, world_size=1,
-    )  # fmt: skip
+    opts = {
+        "enforce_eager": not graphs, "cudagraph_mode": "FULL" if graphs else "NONE",
+        "device": args.device, "dtype": args.dtype, "max_num_seqs": max_bs,
+        "max_num_batched_tokens": max(max_bs * args.context, 2 * spec.replay.hash_block_tokens),
+        "max_model_len": args.context + 6 * (args.steps + 4) + 16, "compilation_level": 0,
+        "resident_weights": False, "world_size": 1,
+    }  # fmt: skip
     if graphs:
         opts.update(kernel_backend="triton", dense_kernels="triton", moe_impl="grouped")
     plain = LLM(spec, runner_factory=factory, **opts)
