@@ -90,5 +90,5 @@ run_step dspark 300 python3 -m v41plan.validation.validate_runtime --spec specs/
     --device cuda --speculative --transfer "$TRANSFER" "${CASE_ARGS[@]}" \
     --output "$OUT/validate_tiny40_dspark_graph$SUFFIX.json"
 run_step dsparkbench 300 python3 benchmarks/bench_dspark.py ${BATCH_SIZES:+--batch-sizes "$BATCH_SIZES"} \
-    --out "$OUT/bench_dspark.json"
+    --steps 8 --context 256 --out "$OUT/bench_dspark.json"
 exit $status
