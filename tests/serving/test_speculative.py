@@ -72,6 +72,35 @@ def test_random_draft_tokens_equal_plain_greedy(plain_tokens):
     st = llm.speculative_stats()
     assert st["drafts"] > 0 and st["draft_tokens"] == 5 * st["drafts"]
     assert sum(st["accepted_length_histogram"]) == st["drafts"]
+    # every sampling step proposes: each request's prefill and each verify step
+    assert st["proposals"] == st["drafts"] + len(PROMPTS)
+    conf = st["mean_confidence"]
+    assert len(conf) == 5 and all(np.isfinite(conf)) and len(set(conf)) > 1
+
+
+def test_the_draft_follows_the_decoder_under_replay():
+    """A non-final chunk runs no decoder row: the draft's rings stay as the slot reset left
+    them. The final chunk seeds them from its tail only (the draft reads the window before the
+    anchor, and the tail holds it)."""
+    from v41plan.serving.engine import SamplingParams as SP
+
+    llm = _llm(speculative_config=DSPARK, max_num_seqs=1, long_prefill_token_threshold=32,
+               max_num_batched_tokens=64)  # fmt: skip
+    pools = llm.runner.model.pools
+    W, R, L = 8, pools.geometry.ring_rows, llm.spec.dims.num_hidden_layers
+    prompt = [40 + (3 * i) % 200 for i in range(80)]
+    seq = llm.add_request(prompt, SP(max_tokens=1, ignore_eos=True))
+    seen = []
+    while not seq.is_finished:
+        llm.step()
+        draft = pools.rings[0, L:].float()
+        seen.append((seq.num_cached_tokens, bool(draft.abs().sum() > 0)))
+        if seq.num_cached_tokens == len(prompt):
+            # written: the ring slots of the tail's positions; left zero: none of them
+            held = (draft.abs().sum(dim=(0, 2)) > 0).nonzero().flatten().tolist()
+            tail = sorted({p % R for p in range(len(prompt) - W, len(prompt))})
+            assert set(tail) <= set(held)
+    assert seen[0] == (32, False) and seen[1] == (64, False) and seen[-1][1]
 
 
 def _poison_rejected(llm: LLM) -> list[int]:
@@ -141,6 +170,22 @@ def test_a_whole_block_is_accepted_with_the_bonus_token(plain_tokens):
     # 30 tokens each: the prefill's, then blocks of 6 (the last one cut by max_tokens)
     assert st["accepted_length_histogram"][5] >= 3 * 4
     assert st["acceptance_rate"] > 0.9
+
+
+def test_a_written_checkpoint_loads_its_draft(tmp_path, plain_tokens):
+    """``init-checkpoint`` writes the draft's ``mtp.*`` tensors; a speculating engine loads
+    them from the directory and drafts what the in-memory random draft drafts."""
+    from v41plan.cli.main import main
+
+    assert main(["init-checkpoint", "--spec", SPEC, "--out", str(tmp_path / "ck")]) == 0
+    runs = []
+    for checkpoint in (str(tmp_path / "ck"), None):
+        llm = LLM(SPEC, checkpoint, dtype="float64", device="cpu", max_num_seqs=4,
+                  speculative_config=DSPARK)  # fmt: skip
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
+        runs.append((got, llm.runner._drafts.copy()))
+    assert runs[0][0] == runs[1][0] == plain_tokens[:1]
+    assert np.array_equal(runs[0][1], runs[1][1])
 
 
 def test_paged_draft_proposes_the_reference_drafts():

@@ -285,8 +285,10 @@ class LLM:
         """DSpark acceptance counters since the runner started (None without speculation):
         ``drafts`` (blocks verified), ``draft_tokens``, ``accepted_tokens``,
         ``acceptance_rate`` (accepted / drafted), ``mean_accepted_length`` (tokens a verify
-        step emits: accepted drafts plus the target's own) and ``accepted_length_histogram``
-        (``[a]``: blocks with ``a`` drafts accepted, ``a = 0 .. block_size``)."""
+        step emits: accepted drafts plus the target's own), ``accepted_length_histogram``
+        (``[a]``: blocks with ``a`` drafts accepted, ``a = 0 .. block_size``), ``proposals``
+        (blocks drafted) and ``mean_confidence`` (the draft's confidence-head logit per draft
+        position, averaged over the proposals)."""
         block = getattr(self.runner, "spec_block", 0)
         if not block:
             return None
@@ -302,6 +304,10 @@ class LLM:
             "accepted_length_histogram": [
                 st.get(f"spec_accepted_len_{a}", 0) for a in range(block + 1)
             ],
+            "proposals": st.get("spec_proposals", 0),
+            "mean_confidence": (
+                self.runner.spec_confidence_sum / max(st.get("spec_proposals", 0), 1)
+            ).tolist(),
         }
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ forwards, rows, replay rows, ...), ``v41plan:cudagraph_replays_total`` and
 ``v41plan:eager_decode_steps_total`` (0 under eager execution). With speculative decoding:
 ``v41plan:spec_decode_num_drafts_total`` (blocks verified),
 ``v41plan:spec_decode_num_draft_tokens_total`` (tokens drafted),
-``v41plan:spec_decode_num_accepted_tokens_total`` (drafted tokens accepted) and
+``v41plan:spec_decode_num_accepted_tokens_total`` (drafted tokens accepted),
+``v41plan:spec_decode_num_proposals_total`` (blocks drafted) and
 ``v41plan:spec_decode_accepted_length_total{accepted_len}`` (blocks by accepted length, the
 histogram of accepted lengths).
 
@@ -51,6 +52,7 @@ SPEC_COUNTERS = {
     "spec_verify_rows": ("spec_decode_num_drafts", "Draft blocks verified."),
     "spec_drafted": ("spec_decode_num_draft_tokens", "Tokens drafted."),
     "spec_accepted": ("spec_decode_num_accepted_tokens", "Drafted tokens accepted."),
+    "spec_proposals": ("spec_decode_num_proposals", "Draft blocks proposed."),
 }
 """Runner counters of speculative decoding -> (metric, help)."""
 _LEN_PREFIX = "spec_accepted_len_"

@@ -98,6 +98,8 @@ class PagedRunner:
         self.spec_block = self.model.draft.block_size if self.speculative else 0
         self._drafts = np.zeros((options.max_num_seqs, max(self.spec_block, 1)), dtype=np.int64)
         """Per slot, the block its draft proposed last (what its next decode row verifies)."""
+        self.spec_confidence_sum = np.zeros(max(self.spec_block, 1), dtype=np.float64)
+        """The draft's confidence logits summed per draft position over every proposal."""
         self.kernels["resident_weights"] = self.model.resident  # as loaded
         from v41plan.runtime.graphs import build_cuda_graphs
 
@@ -400,6 +402,9 @@ class PagedRunner:
                 self.stats[f"spec_accepted_len_{a}"] += 1
         props = np.flatnonzero(sp.proposes)
         self._drafts[slots[props], : self.spec_block] = host["spec_drafts"].numpy()[props]
+        if len(props):  # the confidence head's logit per draft position, summed over blocks
+            self.spec_confidence_sum += host["spec_confidence"].numpy()[props].sum(axis=0)
+            self.stats["spec_proposals"] += len(props)
         emitted = host["spec_tokens"].numpy()[:n]
         lps = host["spec_logprobs"].numpy()[:n]
         ar = np.arange(n)
@@ -433,7 +438,8 @@ class PagedRunner:
         if res.spec is not None:
             sp = res.spec
             parts.update(spec_accepted=sp.accepted, spec_tokens=sp.tokens,
-                         spec_logprobs=sp.logprobs, spec_drafts=sp.drafts)  # fmt: skip
+                         spec_logprobs=sp.logprobs, spec_drafts=sp.drafts,
+                         spec_confidence=sp.confidence.float())  # fmt: skip
         if s.top_ids.shape[1]:
             parts["top_ids"], parts["top_logprobs"] = s.top_ids, s.top_logprobs
         if want_rows and res.row_logits is not None:
