@@ -22,7 +22,7 @@ from v41plan.serving.sampling import SamplingParams
 SPEC = "tiny40_dspark"
 DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
 PROMPTS = [[40 + (7 * i + j) % 200 for i in range(n)] for j, n in enumerate((20, 45, 9))]
-GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def _llm(**options) -> LLM:
@@ -167,9 +167,10 @@ def test_a_whole_block_is_accepted_with_the_bonus_token(plain_tokens):
     _oracle(llm, full)
     assert _run(llm, full) == plain_tokens
     st = llm.speculative_stats()
-    # 30 tokens each: the prefill's, then blocks of 6 (the last one cut by max_tokens)
-    assert st["accepted_length_histogram"][5] >= 3 * 4
-    assert st["acceptance_rate"] > 0.9
+    # 20 tokens each: the prefill's, then three whole blocks of 6; the fourth verify step's
+    # drafts run past the known continuation (zeros), so at least 15 of its 20 drafts accept
+    assert st["accepted_length_histogram"][5] >= 3 * 3
+    assert st["acceptance_rate"] >= 0.75
 
 
 def test_a_written_checkpoint_loads_its_draft(tmp_path, plain_tokens):
@@ -217,12 +218,12 @@ def test_paged_draft_proposes_the_reference_drafts():
 
 
 def test_sampled_speculation_is_seeded():
-    params = SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
     runs = [
         [o.outputs[0].token_ids for o in _llm(speculative_config=DSPARK).generate(PROMPTS, params)]
         for _ in range(2)
     ]
-    assert runs[0] == runs[1] and all(len(t) == 20 for t in runs[0])
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
 
 
 def test_emitted_logprobs_are_the_targets(plain_tokens):
