@@ -361,10 +361,12 @@ def test_server_metrics_name_the_acceptance_counters():
 
 @pytest.mark.slow
 def test_validate_runtime_speculative_matches_plain(tmp_path):
-    """``validate_runtime --speculative`` on both transfers, over the scenarios where the
+    """``validate_runtime --speculative`` (replay transfer) over the scenarios where the
     scheduler moves a speculating request (a prefix fork, a preemption mid-prefill, decode rows
     beside a prefill): each passes, and its tokens equal the same scenario run without
-    speculation. About 60 s of CPU; the full scenario list is the README's command."""
+    speculation. About 40 s of CPU; both transfers over every scenario are the README's command
+    (``reports/cpu/validate_runtime_speculative.json``), and the copy transfer's images after a
+    verify step are ``test_an_image_stored_after_a_verify_step_resumes_exactly``."""
     import json
 
     from v41plan.validation import validate_runtime
@@ -372,11 +374,12 @@ def test_validate_runtime_speculative_matches_plain(tmp_path):
     out = tmp_path / "report.json"
     cases = "prefix_fork,preempt_resume,mixed_decode_and_prefill"
     rc = validate_runtime.main(
-        ["--spec", SPEC, "--speculative", "--cases", cases, "--output", str(out)]
-    )
+        ["--spec", SPEC, "--speculative", "--transfer", "replay", "--cases", cases,
+         "--output", str(out)]
+    )  # fmt: skip
     report = json.loads(out.read_text())
     assert rc == 0 and report["passed"] and report["speculative"]
-    for transfer in ("replay", "copy"):
+    for transfer in ("replay",):
         got = report["transfers"][transfer]["cases"]
         assert all(c["passed"] for c in got.values()), got
         match = got["speculative_matches_plain"]
@@ -384,3 +387,27 @@ def test_validate_runtime_speculative_matches_plain(tmp_path):
         assert match["drafted"] > 0
         stats = report["transfers"][transfer]["runner_stats"]
         assert stats["spec_verify_rows"] > 0
+
+
+def test_an_image_stored_after_a_verify_step_resumes_exactly(plain_tokens):
+    """Copy transfer: a verify step whose accepted tokens end on the hash-block grid (32) has
+    the slot's image stored there, holding the accepted state; a request whose prompt is that
+    prefix plus one token restores it and continues with the plain engine's tokens."""
+    opts = {"encoder_swa_bounded_replay": False, "speculative_config": DSPARK}
+    llm = _llm(**opts)
+    prompt = PROMPTS[0]  # 20 tokens: the prefill's token, then whole blocks end at 26 and 32
+    full = {"prompts": [prompt + plain_tokens[0]]}
+    _oracle(llm, full)
+    seq = llm.add_request(prompt, SamplingParams(max_tokens=19, ignore_eos=True))
+    full[seq.seq_id] = full.pop("prompts")[0]
+    llm.run_until_done()
+    assert seq.token_ids[20:] == plain_tokens[0][:19]
+    assert len(llm.block_manager.images) >= 1  # the image at 32, stored after a verify step
+    resumed = llm.add_request(seq.token_ids[:33], SamplingParams(max_tokens=6, ignore_eos=True))
+    full[resumed.seq_id] = full[seq.seq_id]
+    llm.run_until_done()
+    assert resumed.hits == [32] and resumed.restores == 1
+    cold = _llm(encoder_swa_bounded_replay=False).generate(
+        [seq.token_ids[:33]], SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    assert resumed.token_ids[33:] == cold[0].outputs[0].token_ids
