@@ -53,12 +53,6 @@ sampler's and the acceptance uniforms' (the rejection rule needs the draft's dra
 of both)."""
 
 
-def draft_weight_names(weights: dict[str, Any]) -> list[str]:
-    """The draft's tensors in a weight table (``mtp.*``), which tensor-parallel sharding leaves
-    whole: every rank runs the whole draft (it is one window-only block per stage)."""
-    return [k for k in weights if k.startswith("mtp.")]
-
-
 @dataclass
 class DraftBlock:
     """One proposal per request."""

@@ -739,8 +739,8 @@ class RuntimeModel:
         commits the step's cursor values to the host mirror. With ``sampling`` the forward
         also samples each request's last row on the device (``StepOutput.sampled``); a
         speculating model needs ``spec`` and ``sampling`` (``StepOutput.spec``), and the host
-        mirror of a verifying request's cursor is its ``a = block_size`` candidate until
-        ``commit_accepted``."""
+        mirror of a verifying request's cursor is the whole block's (its ``a = block_size``
+        candidate) until ``commit_accepted``."""
         if (spec is None) != (self.draft is None):
             raise ValueError(
                 "a speculating model's step needs its StepSpec, and only such a model takes one"
@@ -940,11 +940,6 @@ class RuntimeModel:
         else:
             for k, v in host.items():
                 getattr(ws, k).copy_(torch.from_numpy(v), non_blocking=True)
-        mirror = self.pools.cursor_host
-        slots = plan.slots[:n].astype(np.int64)
-        v = spec.verify
-        if v.any():  # until commit_accepted: the whole block's cursor
-            mirror[slots[v]] = spec.cursors[v, B]
         return ws
 
     def commit_accepted(self, slots: np.ndarray, cursors: np.ndarray) -> None:

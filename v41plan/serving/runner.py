@@ -255,27 +255,29 @@ class PagedRunner:
             raise RuntimeError(f"step {batch.step}: a speculative decode row must run {B + 1} rows")
         drafts = np.zeros((n, B), dtype=np.int64)
         drafts[verify] = self._drafts[slots[verify], :B]
-        parts = []
-        for i in range(n):
-            s, start = int(slots[i]), int(rows.start[i])
-            if verify[i]:
-                parts.append(np.concatenate([t.tokens(s, start, start + 1), drafts[i]]))
-            else:
-                parts.append(t.tokens(s, int(rows.start[i]), int(rows.end[i])))
-        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        # a decode row's anchor is its slot's last token (what a plain decode step reads)
+        block = np.concatenate([t.last_token[slots][:, None], drafts], axis=1)
+        if verify.all():  # a decode batch: one array op
+            ids = block.reshape(-1)
+        else:
+            parts = [
+                block[i] if verify[i] else t.tokens(int(slots[i]), int(rows.start[i]),
+                                                    int(rows.end[i]))
+                for i in range(n)
+            ]  # fmt: skip
+            ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         mirror = self.model.pools.cursor_host
         h = mirror.shape[1]
         cursors = np.zeros((n, B + 1, h), dtype=np.int64)
         v = np.flatnonzero(verify)
         if len(v):
-            block = np.concatenate([t.last_token[slots[v]][:, None], drafts[v]], axis=1)
             hist = mirror[slots[v], 1:]
             for a in range(B + 1):
                 cursors[v, a, 0] = rows.start[v] + a + 1
                 if h > 1:
                     cu = np.arange(len(v) + 1, dtype=np.int64) * (a + 1)
                     cursors[v, a, 1:] = self.engram.advance_batch(
-                        block[:, : a + 1].reshape(-1), cu, hist
+                        block[v, : a + 1].reshape(-1), cu, hist
                     )
         spec = StepSpec(verify, drafts, cursors, rows.is_final_chunk.copy())
         return ids, spec
