@@ -5,6 +5,8 @@
 # (a quarter of them dense). The real run's command is printed and recorded in its
 # train_log.json: rerunning it reproduces the schedule.
 #   OUT=/tmp/q STEPS=560 EVAL_S=170 scripts/gpu_train_quality.sh
+# Optional: DENSE (dense-attention steps; default a quarter of STEPS), INIT (a checkpoint to go
+# on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has).
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
@@ -38,10 +40,15 @@ PY
     # a device call brings back at most 8 files: keep the calibration's log, drop its checkpoint
     mv "$OUT/calibration/train_log.json" "$OUT/calibration_log.json" && rm -rf "$OUT/calibration"
 fi
-dense=$((STEPS / 4))
-echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ" | tee -a "$OUT/train.log"
+dense=${DENSE:-$((STEPS / 4))}
+extra=()
+[ -n "${INIT:-}" ] && extra+=(--init-checkpoint "$INIT")
+[ -n "${LR:-}" ] && extra+=(--lr "$LR")
+[ -n "${SEED:-}" ] && extra+=(--seed "$SEED")
+[ -n "${TIME_LIMIT:-}" ] && extra+=(--time-limit "$TIME_LIMIT")
+echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ ${extra[*]}" | tee -a "$OUT/train.log"
 python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$STEPS" --dense-steps "$dense" \
-    --batch-seqs "$BATCH" --seq-tokens "$SEQ" 2>&1 | tee -a "$OUT/train.log"
+    --batch-seqs "$BATCH" --seq-tokens "$SEQ" "${extra[@]}" 2>&1 | tee -a "$OUT/train.log"
 if [ "$EVAL_S" -gt 0 ]; then
     echo "== quality table (cuda, up to $EVAL_S s)" | tee -a "$OUT/train.log"
     timeout "$EVAL_S" python3 -m v41plan.validation.quality_table --checkpoint "$OUT/$SPEC" \

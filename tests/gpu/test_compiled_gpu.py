@@ -154,3 +154,30 @@ def test_new_prompt_lengths_compile_nothing():
     print("graphs after each prompt length:", counts, f"compile {m.pieces.compile_s:.1f} s")
     assert counts[2] == counts[3] == counts[4], counts
     assert np.all(np.diff(counts) >= 0)
+
+
+def test_training_compiles_the_hc_prediction_through_inductor_within_float32_rounding():
+    """``v41plan train``'s compiled mHC prediction (Inductor on CUDA) against the eager one,
+    forward and backward, at a training step's row count."""
+    from v41plan.model.train import CompiledOrEager, _hc_predict_flat
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, hc, D = 4096, 4, 64
+    inputs = [
+        torch.randn(N, hc, D, generator=g, device="cuda"),
+        torch.randn(hc * (2 + hc), hc * D, generator=g, device="cuda") * 0.05,
+        torch.randn(hc * (2 + hc), generator=g, device="cuda"),
+        torch.randn(3, generator=g, device="cuda"),
+    ]
+    weights = [torch.randn(N, hc, generator=g, device="cuda") for _ in range(2)]
+    weights.append(torch.randn(N, hc, hc, generator=g, device="cuda"))
+    runs = []
+    compiled = CompiledOrEager(_hc_predict_flat)
+    for fn in (_hc_predict_flat, compiled):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        outs = fn(*xs, hc, 20, 1e-6, 1e-20)
+        sum((o * v).sum() for o, v in zip(outs, weights, strict=True)).backward()
+        runs.append([o.detach() for o in outs] + [x.grad for x in xs])
+    assert compiled.error is None
+    for a, b in zip(*runs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * a.abs().max().item())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 import zlib
 from functools import cache
@@ -21,9 +22,26 @@ from v41plan.model.config import config_from_cache_spec
 from v41plan.model.engram import EngramHost
 from v41plan.model.quant import fake_fp4, fake_fp8
 from v41plan.model.reference import ReferenceModel
-from v41plan.model.train import Batch, TrainModel, engram_rows
+from v41plan.model.train import (
+    Batch,
+    CompiledOrEager,
+    TrainModel,
+    _cast_value,
+    _fp4_value,
+    _fp8_value,
+    _fp8_values,
+    _hc_predict_flat,
+    engram_rows,
+)
 from v41plan.validation.quality_tasks import GENERATORS, documents
-from v41plan.validation.training import Corpus, TrainOptions, lr_at, train, write_loss_png
+from v41plan.validation.training import (
+    SHORT_COPY_FILLER_CHARS,
+    Corpus,
+    TrainOptions,
+    lr_at,
+    train,
+    write_loss_png,
+)
 
 B, S = 2, 40  # S past tiny's 8-row window, even (ratio-2 pairs)
 
@@ -113,14 +131,23 @@ def test_router_bias_update_raises_underloaded_experts_and_lowers_overloaded_one
     assert step[0] == pytest.approx(-0.01) and torch.allclose(step[1:], torch.tensor(0.01).double())
 
 
-def test_corpus_is_seeded_and_opens_each_sequence_with_a_long_document():
+def test_corpus_is_seeded_and_opens_each_sequence_with_a_document_at_position_0():
+    """Each sequence opens with a recall or copy document or (about a quarter) a sum, as the
+    tasks present theirs; about a third of the copies keep the code inside the window."""
     cfg = _cfg()
     x, marks = Corpus(cfg, 5, 640).batch(3)
     assert x.shape == marks.shape == (3, 641) and np.array_equal(x, Corpus(cfg, 5, 640).batch(3)[0])
     assert not np.array_equal(x, Corpus(cfg, 6, 640).batch(3)[0])
-    for row in x:
-        head = bytes(t for t in row[:40] if t < 256).decode()
-        assert head.startswith("code: ") or head.split("=")[0].isalpha(), head
+    x = Corpus(cfg, 5, 640).batch(200)[0]
+    heads = [bytes(t for t in row[:40] if t < 256).decode() for row in x]
+    sums = [h for h in heads if re.match(r"\d+\+\d+=\d+", h)]
+    assert all(h.startswith("code: ") or h.split("=")[0].isalpha() for h in heads if h not in sums)
+    assert 30 <= len(sums) <= 70, len(sums)
+    text = b"\n".join(bytes(t if t < 256 else 10 for t in row) for row in x).decode()
+    gaps = [len(m.group(1)) for m in re.finditer(r"code: [A-Z]{8}\n(.*)\nrepeat", text)]
+    short = sum(g <= SHORT_COPY_FILLER_CHARS for g in gaps)
+    # 30% of the copies drawn; short ones fit a sequence's remainder more often
+    assert 0.25 < short / len(gaps) < 0.5, (short, len(gaps))
 
 
 def test_corpus_skips_a_generated_document_equal_to_a_held_out_one(monkeypatch):
@@ -203,3 +230,69 @@ def test_answer_marks_cover_exactly_each_documents_answer():
             if start + len(line.split(b"=")[1]) < len(ids):
                 assert all(marks[start : start + len(line.split(b"=")[1])])
                 assert not marks[start - 1]
+
+
+def test_stacked_fp8_rounding_equals_one_weight_at_a_time():
+    """``processed`` rounds the masters of one shape stacked: bit for bit what each weight's
+    own rounding (the checkpoint's FP8 export) gives, padded blocks included."""
+    g = torch.Generator().manual_seed(3)
+    for shape, dtype in (((3, 64, 96), torch.float32), ((2, 40, 72), torch.float64)):
+        w = torch.randn(*shape, generator=g, dtype=dtype) * torch.logspace(-3, 1, shape[-1])
+        got = _fp8_values(w)
+        assert got.dtype == dtype
+        for i in range(shape[0]):
+            assert torch.equal(got[i], _fp8_value(w[i]))
+
+
+def test_processed_weights_equal_each_masters_own_rounding_and_pass_gradients():
+    cfg = _cfg()
+    tm = TrainModel(cfg, seed=2)
+    w = tm.processed()
+    assert max(len(v) for v in tm.groups.values()) > 1
+    for name, (kind, dtype) in tm.kinds.items():
+        if kind == "table":
+            continue
+        m = tm.masters[name].detach()
+        want = {"fp8": _fp8_value, "fp4": _fp4_value}.get(kind) or _cast_value(dtype)
+        assert torch.equal(w[name].detach(), want(m)), name
+    name = "layers.3.attn.wq_a.weight"
+    w[name].sum().backward()  # straight-through: the identity's gradient reaches the master
+    assert torch.equal(tm.masters[name].grad, torch.ones_like(tm.masters[name]))
+
+
+def test_compiled_hc_prediction_matches_the_eager_one_forward_and_backward():
+    """The mHC prediction ``v41plan train`` compiles on CUDA, traced here as there (one
+    graph, forward and backward) and run through ``aot_eager`` (Inductor's CPU code
+    generation is slow and is not what the GPU runs; ``tests/gpu/test_compiled_gpu.py``
+    runs Inductor): outputs and gradients within float32 rounding of the eager arithmetic."""
+    g = torch.Generator().manual_seed(0)
+    N, hc, D = 16, 4, 32
+    inputs = [
+        torch.randn(N, hc, D, generator=g),
+        torch.randn(hc * (2 + hc), hc * D, generator=g) * 0.05,
+        torch.randn(hc * (2 + hc), generator=g),
+        torch.randn(3, generator=g),
+    ]
+    weights = [torch.randn(N, hc, generator=g), torch.randn(N, hc, generator=g)]
+    weights.append(torch.randn(N, hc, hc, generator=g))
+    runs = []
+    for fn in (_hc_predict_flat, CompiledOrEager(_hc_predict_flat, backend="aot_eager")):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        outs = fn(*xs, hc, 20, 1e-6, 1e-20)
+        sum((o * v).sum() for o, v in zip(outs, weights, strict=True)).backward()
+        runs.append([o.detach() for o in outs] + [x.grad for x in xs])
+        if isinstance(fn, CompiledOrEager):
+            assert fn.error is None
+    for a, b in zip(*runs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * a.abs().max().item())
+
+
+def test_a_failing_compile_falls_back_to_eager_once(capsys):
+    def plain(x):
+        return x + 1
+
+    c = CompiledOrEager(plain)
+    c.compiled = lambda *a: (_ for _ in ()).throw(RuntimeError("no backend\nmore"))
+    assert torch.equal(c(torch.zeros(2)), torch.ones(2)) and c(torch.ones(1)).item() == 2
+    assert c.error == "RuntimeError: no backend"
+    assert capsys.readouterr().out.count("failed") == 1

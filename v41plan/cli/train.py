@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="run the mHC prediction eagerly on CUDA too (default: torch.compile it there)",
+    )
+    parser.add_argument(
         "--init-checkpoint",
         default=None,
         help="go on training from this checkpoint's weights (same spec; the optimizer restarts; "
@@ -87,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         dense_steps=args.dense_steps,
         seed=args.seed,
         graphs=not args.no_graphs,
+        compile=not args.no_compile,
         log_every=min(TrainOptions.log_every, args.steps),
         time_limit_s=args.time_limit,
         init_checkpoint=args.init_checkpoint,

@@ -51,9 +51,14 @@ from v41plan.model.layers import (
     window_indices,
 )
 from v41plan.model.quant import (
+    E4M3_MAX,
+    FP8_AMAX_FLOOR,
+    _cast_e4m3,
     dequant_fp4_weight,
     dequant_fp8_blocks,
     dequant_fp8_weight,
+    div_rn,
+    pow2ceil,
     quantize_fp4_weight,
     quantize_fp8_blocks,
     quantize_fp8_weight,
@@ -72,6 +77,22 @@ def _fp4_value(w: torch.Tensor) -> torch.Tensor:
     """Fused experts ``[E, out, in]`` on the published FP4 grid (E2M1, E8M0 per 32)."""
     flat = w.reshape(-1, w.shape[-1])  # per-row blocks: fusing experts changes no block
     return dequant_fp4_weight(*quantize_fp4_weight(flat), w.dtype).reshape(w.shape)
+
+
+def _fp8_values(w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``_fp8_value`` of each of the stacked dense weights ``[G, out, in]``, bit for bit, in one
+    pass (blocks never span two weights); codes and scales stay unpacked."""
+    G, out_f, in_f = w.shape
+    ro, ri = -(-out_f // block), -(-in_f // block)
+    pad = w.to(torch.float32)
+    if (ro * block, ri * block) != (out_f, in_f):  # zero lanes never raise a block's amax
+        pad = torch.zeros(G, ro * block, ri * block, dtype=torch.float32, device=w.device)
+        pad[:, :out_f, :in_f] = w
+    tiles = pad.view(G, ro, block, ri, block)
+    amax = tiles.abs().amax(dim=(2, 4)).clamp_min(FP8_AMAX_FLOOR)
+    s = pow2ceil(div_rn(amax, E4M3_MAX))[:, :, None, :, None]
+    q = _cast_e4m3(tiles / s).to(torch.float32) * s
+    return q.view(G, ro * block, ri * block)[:, :out_f, :in_f].to(w.dtype)
 
 
 def _cast_value(dtype: torch.dtype):
@@ -106,10 +127,17 @@ class TrainModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         init_state: dict[str, torch.Tensor] | None = None,
+        compile_hc: bool = False,
     ):
         """Masters from ``init_state`` (published tensors: a checkpoint to go on training),
-        else from the ``init-checkpoint`` weights of ``seed``."""
+        else from the ``init-checkpoint`` weights of ``seed``. ``compile_hc`` runs the mHC
+        prediction (its Sinkhorn loop is a third of a step's operations) through
+        ``torch.compile``: a few fused kernels forward and backward, equal to the eager
+        arithmetic up to float32 rounding order."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.compiled_hc = CompiledOrEager(_hc_predict_flat) if compile_hc else None
+        """The compiled mHC prediction (None: eager); its ``error`` says why it fell back."""
+        self.hc_predict = self.compiled_hc or _hc_predict_flat
         specs = tensor_table(cfg)
         state = random_state(cfg, seed) if init_state is None else init_state
         self.kinds: dict[str, tuple[str, torch.dtype]] = {}
@@ -145,6 +173,12 @@ class TrainModel:
                 self.kinds[t.name] = ("plain", t.dtype)
                 self.masters[t.name] = state[t.name].to(dtype)
         self.masters = {k: v.to(self.device).contiguous() for k, v in self.masters.items()}
+        self.groups: dict[tuple, list[str]] = {}
+        """(kind, published dtype, shape) -> the masters ``processed`` rounds together."""
+        for name, (kind, pdtype) in self.kinds.items():
+            if kind != "table":
+                key = (kind, pdtype, tuple(self.masters[name].shape))
+                self.groups.setdefault(key, []).append(name)
         self.biases = {k for k in self.masters if k.endswith(".ffn.gate.bias")}
         """Router biases: updated by the balancing rule, not by gradients."""
         for k, v in self.masters.items():
@@ -165,16 +199,25 @@ class TrainModel:
 
     def processed(self) -> dict[str, torch.Tensor]:
         """The weights the layers read: every master on its published grid (straight-through),
-        Engram tables apart (their rows are quantized as they are gathered)."""
+        Engram tables apart (their rows are quantized as they are gathered). Masters of one
+        format and shape are rounded stacked, in one pass a group: the same values as one
+        at a time (``tests/model/test_train.py``) in a few dozen operations instead of
+        tens of thousands."""
         w = {}
-        for name, (kind, dtype) in self.kinds.items():
-            m = self.masters[name]
+        for (kind, dtype, _shape), names in self.groups.items():
+            ms = [self.masters[n] for n in names]
             if kind == "fp8":
-                w[name] = straight_through(m, _fp8_value)
+                value = _fp8_values
             elif kind == "fp4":
-                w[name] = straight_through(m, _fp4_value)
-            elif kind == "plain":
-                w[name] = straight_through(m, _cast_value(dtype))
+                value = _fp4_value  # per-row blocks: a leading dim changes no block
+            else:
+                value = _cast_value(dtype)
+            if len(ms) == 1:
+                one = ms[0][None] if kind == "fp8" else ms[0]
+                out = straight_through(one, value)
+                w[names[0]] = out[0] if kind == "fp8" else out
+                continue
+            w.update(zip(names, straight_through(torch.stack(ms), value).unbind(0), strict=True))
         return w
 
     @torch.no_grad()
@@ -225,6 +268,7 @@ class TrainModel:
         pre_in[:, 0] = 1
         loads = []
         eps = cfg.rms_norm_eps
+        hc_args = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         for info in cfg.layers:
             L = info.index
             p = f"layers.{L}"
@@ -238,15 +282,11 @@ class TrainModel:
                 X = self.engram_layers[L](X, emb, None)
             hc_a = HcParams(*(w[f"{p}.hc_attn_{k}"].to(acc) for k in ("fn", "base", "scale")))
             hc_f = HcParams(*(w[f"{p}.hc_ffn_{k}"].to(acc) for k in ("fn", "base", "scale")))
-            a_pre, a_post, a_C = hc_predict(
-                X, hc_a, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
-            )
+            a_pre, a_post, a_C = self.hc_predict(X, hc_a.fn, hc_a.base, hc_a.scale, *hc_args)
             x = rms_norm(hc_collapse(X, pre_in), w[f"{p}.attn_norm.weight"], eps)
             y = self._attention(L, x, ctx)
             X = hc_expand(y, X, a_post, a_C)
-            f_pre, f_post, f_C = hc_predict(
-                X, hc_f, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps
-            )
+            f_pre, f_post, f_C = self.hc_predict(X, hc_f.fn, hc_f.base, hc_f.scale, *hc_args)
             x = rms_norm(hc_collapse(X, a_pre), w[f"{p}.ffn_norm.weight"], eps)
             y, experts = self.moe[L](x)
             counts = torch.zeros(cfg.n_routed_experts, dtype=acc, device=self.device)
@@ -349,6 +389,30 @@ class TrainModel:
         for info in self.cfg.layers:
             b = self.masters[f"layers.{info.index}.ffn.gate.bias"]
             b.add_(torch.sign(mean - expert_load[info.index]).to(b.dtype), alpha=rate)
+
+
+class CompiledOrEager:
+    """``torch.compile(fn)``; if compiling fails (a backend missing on this machine), says so
+    once and runs ``fn`` eagerly from then on."""
+
+    def __init__(self, fn, backend: str = "inductor"):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+        self.error: str | None = None
+
+    def __call__(self, *args):
+        if self.error is None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back
+                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                print(f"torch.compile of {self.fn.__name__} failed ({self.error}); running eagerly")
+        return self.fn(*args)
+
+
+def _hc_predict_flat(X, fn, base, scale, hc, iters, hc_eps, norm_eps):
+    """``hc_predict`` over plain tensor arguments (what ``torch.compile`` traces)."""
+    return hc_predict(X, HcParams(fn, base, scale), hc, iters, hc_eps, norm_eps)
 
 
 @dataclass

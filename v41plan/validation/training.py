@@ -38,8 +38,9 @@ from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
 from v41plan.validation.quality_tasks import EVAL_SEED, GENERATORS, documents
 
-LONG_TASKS = ("kv_recall_mc", "copy_gen")
-"""Documents that open a training sequence (their answers lie past the window)."""
+SHORT_COPY_FILLER_CHARS = 4
+"""Filler of a short copy document: each code letter then sits 26 + filler rows behind the
+row that copies it, inside quality40's 32-row window."""
 
 
 @dataclass
@@ -72,6 +73,9 @@ class TrainOptions:
     """Seed of the initial weights (``init-checkpoint``'s) and of the corpus."""
     graphs: bool = True
     """Capture the step as a CUDA graph (on CUDA; the CPU runs eagerly)."""
+    compile: bool = True
+    """``torch.compile`` the mHC prediction (on CUDA): its 20 Sinkhorn iterations are a third
+    of the step's operations, forward and backward."""
     log_every: int = 25
     """Steps between progress lines (each one reads the losses back)."""
     time_limit_s: float = 0.0
@@ -83,7 +87,18 @@ class TrainOptions:
 class Corpus:
     """The training token stream: deterministic in the seed, held-out documents skipped."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, seq_tokens: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int,
+        seq_tokens: int,
+        short_copy_share: float = 0.3,
+        arith_first_share: float = 0.25,
+    ):
+        """``short_copy_share``: copy documents whose code lies inside the window of its
+        repeat; ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
+        position 0)."""
+        self.short_copy_share, self.arith_first_share = short_copy_share, arith_first_share
         if seed == EVAL_SEED:
             raise ValueError("the training seed must differ from the held-out one")
         self.rng = random.Random(f"v41plan-train:{seed}")
@@ -119,15 +134,27 @@ class Corpus:
 
     def _long_doc(self) -> tuple[list[int], list[bool]]:
         """A recall or copy document of a random length up to the tasks' own (a range of
-        distances teaches the lookup sooner than the longest alone)."""
+        distances teaches the lookup sooner than the longest alone). A share of the copies
+        keep the code inside the window of its repeat (``SHORT_COPY_FILLER_CHARS``): the
+        copying is learned there on window rows, and then reaches back through the
+        compressed rows."""
         if self.rng.random() < 0.5:
             return self._doc("kv_recall_mc", pairs=self.rng.randint(6, 40))
-        return self._doc("copy_gen", filler_chars=self.rng.randint(16, 420))
+        if self.rng.random() < self.short_copy_share:
+            return self._doc("copy_gen", filler_chars=self.rng.randint(0, SHORT_COPY_FILLER_CHARS))
+        return self._doc(
+            "copy_gen", filler_chars=self.rng.randint(SHORT_COPY_FILLER_CHARS + 1, 420)
+        )
 
     def sequence_marked(self) -> tuple[list[int], list[bool]]:
-        """``seq_tokens + 1`` tokens and their answer marks: long documents while they fit
-        (the first from position 0, as the tasks present them), then arithmetic ones."""
-        ids, ans = self._long_doc()
+        """``seq_tokens + 1`` tokens and their answer marks: long documents while they fit,
+        then arithmetic ones. The first document starts at position 0, as the tasks present
+        theirs: a recall or copy document, or (``arith_first_share`` of the sequences) a
+        sum."""
+        if self.rng.random() < self.arith_first_share:
+            ids, ans = self._doc("arith_gen")
+        else:
+            ids, ans = self._long_doc()
         while True:
             nxt, nxt_ans = self._long_doc()
             if len(ids) + len(nxt) > self.seq_tokens:
@@ -266,7 +293,9 @@ def train(
                 f"{opts.init_checkpoint}: its config.json is another model than the spec's"
             )
         init = read_state(opts.init_checkpoint)
-    model = TrainModel(cfg, opts.seed, dev, init_state=init)
+    model = TrainModel(
+        cfg, opts.seed, dev, init_state=init, compile_hc=opts.compile and dev.type == "cuda"
+    )
     host = EngramHost(cfg, engram_token_map(cfg))
     corpus = Corpus(cfg, opts.seed, opts.seq_tokens)
     B, S = opts.batch_seqs, opts.seq_tokens
@@ -289,6 +318,7 @@ def train(
         f"training {cfg.num_hidden_layers} layers, {params / 1e6:.2f}M parameters on {dev}: "
         f"{opts.steps} steps x {B} x {S} tokens (dense attention for {opts.dense_steps}), "
         f"{'CUDA graphs' if stepper.graphs_on else 'eager'}"
+        f"{', compiled mHC prediction' if model.compiled_hc is not None else ''}"
     )
     t_train = time.perf_counter()
     setup_s = t_train - t_start
@@ -347,6 +377,7 @@ def train(
         "train_s": train_s,
         "capture_s": stepper.capture_s,
         "graphs": stepper.graphs_on,
+        "compiled_hc": model.compiled_hc is not None and model.compiled_hc.error is None,
         "capture_error": stepper.capture_error,
         "s_per_step": train_s / max(1, done),
         "corpus_skipped_held_out": corpus.skipped,
