@@ -30,6 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.dense_steps,
         help="warm-up steps attending to every compressed row",
     )
+    parser.add_argument(
+        "--copy-share",
+        type=float,
+        default=d.copy_share,
+        help="copy documents among the recall and copy ones",
+    )
+    parser.add_argument(
+        "--short-copy-share",
+        type=float,
+        default=d.short_copy_share,
+        help="copies whose code lies inside the window of its repeat",
+    )
     parser.add_argument("--seed", type=int, default=d.seed, help="weights and corpus seed")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
@@ -62,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
         raise Refused(f"--seq-tokens {args.seq_tokens}: must be even (ratio-2 pairs)")
     if not 0 <= args.dense_steps:
         raise Refused(f"--dense-steps {args.dense_steps}: must be >= 0")
+    for name in ("copy_share", "short_copy_share"):
+        if not 0 <= getattr(args, name) <= 1:
+            flag = f"--{name.replace('_', '-')}"
+            raise Refused(f"{flag} {getattr(args, name)}: must be between 0 and 1")
     if args.lr <= 0:
         raise Refused(f"--lr {args.lr}: must be positive")
     out = Path(args.out)
@@ -90,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         warmup_steps=min(TrainOptions.warmup_steps, args.steps),
         dense_steps=args.dense_steps,
+        copy_share=args.copy_share,
+        short_copy_share=args.short_copy_share,
         seed=args.seed,
         graphs=not args.no_graphs,
         compile=not args.no_compile,

@@ -60,6 +60,11 @@ class TrainOptions:
     """Linear learning-rate warm-up."""
     dense_steps: int = 135
     """Steps whose attention reads every visible compressed row (then the index top-k)."""
+    copy_share: float = 0.5
+    """Copy documents among the recall and copy ones (``Corpus``)."""
+    short_copy_share: float = 0.3
+    """Copies whose code lies inside the window of its repeat (``Corpus``): copying is
+    learned there first (a 4-layer model learns it in 150 steps on them alone)."""
     index_loss_weight: float = 1.0
     """Weight of the indexer KL loss."""
     answer_weight: float = 5.0
@@ -92,13 +97,16 @@ class Corpus:
         cfg: ModelConfig,
         seed: int,
         seq_tokens: int,
+        copy_share: float = 0.5,
         short_copy_share: float = 0.3,
         arith_first_share: float = 0.25,
     ):
-        """``short_copy_share``: copy documents whose code lies inside the window of its
-        repeat; ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
+        """``copy_share``: copy documents among the recall and copy ones;
+        ``short_copy_share``: copies whose code lies inside the window of its repeat;
+        ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
         position 0)."""
-        self.short_copy_share, self.arith_first_share = short_copy_share, arith_first_share
+        self.copy_share, self.short_copy_share = copy_share, short_copy_share
+        self.arith_first_share = arith_first_share
         if seed == EVAL_SEED:
             raise ValueError("the training seed must differ from the held-out one")
         self.rng = random.Random(f"v41plan-train:{seed}")
@@ -138,7 +146,7 @@ class Corpus:
         keep the code inside the window of its repeat (``SHORT_COPY_FILLER_CHARS``): the
         copying is learned there on window rows, and then reaches back through the
         compressed rows."""
-        if self.rng.random() < 0.5:
+        if self.rng.random() >= self.copy_share:
             return self._doc("kv_recall_mc", pairs=self.rng.randint(6, 40))
         if self.rng.random() < self.short_copy_share:
             return self._doc("copy_gen", filler_chars=self.rng.randint(0, SHORT_COPY_FILLER_CHARS))
@@ -297,7 +305,7 @@ def train(
         cfg, opts.seed, dev, init_state=init, compile_hc=opts.compile and dev.type == "cuda"
     )
     host = EngramHost(cfg, engram_token_map(cfg))
-    corpus = Corpus(cfg, opts.seed, opts.seq_tokens)
+    corpus = Corpus(cfg, opts.seed, opts.seq_tokens, opts.copy_share, opts.short_copy_share)
     B, S = opts.batch_seqs, opts.seq_tokens
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
     stepper = _Stepper(model, opts, B, S, n_rows)
