@@ -7,7 +7,7 @@
 #   OUT=/tmp/q STEPS=560 EVAL_S=170 scripts/gpu_train_quality.sh
 # Optional: DENSE (dense-attention steps; default a quarter of STEPS), INIT (a checkpoint to go
 # on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has), COPY_SHARE,
-# SHORT_COPY_SHARE (the corpus mixture, `v41plan train --help`).
+# SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS (the corpus mixture, `v41plan train --help`).
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
@@ -49,6 +49,8 @@ extra=()
 [ -n "${TIME_LIMIT:-}" ] && extra+=(--time-limit "$TIME_LIMIT")
 [ -n "${COPY_SHARE:-}" ] && extra+=(--copy-share "$COPY_SHARE")
 [ -n "${SHORT_COPY_SHARE:-}" ] && extra+=(--short-copy-share "$SHORT_COPY_SHARE")
+[ -n "${MAX_FILLER:-}" ] && extra+=(--max-filler-chars "$MAX_FILLER")
+[ -n "${MAX_PAIRS:-}" ] && extra+=(--max-recall-pairs "$MAX_PAIRS")
 echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ ${extra[*]}" | tee -a "$OUT/train.log"
 python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$STEPS" --dense-steps "$dense" \
     --batch-seqs "$BATCH" --seq-tokens "$SEQ" "${extra[@]}" 2>&1 | tee -a "$OUT/train.log"

@@ -296,3 +296,33 @@ def test_a_failing_compile_falls_back_to_eager_once(capsys):
     assert torch.equal(c(torch.zeros(2)), torch.ones(2)) and c(torch.ones(1)).item() == 2
     assert c.error == "RuntimeError: no backend"
     assert capsys.readouterr().out.count("failed") == 1
+
+
+def test_corpus_caps_copy_filler_and_recall_lists_for_a_first_stage():
+    """``max_filler_chars`` / ``max_recall_pairs``: the longest copy filler and recall list a
+    short-distance first stage draws; out-of-range caps are refused."""
+    cfg = _cfg()
+    x = Corpus(cfg, 5, 640, copy_share=0.5, max_filler_chars=40, max_recall_pairs=8).batch(40)[0]
+    text = b"\n".join(bytes(t if t < 256 else 10 for t in row) for row in x).decode()
+    gaps = [len(m.group(1)) for m in re.finditer(r"code: [A-Z]{8}\n(.*)\nrepeat", text)]
+    lists = [m.group(0).count("=") for m in re.finditer(r"(?:[a-z0-9]+=\d+; ?)+\nquestion", text)]
+    assert gaps and max(gaps) <= 40 and max(gaps) > SHORT_COPY_FILLER_CHARS
+    assert lists and max(lists) <= 8
+    with pytest.raises(ValueError, match="max_filler_chars"):
+        Corpus(cfg, 5, 640, max_filler_chars=SHORT_COPY_FILLER_CHARS)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--copy-share", "1.5", "between 0 and 1"),
+        ("--max-filler-chars", "3", "at least 5"),
+        ("--max-recall-pairs", "2", "at least 6"),
+    ],
+)
+def test_train_refuses_a_corpus_option_out_of_range(tmp_path, capsys, flag, value, says):
+    from v41plan.cli.main import main
+
+    code = main(["train", "--spec", "quality40", "--out", str(tmp_path / "o"), flag, value])
+    assert code != 0 and says in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

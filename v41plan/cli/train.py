@@ -42,6 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.short_copy_share,
         help="copies whose code lies inside the window of its repeat",
     )
+    parser.add_argument(
+        "--max-filler-chars",
+        type=int,
+        default=d.max_filler_chars,
+        help="longest copy filler drawn (the task's own: 420; a first stage can cap it)",
+    )
+    parser.add_argument(
+        "--max-recall-pairs",
+        type=int,
+        default=d.max_recall_pairs,
+        help="longest recall list drawn (the task's own: 40)",
+    )
     parser.add_argument("--seed", type=int, default=d.seed, help="weights and corpus seed")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
@@ -78,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= getattr(args, name) <= 1:
             flag = f"--{name.replace('_', '-')}"
             raise Refused(f"{flag} {getattr(args, name)}: must be between 0 and 1")
+    if args.max_filler_chars < 5:
+        raise Refused(f"--max-filler-chars {args.max_filler_chars}: must be at least 5")
+    if args.max_recall_pairs < 6:
+        raise Refused(f"--max-recall-pairs {args.max_recall_pairs}: must be at least 6")
     if args.lr <= 0:
         raise Refused(f"--lr {args.lr}: must be positive")
     out = Path(args.out)
@@ -108,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         dense_steps=args.dense_steps,
         copy_share=args.copy_share,
         short_copy_share=args.short_copy_share,
+        max_filler_chars=args.max_filler_chars,
+        max_recall_pairs=args.max_recall_pairs,
         seed=args.seed,
         graphs=not args.no_graphs,
         compile=not args.no_compile,

@@ -65,6 +65,12 @@ class TrainOptions:
     short_copy_share: float = 0.3
     """Copies whose code lies inside the window of its repeat (``Corpus``): copying is
     learned there first (a 4-layer model learns it in 150 steps on them alone)."""
+    max_filler_chars: int = 420
+    """Longest copy filler drawn (the task's own: 420). Copies 5 to 40 characters back teach
+    a 4-layer model the lookup by content in about 250 dense steps (8 x 128 tokens, copies
+    only), where 0 to 100 had not in 300: a first stage can cap it."""
+    max_recall_pairs: int = 40
+    """Longest recall list drawn (the task's own: 40 pairs)."""
     index_loss_weight: float = 1.0
     """Weight of the indexer KL loss."""
     answer_weight: float = 5.0
@@ -100,11 +106,20 @@ class Corpus:
         copy_share: float = 0.5,
         short_copy_share: float = 0.3,
         arith_first_share: float = 0.25,
+        max_filler_chars: int = 420,
+        max_recall_pairs: int = 40,
     ):
         """``copy_share``: copy documents among the recall and copy ones;
         ``short_copy_share``: copies whose code lies inside the window of its repeat;
         ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
-        position 0)."""
+        position 0); ``max_filler_chars`` and ``max_recall_pairs``: the longest copy filler
+        and recall list drawn."""
+        if max_filler_chars <= SHORT_COPY_FILLER_CHARS or max_recall_pairs < 6:
+            raise ValueError(
+                f"max_filler_chars {max_filler_chars} must exceed {SHORT_COPY_FILLER_CHARS} "
+                f"and max_recall_pairs {max_recall_pairs} be at least 6"
+            )
+        self.max_filler_chars, self.max_recall_pairs = max_filler_chars, max_recall_pairs
         self.copy_share, self.short_copy_share = copy_share, short_copy_share
         self.arith_first_share = arith_first_share
         if seed == EVAL_SEED:
@@ -141,17 +156,19 @@ class Corpus:
             self.skipped += 1
 
     def _long_doc(self) -> tuple[list[int], list[bool]]:
-        """A recall or copy document of a random length up to the tasks' own (a range of
-        distances teaches the lookup sooner than the longest alone). A share of the copies
-        keep the code inside the window of its repeat (``SHORT_COPY_FILLER_CHARS``): the
-        copying is learned there on window rows, and then reaches back through the
-        compressed rows."""
+        """A recall or copy document of a random length up to ``max_recall_pairs`` pairs or
+        ``max_filler_chars`` of filler (the tasks' own: 40 and 420). A share of the copies
+        keep the code inside the window of its repeat (``SHORT_COPY_FILLER_CHARS``), where a
+        head at a fixed offset copies it; past the window copying needs a lookup by content,
+        which forms sooner over short distances (a first stage with a low
+        ``max_filler_chars``)."""
         if self.rng.random() >= self.copy_share:
-            return self._doc("kv_recall_mc", pairs=self.rng.randint(6, 40))
+            return self._doc("kv_recall_mc", pairs=self.rng.randint(6, self.max_recall_pairs))
         if self.rng.random() < self.short_copy_share:
             return self._doc("copy_gen", filler_chars=self.rng.randint(0, SHORT_COPY_FILLER_CHARS))
         return self._doc(
-            "copy_gen", filler_chars=self.rng.randint(SHORT_COPY_FILLER_CHARS + 1, 420)
+            "copy_gen",
+            filler_chars=self.rng.randint(SHORT_COPY_FILLER_CHARS + 1, self.max_filler_chars),
         )
 
     def sequence_marked(self) -> tuple[list[int], list[bool]]:
@@ -305,7 +322,15 @@ def train(
         cfg, opts.seed, dev, init_state=init, compile_hc=opts.compile and dev.type == "cuda"
     )
     host = EngramHost(cfg, engram_token_map(cfg))
-    corpus = Corpus(cfg, opts.seed, opts.seq_tokens, opts.copy_share, opts.short_copy_share)
+    corpus = Corpus(
+        cfg,
+        opts.seed,
+        opts.seq_tokens,
+        opts.copy_share,
+        opts.short_copy_share,
+        max_filler_chars=opts.max_filler_chars,
+        max_recall_pairs=opts.max_recall_pairs,
+    )
     B, S = opts.batch_seqs, opts.seq_tokens
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
     stepper = _Stepper(model, opts, B, S, n_rows)

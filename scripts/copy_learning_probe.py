@@ -1,0 +1,158 @@
+"""Can a small V4.1 learn to copy a code from past its window? A CPU probe of the training path.
+
+    python scripts/copy_learning_probe.py [--layers 4] [--steps 500] [--dense-steps 300] \
+        [--min-filler 5] [--max-filler 40] [--window 32] [--out FILE.json]
+
+Trains ``model.train.TrainModel`` (the published arithmetic, straight-through quantizers, the
+indexer's KL loss) on copy documents only (``quality_tasks.copy_doc``, filler drawn from
+``--min-filler`` to ``--max-filler`` characters), at quality40's widths cut to ``--layers``
+layers: two window-only layers, then ratio-1 layers (the first one owns the compressed rows and
+the index, the rest reuse them). The first ``--dense-steps`` attend to every visible compressed
+row, the rest to the index top-k, as ``v41plan train`` does. Every 25 steps it prints the
+share of answer letters the step's own batch predicted (argmax), split by whether the code lay
+inside the window of the row that copies it, and writes them to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.model.checkpoint import engram_token_map
+from v41plan.model.config import config_from_cache_spec
+from v41plan.model.engram import EngramHost
+from v41plan.model.train import Batch, TrainModel, engram_rows
+from v41plan.validation.provenance import provenance
+from v41plan.validation.quality_tasks import copy_doc
+
+SPEC = Path(__file__).resolve().parents[1] / "specs" / "quality40.yaml"
+CODE_TO_REPEAT_ROWS = 26
+"""Rows from a code letter to the row that copies it, without filler (``copy_doc``'s text)."""
+
+
+def probe_config(layers: int, window: int):
+    """quality40 cut to ``layers`` layers (2 window-only, then ratio 1), Engram at layer 1."""
+    base = config_from_cache_spec(load_cache_spec_unchecked(str(SPEC)))
+    return dataclasses.replace(
+        base,
+        num_hidden_layers=layers,
+        num_nextn_predict_layers=0,
+        compress_ratios=[0, 0] + [1] * (layers - 2),
+        kv_source_layer_ids=[2],
+        index_source_layer_ids=[2],
+        candidate_source_layer_id=2,
+        engram_layer_ids=[1],
+        engram_num_embeddings=base.engram_num_embeddings[:1],
+        sliding_window=window,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train and report; returns 0."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--dense-steps", type=int, default=300)
+    ap.add_argument("--batch-seqs", type=int, default=8)
+    ap.add_argument("--seq-tokens", type=int, default=128)
+    ap.add_argument("--min-filler", type=int, default=5)
+    ap.add_argument("--max-filler", type=int, default=40)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="reports/cpu/copy_learning_probe.json")
+    args = ap.parse_args(argv)
+    if args.layers < 3:
+        ap.error("--layers must be at least 3 (two window layers, then ratio 1)")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = probe_config(args.layers, args.window)
+    model = TrainModel(cfg, args.seed)
+    host = EngramHost(cfg, engram_token_map(cfg))
+    rng = random.Random(f"copy-probe:{args.seed}")
+    B, S = args.batch_seqs, args.seq_tokens
+
+    def batch() -> tuple[np.ndarray, np.ndarray]:
+        rows, marks = [], []
+        for _ in range(B):
+            ids, kind = [], []
+            while len(ids) <= S:
+                filler = rng.randint(args.min_filler, args.max_filler)
+                d = copy_doc(rng, filler)
+                t = [*(d["prompt"] + d["answer"]).encode(), cfg.eos_token_id]
+                inside = CODE_TO_REPEAT_ROWS + filler < cfg.sliding_window
+                ids += t
+                kind += [0] * (len(t) - 9) + [1 if inside else 2] * 8 + [0]
+            rows.append(ids[: S + 1])
+            marks.append(kind[: S + 1])
+        return np.asarray(rows), np.asarray(marks)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    log, t0 = [], time.perf_counter()
+    print("| step | attention | loss | index KL | letters right, inside the window | past it |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for step in range(args.steps):
+        tok, kind = batch()
+        b = Batch(
+            torch.from_numpy(tok[:, :S]),
+            torch.from_numpy(tok[:, 1:]),
+            torch.from_numpy(engram_rows(host, tok[:, :S])),
+        )
+        dense = step < args.dense_steps
+        logits, aux = model.forward(b, dense=dense)
+        k = torch.from_numpy(kind[:, 1:]).reshape(-1)
+        w = torch.where(k > 0, 5.0, 1.0)
+        per = F.cross_entropy(logits, b.targets.reshape(-1), reduction="none")
+        loss = (per * w).sum() / w.sum() + aux["index_kl"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        model.update_router_bias(aux["expert_load"].detach(), 1e-3)
+        if step % 25 == 0 or step == args.steps - 1:
+            right = (logits.argmax(-1) == b.targets.reshape(-1)).float()
+            share = {
+                name: (right[k == v].mean().item() if bool((k == v).any()) else None)
+                for name, v in (("inside", 1), ("past", 2))
+            }
+            row = {
+                "step": step,
+                "dense": dense,
+                "loss": loss.item(),
+                "index_kl": aux["index_kl"].item(),
+                **share,
+                "s": time.perf_counter() - t0,
+            }
+            log.append(row)
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"
+            print(
+                f"| {step} | {'dense' if dense else 'top-k'} | {row['loss']:.3f} | "
+                f"{row['index_kl']:.3f} | {fmt(share['inside'])} | {fmt(share['past'])} |",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "options": vars(args),
+        "layers": [(i.ratio, i.role) for i in cfg.layers],
+        "torch": torch.__version__,
+        "provenance": provenance(),
+        "rows": log,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
