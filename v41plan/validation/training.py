@@ -63,12 +63,13 @@ class TrainOptions:
     copy_share: float = 0.5
     """Copy documents among the recall and copy ones (``Corpus``)."""
     short_copy_share: float = 0.3
-    """Copies whose code lies inside the window of its repeat (``Corpus``): copying is
-    learned there first (a 4-layer model learns it in 150 steps on them alone)."""
+    """Copies whose code lies inside the window of its repeat (``Corpus``). A head at a fixed
+    offset copies those, which is all the 40-layer runs behind the committed checkpoint
+    learned; copies past the window need a lookup by content (0 leaves them out)."""
     max_filler_chars: int = 420
-    """Longest copy filler drawn (the task's own: 420). Copies 5 to 40 characters back teach
-    a 4-layer model the lookup by content in about 250 dense steps (8 x 128 tokens, copies
-    only), where 0 to 100 had not in 300: a first stage can cap it."""
+    """Longest copy filler drawn (the task's own: 420). With 5 to 40 or 5 to 100 characters, a
+    4-layer model learns the lookup by content from scratch in about 250 steps
+    (``scripts/copy_learning_probe.py``): a first stage can cap it."""
     max_recall_pairs: int = 40
     """Longest recall list drawn (the task's own: 40 pairs)."""
     index_loss_weight: float = 1.0
