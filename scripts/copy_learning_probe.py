@@ -4,13 +4,15 @@
         [--min-filler 5] [--max-filler 40] [--window 32] [--out FILE.json]
 
 Trains ``model.train.TrainModel`` (the published arithmetic, straight-through quantizers, the
-indexer's KL loss) on copy documents only (``quality_tasks.copy_doc``, filler drawn from
-``--min-filler`` to ``--max-filler`` characters), at quality40's widths cut to ``--layers``
-layers: two window-only layers, then ratio-1 layers (the first one owns the compressed rows and
-the index, the rest reuse them). The first ``--dense-steps`` attend to every visible compressed
-row, the rest to the index top-k, as ``v41plan train`` does. Every 25 steps it prints the
-share of answer letters the step's own batch predicted (argmax), split by whether the code lay
-inside the window of the row that copies it, and writes them to ``--out``.
+indexer's KL loss) on copy documents (``quality_tasks.copy_doc``, filler drawn from
+``--min-filler`` to ``--max-filler`` characters) and ``--recall-share`` recall lists of 6 to
+``--max-pairs`` pairs (``kv_recall_doc``; none by default), at quality40's widths cut to
+``--layers`` layers: two window-only layers, then ratio-1 layers (the first one owns the
+compressed rows and the index, the rest reuse them). The first ``--dense-steps`` attend to
+every visible compressed row, the rest to the index top-k, as ``v41plan train`` does. Every
+25 steps it prints the share of answer letters the step's own batch predicted (argmax), split
+by whether the code lay inside the window of the row that copies it, and the share of recall
+answer tokens, and writes them to ``--out``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from v41plan.model.config import config_from_cache_spec
 from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
 from v41plan.validation.provenance import provenance
-from v41plan.validation.quality_tasks import copy_doc
+from v41plan.validation.quality_tasks import copy_doc, kv_recall_doc
 
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "quality40.yaml"
 CODE_TO_REPEAT_ROWS = 26
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-filler", type=int, default=5)
     ap.add_argument("--max-filler", type=int, default=40)
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument(
+        "--recall-share", type=float, default=0.0, help="recall documents among the copies"
+    )
+    ap.add_argument("--max-pairs", type=int, default=10, help="longest recall list (pairs)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -87,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(B):
             ids, kind = [], []
             while len(ids) <= S:
+                if rng.random() < args.recall_share:
+                    try:
+                        d = kv_recall_doc(rng, rng.randint(6, args.max_pairs))
+                    except ValueError:  # a short list without three other distinct values
+                        continue
+                    answer = d["choices"][d["label"]]
+                    t = [*(d["context"] + answer).encode(), cfg.eos_token_id]
+                    ids += t
+                    kind += [0] * (len(t) - 1 - len(answer)) + [3] * len(answer) + [0]
+                    continue
                 filler = rng.randint(args.min_filler, args.max_filler)
                 d = copy_doc(rng, filler)
                 t = [*(d["prompt"] + d["answer"]).encode(), cfg.eos_token_id]
@@ -99,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     log, t0 = [], time.perf_counter()
-    print("| step | attention | loss | index KL | letters right, inside the window | past it |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print(
+        "| step | attention | loss | index KL | copied letters right, inside the window "
+        "| past it | recall answer tokens right |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for step in range(args.steps):
         tok, kind = batch()
         b = Batch(
@@ -123,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             right = (logits.argmax(-1) == b.targets.reshape(-1)).float()
             share = {
                 name: (right[k == v].mean().item() if bool((k == v).any()) else None)
-                for name, v in (("inside", 1), ("past", 2))
+                for name, v in (("inside", 1), ("past", 2), ("recall", 3))
             }
             row = {
                 "step": step,
@@ -137,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             fmt = lambda v: "-" if v is None else f"{v:.2f}"
             print(
                 f"| {step} | {'dense' if dense else 'top-k'} | {row['loss']:.3f} | "
-                f"{row['index_kl']:.3f} | {fmt(share['inside'])} | {fmt(share['past'])} |",
+                f"{row['index_kl']:.3f} | {fmt(share['inside'])} | {fmt(share['past'])} | "
+                f"{fmt(share['recall'])} |",
                 flush=True,
             )
     out = Path(args.out)
