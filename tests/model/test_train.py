@@ -29,7 +29,6 @@ from v41plan.model.train import (
     _cast_value,
     _fp4_value,
     _fp8_value,
-    _fp8_values,
     _hc_predict_flat,
     engram_rows,
 )
@@ -238,7 +237,7 @@ def test_stacked_fp8_rounding_equals_one_weight_at_a_time():
     g = torch.Generator().manual_seed(3)
     for shape, dtype in (((3, 64, 96), torch.float32), ((2, 40, 72), torch.float64)):
         w = torch.randn(*shape, generator=g, dtype=dtype) * torch.logspace(-3, 1, shape[-1])
-        got = _fp8_values(w)
+        got = _fp8_value(w)
         assert got.dtype == dtype
         for i in range(shape[0]):
             assert torch.equal(got[i], _fp8_value(w[i]))

@@ -10,6 +10,18 @@ from pathlib import Path
 
 from v41plan.cli.args import Refused, path_exists, spec_arg
 
+CORPUS_OPTIONS = (
+    ("copy_share", float, "copy documents among the recall and copy ones"),
+    ("short_copy_share", float, "copies whose code lies inside the window of its repeat"),
+    (
+        "max_filler_chars",
+        int,
+        "longest copy filler drawn (the task's own: 420; a first stage can cap it)",
+    ),
+    ("max_recall_pairs", int, "longest recall list drawn (the task's own: 40)"),
+)
+"""The corpus mixture's flags: ``TrainOptions`` field, type, help."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``train``; the defaults are those of the committed quality checkpoint."""
@@ -30,30 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.dense_steps,
         help="warm-up steps attending to every compressed row",
     )
-    parser.add_argument(
-        "--copy-share",
-        type=float,
-        default=d.copy_share,
-        help="copy documents among the recall and copy ones",
-    )
-    parser.add_argument(
-        "--short-copy-share",
-        type=float,
-        default=d.short_copy_share,
-        help="copies whose code lies inside the window of its repeat",
-    )
-    parser.add_argument(
-        "--max-filler-chars",
-        type=int,
-        default=d.max_filler_chars,
-        help="longest copy filler drawn (the task's own: 420; a first stage can cap it)",
-    )
-    parser.add_argument(
-        "--max-recall-pairs",
-        type=int,
-        default=d.max_recall_pairs,
-        help="longest recall list drawn (the task's own: 40)",
-    )
+    for name, kind, text in CORPUS_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=getattr(d, name), help=text)
     parser.add_argument("--seed", type=int, default=d.seed, help="weights and corpus seed")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
@@ -122,10 +113,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         warmup_steps=min(TrainOptions.warmup_steps, args.steps),
         dense_steps=args.dense_steps,
-        copy_share=args.copy_share,
-        short_copy_share=args.short_copy_share,
-        max_filler_chars=args.max_filler_chars,
-        max_recall_pairs=args.max_recall_pairs,
+        **{name: getattr(args, name) for name, _kind, _text in CORPUS_OPTIONS},
         seed=args.seed,
         graphs=not args.no_graphs,
         compile=not args.no_compile,

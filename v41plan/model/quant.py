@@ -289,26 +289,26 @@ def dequant_fp8_blocks(
 
 def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense weight ``[out, in]`` -> E4M3 + E8M0 scales ``[ceil(out/32), ceil(in/32)]``
-    (ue8m0)."""
-    out_f, in_f = w.shape
+    (ue8m0). Leading dims stack independent weights (blocks never span two)."""
+    *lead, out_f, in_f = w.shape
     ro, ri = -(-out_f // block), -(-in_f // block)
     pad = w.to(torch.float32)
     if (ro * block, ri * block) != (out_f, in_f):  # zero lanes never raise a block's amax
-        pad = torch.zeros(ro * block, ri * block, dtype=torch.float32, device=w.device)
-        pad[:out_f, :in_f] = w
-    tiles = pad.view(ro, block, ri, block)
-    s = pow2ceil(div_rn(tiles.abs().amax(dim=(1, 3)).clamp_min(FP8_AMAX_FLOOR), E4M3_MAX))
-    q = _cast_e4m3(tiles / s[:, None, :, None]).view(ro * block, ri * block)
-    return q[:out_f, :in_f].contiguous(), e8m0_encode(s)
+        pad = torch.zeros(*lead, ro * block, ri * block, dtype=torch.float32, device=w.device)
+        pad[..., :out_f, :in_f] = w
+    tiles = pad.view(*lead, ro, block, ri, block)
+    s = pow2ceil(div_rn(tiles.abs().amax(dim=(-3, -1)).clamp_min(FP8_AMAX_FLOOR), E4M3_MAX))
+    q = _cast_e4m3(tiles / s[..., :, None, :, None]).view(*lead, ro * block, ri * block)
+    return q[..., :out_f, :in_f].contiguous(), e8m0_encode(s)
 
 
 def dequant_fp8_weight(
     w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 32
 ) -> torch.Tensor:
-    """E4M3 weight ``[out, in]`` with ``block`` x ``block`` E8M0 scales -> ``dtype``."""
-    out_f, in_f = w.shape
-    s = e8m0_decode(scale).repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
-    return (w.to(torch.float32) * s).to(dtype)
+    """E4M3 weight ``[..., out, in]`` with ``block`` x ``block`` E8M0 scales -> ``dtype``."""
+    out_f, in_f = w.shape[-2:]
+    s = e8m0_decode(scale).repeat_interleave(block, -2).repeat_interleave(block, -1)
+    return (w.to(torch.float32) * s[..., :out_f, :in_f]).to(dtype)
 
 
 def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,14 +51,9 @@ from v41plan.model.layers import (
     window_indices,
 )
 from v41plan.model.quant import (
-    E4M3_MAX,
-    FP8_AMAX_FLOOR,
-    _cast_e4m3,
     dequant_fp4_weight,
     dequant_fp8_blocks,
     dequant_fp8_weight,
-    div_rn,
-    pow2ceil,
     quantize_fp4_weight,
     quantize_fp8_blocks,
     quantize_fp8_weight,
@@ -69,7 +64,8 @@ from v41plan.model.quant import (
 
 
 def _fp8_value(w: torch.Tensor) -> torch.Tensor:
-    """A dense weight on its published FP8 grid (E4M3, 32x32 E8M0 blocks), in ``w.dtype``."""
+    """Dense weights ``[..., out, in]`` on their published FP8 grid (E4M3, 32x32 E8M0 blocks),
+    in ``w.dtype``."""
     return dequant_fp8_weight(*quantize_fp8_weight(w), w.dtype)
 
 
@@ -77,22 +73,6 @@ def _fp4_value(w: torch.Tensor) -> torch.Tensor:
     """Fused experts ``[E, out, in]`` on the published FP4 grid (E2M1, E8M0 per 32)."""
     flat = w.reshape(-1, w.shape[-1])  # per-row blocks: fusing experts changes no block
     return dequant_fp4_weight(*quantize_fp4_weight(flat), w.dtype).reshape(w.shape)
-
-
-def _fp8_values(w: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """``_fp8_value`` of each of the stacked dense weights ``[G, out, in]``, bit for bit, in one
-    pass (blocks never span two weights); codes and scales stay unpacked."""
-    G, out_f, in_f = w.shape
-    ro, ri = -(-out_f // block), -(-in_f // block)
-    pad = w.to(torch.float32)
-    if (ro * block, ri * block) != (out_f, in_f):  # zero lanes never raise a block's amax
-        pad = torch.zeros(G, ro * block, ri * block, dtype=torch.float32, device=w.device)
-        pad[:, :out_f, :in_f] = w
-    tiles = pad.view(G, ro, block, ri, block)
-    amax = tiles.abs().amax(dim=(2, 4)).clamp_min(FP8_AMAX_FLOOR)
-    s = pow2ceil(div_rn(amax, E4M3_MAX))[:, :, None, :, None]
-    q = _cast_e4m3(tiles / s).to(torch.float32) * s
-    return q.view(G, ro * block, ri * block)[:, :out_f, :in_f].to(w.dtype)
 
 
 def _cast_value(dtype: torch.dtype):
@@ -206,16 +186,10 @@ class TrainModel:
         w = {}
         for (kind, dtype, _shape), names in self.groups.items():
             ms = [self.masters[n] for n in names]
-            if kind == "fp8":
-                value = _fp8_values
-            elif kind == "fp4":
-                value = _fp4_value  # per-row blocks: a leading dim changes no block
-            else:
-                value = _cast_value(dtype)
+            # a leading dim changes no block of either format
+            value = {"fp8": _fp8_value, "fp4": _fp4_value}.get(kind) or _cast_value(dtype)
             if len(ms) == 1:
-                one = ms[0][None] if kind == "fp8" else ms[0]
-                out = straight_through(one, value)
-                w[names[0]] = out[0] if kind == "fp8" else out
+                w[names[0]] = straight_through(ms[0], value)
                 continue
             w.update(zip(names, straight_through(torch.stack(ms), value).unbind(0), strict=True))
         return w
