@@ -34,6 +34,7 @@ from v41plan.model.train import (
 )
 from v41plan.validation.quality_tasks import GENERATORS, documents
 from v41plan.validation.training import (
+    ANSWER_KINDS,
     SHORT_COPY_FILLER_CHARS,
     Corpus,
     TrainOptions,
@@ -154,7 +155,7 @@ def test_corpus_skips_a_generated_document_equal_to_a_held_out_one(monkeypatch):
     c = Corpus(cfg, 5, 640)
     draws = iter([documents("arith_gen", 1)[0], {"prompt": "1+1=", "answer": "2"}])
     monkeypatch.setitem(GENERATORS, "arith_gen", lambda rng, **size: next(draws))
-    assert c._doc("arith_gen") == ([*b"1+1=2", cfg.eos_token_id], [False] * 4 + [True, False])
+    assert c._doc("arith_gen", "sum") == ([*b"1+1=2", cfg.eos_token_id], [0] * 4 + [1, 0])
     assert c.skipped == 1
 
 
@@ -178,6 +179,14 @@ def test_train_writes_a_checkpoint_the_loader_reads_and_a_log_whose_loss_falls(t
     saved = json.loads((tmp_path / "train_log.json").read_text())
     assert saved["steps_done"] == 8 and len(saved["loss"]) == 8 == len(saved["step_end_s"])
     assert np.mean(log["loss"][-2:]) < np.mean(log["loss"][:2])
+    # the answer accuracies count the corpus's own marks, kind by kind (it is seeded)
+    corpus = Corpus(cfg, opts.seed, 64)
+    marks = [corpus.batch(2)[1][:, 1:] for _ in range(8)]
+    want = [[int((m == k + 1).sum()) for k in range(len(ANSWER_KINDS))] for m in marks]
+    assert saved["answer_kinds"] == list(ANSWER_KINDS) and saved["answer_tokens"] == want
+    hits = np.asarray(saved["answer_hits"])
+    assert hits.shape == (8, len(ANSWER_KINDS)) and (hits >= 0).all() and (hits <= want).all()
+    assert "sum " in lines[1]  # the progress line's accuracy of the sums
     ckpt = load_checkpoint(tmp_path, load_cache_spec_unchecked(str(SPECS / "tiny.yaml")))
     assert ckpt.config == cfg
     png = (tmp_path / "loss.png").read_bytes()
@@ -222,7 +231,11 @@ def test_answer_marks_cover_exactly_each_documents_answer():
     text = bytes(t if t < 256 else 10 for t in ids)
     answers = [text[i : i + 1] for i in range(len(ids)) if marks[i]]
     docs = text.split(b"\n")
-    assert marks.count(True) >= 8 and b"".join(answers).strip()
+    assert sum(1 for m in marks if m) >= 8 and b"".join(answers).strip()
+    for i, m in enumerate(marks):  # sums are digits, codes letters, recalled values digits
+        if m:
+            kind = ANSWER_KINDS[m - 1]
+            assert chr(ids[i]).isalpha() == kind.startswith("copy"), (kind, chr(ids[i]))
     for line in docs:  # every complete arithmetic line's sum is marked
         if b"+" in line and b"=" in line and line.split(b"=")[1]:
             start = text.index(line) + line.index(b"=") + 1

@@ -42,6 +42,10 @@ SHORT_COPY_FILLER_CHARS = 4
 """Filler of a short copy document: each code letter then sits 26 + filler rows behind the
 row that copies it, inside quality40's 32-row window."""
 
+ANSWER_KINDS = ("sum", "copy_in_window", "copy_past_window", "recall")
+"""What an answer token answers; a mark ``k > 0`` is ``ANSWER_KINDS[k - 1]``, 0 no answer.
+Training logs the argmax accuracy of each kind apart."""
+
 
 @dataclass
 class TrainOptions:
@@ -142,8 +146,9 @@ class Corpus:
     def _answer(doc: dict) -> str:
         return doc["choices"][doc["label"]] if "choices" in doc else doc["answer"]
 
-    def _doc(self, name: str, **size) -> tuple[list[int], list[bool]]:
-        """A document's tokens (``eos`` last) and which of them are its answer."""
+    def _doc(self, name: str, kind: str, **size) -> tuple[list[int], list[int]]:
+        """A document's tokens (``eos`` last) and their marks: ``kind``'s code on its answer,
+        0 elsewhere (``ANSWER_KINDS``)."""
         while True:
             try:
                 doc = GENERATORS[name](self.rng, **size)
@@ -153,10 +158,11 @@ class Corpus:
             if text not in self.held_out:
                 ids = [*text.encode("utf-8"), self.eos]
                 n = len(self._answer(doc).encode("utf-8"))
-                return ids, [False] * (len(ids) - 1 - n) + [True] * n + [False]
+                code = ANSWER_KINDS.index(kind) + 1
+                return ids, [0] * (len(ids) - 1 - n) + [code] * n + [0]
             self.skipped += 1
 
-    def _long_doc(self) -> tuple[list[int], list[bool]]:
+    def _long_doc(self) -> tuple[list[int], list[int]]:
         """A recall or copy document of a random length up to ``max_recall_pairs`` pairs or
         ``max_filler_chars`` of filler (the tasks' own: 40 and 420). A share of the copies
         keep the code inside the window of its repeat (``SHORT_COPY_FILLER_CHARS``), where a
@@ -164,21 +170,24 @@ class Corpus:
         which forms sooner over short distances (a first stage with a low
         ``max_filler_chars``)."""
         if self.rng.random() >= self.copy_share:
-            return self._doc("kv_recall_mc", pairs=self.rng.randint(6, self.max_recall_pairs))
+            pairs = self.rng.randint(6, self.max_recall_pairs)
+            return self._doc("kv_recall_mc", "recall", pairs=pairs)
         if self.rng.random() < self.short_copy_share:
-            return self._doc("copy_gen", filler_chars=self.rng.randint(0, SHORT_COPY_FILLER_CHARS))
+            filler = self.rng.randint(0, SHORT_COPY_FILLER_CHARS)
+            return self._doc("copy_gen", "copy_in_window", filler_chars=filler)
         return self._doc(
             "copy_gen",
+            "copy_past_window",
             filler_chars=self.rng.randint(SHORT_COPY_FILLER_CHARS + 1, self.max_filler_chars),
         )
 
-    def sequence_marked(self) -> tuple[list[int], list[bool]]:
-        """``seq_tokens + 1`` tokens and their answer marks: long documents while they fit,
-        then arithmetic ones. The first document starts at position 0, as the tasks present
-        theirs: a recall or copy document, or (``arith_first_share`` of the sequences) a
-        sum."""
+    def sequence_marked(self) -> tuple[list[int], list[int]]:
+        """``seq_tokens + 1`` tokens and their answer marks (``ANSWER_KINDS``): long
+        documents while they fit, then arithmetic ones. The first document starts at
+        position 0, as the tasks present theirs: a recall or copy document, or
+        (``arith_first_share`` of the sequences) a sum."""
         if self.rng.random() < self.arith_first_share:
-            ids, ans = self._doc("arith_gen")
+            ids, ans = self._doc("arith_gen", "sum")
         else:
             ids, ans = self._long_doc()
         while True:
@@ -187,15 +196,16 @@ class Corpus:
                 break
             ids, ans = ids + nxt, ans + nxt_ans
         while len(ids) <= self.seq_tokens:
-            nxt, nxt_ans = self._doc("arith_gen")
+            nxt, nxt_ans = self._doc("arith_gen", "sum")
             ids, ans = ids + nxt, ans + nxt_ans
         return ids[: self.seq_tokens + 1], ans[: self.seq_tokens + 1]
 
     def batch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens ``[n, seq_tokens + 1]`` (int64) and their answer marks (bool)."""
+        """Tokens ``[n, seq_tokens + 1]`` (int64) and their answer marks (int8,
+        ``ANSWER_KINDS``)."""
         rows = [self.sequence_marked() for _ in range(n)]
         ids = np.asarray([r[0] for r in rows], dtype=np.int64)
-        return ids, np.asarray([r[1] for r in rows], dtype=bool)
+        return ids, np.asarray([r[1] for r in rows], dtype=np.int8)
 
 
 def lr_at(step: int, opts: TrainOptions) -> float:
@@ -216,6 +226,8 @@ class _Stepper:
         self.targets = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.loss_w = torch.ones(B, S, device=dev)
         """Per-target loss weights (``answer_weight`` on answer tokens)."""
+        self.answer = torch.zeros(B, S, dtype=torch.long, device=dev)
+        """Each target's answer mark (``ANSWER_KINDS``): the logged accuracies' rows."""
         self.rows = torch.zeros(B, S, *n_rows, dtype=torch.long, device=dev)
         self.graphs_on = opts.graphs and dev.type == "cuda"
         lr = torch.tensor(opts.lr, device=dev) if self.graphs_on else opts.lr
@@ -228,7 +240,7 @@ class _Stepper:
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_dense: bool | None = None
-        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.capture_s = 0.0
         self.capture_error: str | None = None
 
@@ -240,23 +252,27 @@ class _Stepper:
         else:
             g["lr"] = lr
 
-    def _eager(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m, o = self.model, self.opts
         batch = Batch(self.ids, self.targets, self.rows)
         logits, aux = m.forward(batch, dense=dense)
         w = self.loss_w.reshape(-1)
         per = F.cross_entropy(logits, self.targets.reshape(-1), reduction="none")
         ce = (per * w).sum() / w.sum()
+        kind = F.one_hot(self.answer.reshape(-1), len(ANSWER_KINDS) + 1)[:, 1:].float()
+        hit = (logits.detach().argmax(-1) == self.targets.reshape(-1)).float()
+        acc = torch.stack((hit @ kind, kind.sum(0)))  # [hits, answer tokens] of each kind
         loss = ce + o.index_loss_weight * aux["index_kl"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)  # gradients keep their buffers (graph-static)
         m.update_router_bias(aux["expert_load"].detach(), o.router_bias_rate)
-        return ce.detach(), aux["index_kl"].detach()
+        return ce.detach(), aux["index_kl"].detach(), acc
 
-    def step(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one step on the current buffers; returns (cross-entropy, index KL) on device."""
+    def step(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run one step on the current buffers; returns (cross-entropy, index KL, ``[2, K]``
+        argmax hits and answer tokens of each of ``ANSWER_KINDS``) on device."""
         if not self.graphs_on:
             return self._eager(dense)
         if self.graph is None or self.graph_dense != dense:
@@ -271,7 +287,7 @@ class _Stepper:
         self.graph.replay()
         return self.out
 
-    def _capture(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capture(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Warm up on a side stream (three real optimizer steps on the current batch: the
         optimizer state and the kernels' workspaces exist before capture), then capture."""
         t0 = time.perf_counter()
@@ -292,6 +308,12 @@ class _Stepper:
         self.capture_s += time.perf_counter() - t0
         # the warm-up steps trained on this batch; replaying it once more would repeat it
         return out
+
+
+def _accuracies(hits_tokens: list[list[float]]) -> dict[str, float | None]:
+    """Argmax accuracy of each answer kind from summed ``[hits, tokens]`` (None: no tokens)."""
+    hits, tokens = hits_tokens
+    return {k: h / n if n else None for k, h, n in zip(ANSWER_KINDS, hits, tokens)}
 
 
 def train(
@@ -336,17 +358,21 @@ def train(
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
     stepper = _Stepper(model, opts, B, S, n_rows)
     pinned = dev.type == "cuda"
-    staging = [  # (ids, targets, Engram rows, weights) twice: one fills while the other copies
-        tuple(
+    staging = [  # (ids, targets, Engram rows, weights, answer marks) twice: one fills
+        tuple(  # while the other copies
             torch.empty(shape, dtype=torch.long, pin_memory=pinned)
             for shape in ((B, S), (B, S), (B, S, *n_rows))
         )
-        + (torch.empty(B, S, pin_memory=pinned),)
+        + (
+            torch.empty(B, S, pin_memory=pinned),
+            torch.empty(B, S, dtype=torch.long, pin_memory=pinned),
+        )
         for _ in range(2)
     ]
     copied = [None, None]  # event after each staging buffer's last copy
     ce_log = torch.zeros(opts.steps, device=dev)
     kl_log = torch.zeros(opts.steps, device=dev)
+    acc_log = torch.zeros(opts.steps, 2, len(ANSWER_KINDS), device=dev)
     params = sum(p.numel() for p in model.parameters())
     progress(
         f"training {cfg.num_hidden_layers} layers, {params / 1e6:.2f}M parameters on {dev}: "
@@ -363,22 +389,25 @@ def train(
         if copied[k] is not None:
             copied[k].synchronize()  # the buffer's previous copy has left it
         tok, answer = corpus.batch(B)
-        ids_h, tg_h, rows_h, w_h = staging[k]
+        ids_h, tg_h, rows_h, w_h, ans_h = staging[k]
         ids_h.copy_(torch.from_numpy(tok[:, :S]))
         tg_h.copy_(torch.from_numpy(tok[:, 1:]))
         rows_h.copy_(torch.from_numpy(engram_rows(host, tok[:, :S])))
-        w_h.copy_(torch.from_numpy(np.where(answer[:, 1:], opts.answer_weight, 1.0)))
+        w_h.copy_(torch.from_numpy(np.where(answer[:, 1:] > 0, opts.answer_weight, 1.0)))
+        ans_h.copy_(torch.from_numpy(answer[:, 1:]))
         stepper.ids.copy_(ids_h, non_blocking=True)
         stepper.targets.copy_(tg_h, non_blocking=True)
         stepper.rows.copy_(rows_h, non_blocking=True)
         stepper.loss_w.copy_(w_h, non_blocking=True)
+        stepper.answer.copy_(ans_h, non_blocking=True)
         if pinned:
             copied[k] = torch.cuda.Event()
             copied[k].record()
         stepper.set_lr(lr_at(step, opts))
-        ce, kl = stepper.step(dense=step < opts.dense_steps)
+        ce, kl, acc = stepper.step(dense=step < opts.dense_steps)
         ce_log[step].copy_(ce)
         kl_log[step].copy_(kl)
+        acc_log[step].copy_(acc)
         done = step + 1
         step_end_s.append(time.perf_counter() - t_train)
         last = done == opts.steps
@@ -386,10 +415,12 @@ def train(
         if done % opts.log_every == 0 or last or over:
             c = ce_log[max(0, done - opts.log_every) : done].mean().item()
             q = kl_log[max(0, done - opts.log_every) : done].mean().item()
+            r = _accuracies(acc_log[max(0, done - opts.log_every) : done].sum(0).tolist())
             el = time.perf_counter() - t_train
             progress(
                 f"step {done}/{opts.steps}  loss {c:.4f}  index_kl {q:.4f}  "
-                f"{el / done:.3f} s/step  {done * B * S / el:,.0f} tok/s  "
+                + "".join(f"{k} {v:.2f}  " for k, v in r.items() if v is not None)
+                + f"{el / done:.3f} s/step  {done * B * S / el:,.0f} tok/s  "
                 f"eta {el / done * (opts.steps - done):.0f} s"
             )
         if over:
@@ -418,6 +449,9 @@ def train(
         "step_end_s": step_end_s,
         "loss": losses,
         "index_kl": kl_log[:done].tolist(),
+        "answer_kinds": list(ANSWER_KINDS),
+        "answer_hits": acc_log[:done, 0].tolist(),
+        "answer_tokens": acc_log[:done, 1].tolist(),
         "final_loss": float(np.mean(losses[-max(1, opts.log_every) :])),
     }
     write_state(
