@@ -1,13 +1,12 @@
 """The committed trained checkpoint (``checkpoints/quality40``): it loads through the engine
 and is held to what it has learned (``checkpoints/quality40/README.md``): sums, as the
-``arith_gen`` task asks them, and copying a code that lies inside the attention window. It
-has not learned to reach past the window (the shipped copy and recall tasks): its answers
-there score like a uniform guess over the answer's alphabet, which is the bar those tests
-hold it to, not the tasks' chance level."""
+``arith_gen`` task asks them, and copying a code from up to about 150 rows back, past the
+32-row window, through the compressed rows and the index top-k (most places of the code, not
+all). It does not reach the shipped copy task's 447 rows, nor recall: the shipped copy task
+is held to its answer format only, not to the task's chance level."""
 
 from __future__ import annotations
 
-import math
 import random
 from functools import cache
 from pathlib import Path
@@ -46,13 +45,15 @@ def test_trained_checkpoint_scores_held_out_answers_far_above_random_weights():
 
 
 @pytest.mark.skipif(not CKPT.is_dir(), reason="checkpoints/quality40 is not in this checkout")
-def test_trained_checkpoint_answers_the_copy_task_in_its_alphabet():
-    """The shipped copy task (the code about 440 rows behind its repeat): 24 capital letters.
-    The trained model's per-letter log-probability is that of a uniform guess over them
-    (measured -3.18 against log(1/24) = -3.18): the format is learned, the lookup past the
-    window is not. The test asks for at least log(1/24) - 0.5."""
-    trained = _answer_logprob_per_token(_lm(True), "copy_gen", 2)
-    assert trained > math.log(1 / 24) - 0.5, trained
+def test_trained_checkpoint_answers_the_copy_task_in_its_format():
+    """The shipped copy task (the code about 447 rows behind its repeat) as lm-eval runs it:
+    the greedy answers are 8 capital letters, as asked (measured: 6 of 6). The letters are
+    not the code's (``copy_distance_profile``: no lookup that far back yet)."""
+    until, max_gen_toks = GENERATION["copy_gen"]
+    docs = documents("copy_gen", 4)
+    requests = [(d["prompt"], {"until": until, "max_gen_toks": max_gen_toks}) for d in docs]
+    texts = _lm(True).generate_until(requests)
+    assert all(len(t) == 8 and t.isalpha() and t.isupper() for t in texts), texts
 
 
 @pytest.mark.skipif(not CKPT.is_dir(), reason="checkpoints/quality40 is not in this checkout")
@@ -68,14 +69,35 @@ def test_trained_checkpoint_generates_the_held_out_sums_exactly():
     assert right >= 7, list(zip(texts, [d["answer"] for d in docs], strict=True))
 
 
+def _copy_places_greedy(lm: V41PlanLM, docs: list[dict]) -> tuple[float, float]:
+    """Letter by letter (the code's earlier letters given): the log-likelihood a letter and
+    the mean number of the code's 8 places whose letter is the greedy choice."""
+    n = len(docs[0]["answer"])
+    reqs = [(d["prompt"] + d["answer"][:j], d["answer"][j]) for d in docs for j in range(n)]
+    scores = lm.loglikelihood(reqs)
+    return sum(ll for ll, _ in scores) / len(scores), sum(g for _, g in scores) / len(docs)
+
+
 @pytest.mark.skipif(not CKPT.is_dir(), reason="checkpoints/quality40 is not in this checkout")
-def test_trained_checkpoint_copies_a_code_inside_the_window():
-    """A copy document whose code sits inside the 32-row window of its repeat (filler of at
-    most 4 characters): every letter the greedy choice on 8 documents (measured 20 of 20 and
-    -0.002 nats a letter). Past the window (filler of 8 characters or more) it is a uniform
-    guess (-3.18), which ``checkpoints/quality40/README.md`` reports."""
-    rng = random.Random("in-window copies")
-    docs = [copy_doc(rng, rng.randint(0, 4)) for _ in range(8)]
+def test_trained_checkpoint_copies_a_code_inside_the_window_and_just_past_it():
+    """Copies whose code lies 27 to 59 rows behind its repeat (filler of 0 to 32 characters;
+    the window is 32 rows, so most of them are past it and only the compressed rows and the
+    index top-k reach the code): measured -0.40 nats a letter and 7.0 of the 8 places greedy
+    (one place, the 6th inside the window and the 2nd past it, is a guess). A uniform guess
+    is -3.18 a letter and a third of a place. The test asks for -1.0 and 6 places."""
+    rng = random.Random("copies within 59 rows")
+    docs = [copy_doc(rng, rng.randint(0, 32)) for _ in range(6)]
+    ll, places = _copy_places_greedy(_lm(True), docs)
+    assert ll > -1.0 and places >= 6.0, (ll, places)
+
+
+@pytest.mark.skipif(not CKPT.is_dir(), reason="checkpoints/quality40 is not in this checkout")
+def test_trained_checkpoint_copies_most_of_a_code_from_four_windows_back():
+    """Copies whose code lies 91 to 147 rows behind its repeat (filler of 64 to 120
+    characters): measured -1.20 nats a letter, 5 of the 8 places greedy (the 2nd, 3rd and 6th
+    are guesses), against -3.18 for a uniform guess. The test asks for -2.2 a letter."""
+    rng = random.Random("copies from 91 to 147 rows back")
+    docs = [copy_doc(rng, rng.randint(64, 120)) for _ in range(4)]
     scores = _lm(True).loglikelihood([(d["prompt"], d["answer"]) for d in docs])
-    assert sum(greedy for _, greedy in scores) >= 6, scores
-    assert sum(ll for ll, _ in scores) / (8 * len(docs)) > -0.5, scores
+    ll = sum(s for s, _ in scores) / (8 * len(docs))
+    assert ll > -2.2, ll
