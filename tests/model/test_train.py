@@ -324,12 +324,32 @@ def test_corpus_caps_copy_filler_and_recall_lists_for_a_first_stage():
         Corpus(cfg, 5, 640, max_filler_chars=SHORT_COPY_FILLER_CHARS)
 
 
+def test_corpus_draws_codes_of_a_range_as_far_back_as_eight_letter_ones():
+    """``code_letters``: copies past the window draw their code's length from the range, and
+    a shorter code gets a longer filler, so every letter still sits at least 31 rows behind
+    the row that copies it; in-window copies keep 8 letters."""
+    cfg = _cfg()
+    c = Corpus(cfg, 5, 640, copy_share=1, short_copy_share=0.3, code_letters=(3, 12))
+    text = b"\n".join(bytes(t if t < 256 else 10 for t in row) for row in c.batch(40)[0]).decode()
+    found = re.findall(r"code: ([A-Z]+)\n(.*)\nrepeat the code: ([A-Z]+)", text)
+    lengths = {len(code) for code, _, _ in found}
+    assert lengths <= set(range(3, 13)) and len(lengths) >= 6
+    for code, filler, repeat in found:
+        assert repeat == code  # the answer is the whole code
+        rows_back = len(code) + len(filler) + len("\nrepeat the code: ")  # letter j to row j
+        assert rows_back >= 31 or (len(code) == 8 and len(filler) <= SHORT_COPY_FILLER_CHARS)
+    with pytest.raises(ValueError, match="code_letters"):
+        Corpus(cfg, 5, 640, code_letters=(5, 4))
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
         ("--copy-share", "1.5", "between 0 and 1"),
         ("--max-filler-chars", "3", "at least 5"),
         ("--max-recall-pairs", "2", "at least 6"),
+        ("--min-code-letters", "9", "1 <= min <= max"),
+        ("--max-code-letters", "0", "1 <= min <= max"),
     ],
 )
 def test_train_refuses_a_corpus_option_out_of_range(tmp_path, capsys, flag, value, says):

@@ -19,6 +19,8 @@ CORPUS_OPTIONS = (
         "longest copy filler drawn (the task's own: 420; a first stage can cap it)",
     ),
     ("max_recall_pairs", int, "longest recall list drawn (the task's own: 40)"),
+    ("min_code_letters", int, "shortest code of a copy past the window (the task's: 8)"),
+    ("max_code_letters", int, "longest code of a copy past the window"),
 )
 """The corpus mixture's flags: ``TrainOptions`` field, type, help."""
 
@@ -85,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         raise Refused(f"--max-filler-chars {args.max_filler_chars}: must be at least 5")
     if args.max_recall_pairs < 6:
         raise Refused(f"--max-recall-pairs {args.max_recall_pairs}: must be at least 6")
+    if not 1 <= args.min_code_letters <= args.max_code_letters:
+        raise Refused(
+            f"--min-code-letters {args.min_code_letters}, --max-code-letters "
+            f"{args.max_code_letters}: want 1 <= min <= max"
+        )
     if args.lr <= 0:
         raise Refused(f"--lr {args.lr}: must be positive")
     out = Path(args.out)

@@ -54,9 +54,16 @@ def kv_recall_doc(rng: random.Random, pairs: int = 40) -> dict:
     }
 
 
-def copy_doc(rng: random.Random, filler_chars: int = 420) -> dict:
-    """One generation item: ``{"prompt", "answer"}``; the code lies before the filler."""
-    code = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(8))
+COPY_CODE_LETTERS = 8
+"""Letters of the shipped copy task's code."""
+
+
+def copy_doc(
+    rng: random.Random, filler_chars: int = 420, code_letters: int = COPY_CODE_LETTERS
+) -> dict:
+    """One generation item: ``{"prompt", "answer"}``; the code (``code_letters`` of 24
+    capitals) lies before the filler."""
+    code = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(code_letters))
     filler = (_FILLER * (filler_chars // len(_FILLER) + 1))[:filler_chars]
     return {"prompt": f"code: {code}\n{filler}\nrepeat the code: ", "answer": code}
 

@@ -36,7 +36,7 @@ from v41plan.model.checkpoint import engram_token_map, write_state
 from v41plan.model.config import ModelConfig
 from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
-from v41plan.validation.quality_tasks import EVAL_SEED, GENERATORS, documents
+from v41plan.validation.quality_tasks import COPY_CODE_LETTERS, EVAL_SEED, GENERATORS, documents
 
 SHORT_COPY_FILLER_CHARS = 4
 """Filler of a short copy document: each code letter then sits 26 + filler rows behind the
@@ -76,6 +76,12 @@ class TrainOptions:
     (``scripts/copy_learning_probe.py``): a first stage can cap it."""
     max_recall_pairs: int = 40
     """Longest recall list drawn (the task's own: 40 pairs)."""
+    min_code_letters: int = 8
+    """Shortest code of a copy past the window (the task's: 8 letters). With a range, a
+    lookup for each place of an 8-letter code (what the committed checkpoint learned) no
+    longer covers the corpus; in-window copies keep 8 letters."""
+    max_code_letters: int = 8
+    """Longest code of a copy past the window."""
     index_loss_weight: float = 1.0
     """Weight of the indexer KL loss."""
     answer_weight: float = 5.0
@@ -113,18 +119,23 @@ class Corpus:
         arith_first_share: float = 0.25,
         max_filler_chars: int = 420,
         max_recall_pairs: int = 40,
+        code_letters: tuple[int, int] = (COPY_CODE_LETTERS, COPY_CODE_LETTERS),
     ):
         """``copy_share``: copy documents among the recall and copy ones;
         ``short_copy_share``: copies whose code lies inside the window of its repeat;
         ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
         position 0); ``max_filler_chars`` and ``max_recall_pairs``: the longest copy filler
-        and recall list drawn."""
+        and recall list drawn; ``code_letters``: the shortest and longest code of a copy past
+        the window."""
         if max_filler_chars <= SHORT_COPY_FILLER_CHARS or max_recall_pairs < 6:
             raise ValueError(
                 f"max_filler_chars {max_filler_chars} must exceed {SHORT_COPY_FILLER_CHARS} "
                 f"and max_recall_pairs {max_recall_pairs} be at least 6"
             )
+        if not 1 <= code_letters[0] <= code_letters[1]:
+            raise ValueError(f"code_letters {code_letters}: want 1 <= shortest <= longest")
         self.max_filler_chars, self.max_recall_pairs = max_filler_chars, max_recall_pairs
+        self.code_letters = code_letters
         self.copy_share, self.short_copy_share = copy_share, short_copy_share
         self.arith_first_share = arith_first_share
         if seed == EVAL_SEED:
@@ -175,11 +186,15 @@ class Corpus:
         if self.rng.random() < self.short_copy_share:
             filler = self.rng.randint(0, SHORT_COPY_FILLER_CHARS)
             return self._doc("copy_gen", "copy_in_window", filler_chars=filler)
-        return self._doc(
-            "copy_gen",
-            "copy_past_window",
-            filler_chars=self.rng.randint(SHORT_COPY_FILLER_CHARS + 1, self.max_filler_chars),
-        )
+        if self.code_letters == (COPY_CODE_LETTERS, COPY_CODE_LETTERS):
+            letters = COPY_CODE_LETTERS  # no draw: the default stream stays what it was
+        else:
+            letters = self.rng.randint(*self.code_letters)
+        # a shorter code brings its letters nearer their repeat: a longer filler keeps them
+        # as far back as an 8-letter code's with the shortest past-window filler
+        shortest = SHORT_COPY_FILLER_CHARS + 1 + max(0, COPY_CODE_LETTERS - letters)
+        filler = self.rng.randint(shortest, max(shortest, self.max_filler_chars))
+        return self._doc("copy_gen", "copy_past_window", filler_chars=filler, code_letters=letters)
 
     def sequence_marked(self) -> tuple[list[int], list[int]]:
         """``seq_tokens + 1`` tokens and their answer marks (``ANSWER_KINDS``): long
@@ -353,6 +368,7 @@ def train(
         opts.short_copy_share,
         max_filler_chars=opts.max_filler_chars,
         max_recall_pairs=opts.max_recall_pairs,
+        code_letters=(opts.min_code_letters, opts.max_code_letters),
     )
     B, S = opts.batch_seqs, opts.seq_tokens
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
