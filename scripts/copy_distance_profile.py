@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         scores = lm.loglikelihood(requests)
         greedy = [[scores[i * n + j][1] for j in range(n)] for i in range(len(docs))]
         d0 = docs[0]["prompt"]
-        rows_back = len(d0.encode()) - d0.index("code: ") - len("code: ")
+        # from the code's first letter to the prompt's last row, which predicts it
+        rows_back = len(d0.encode()) - 1 - (d0.index("code: ") + len("code: "))
         row = {
             "filler_chars": filler,
             "rows_back": rows_back,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from v41plan.validation.lm_eval_model import TASKS_DIR, V41PlanLM
-from v41plan.validation.quality_table import METRICS, TASKS, markdown, score_tasks
+from v41plan.validation.quality_table import METRICS, TASKS, copy_places_docs, markdown, score_tasks
 
 
 def test_direct_scores_equal_lm_evals_over_the_shipped_tasks(monkeypatch):
@@ -53,3 +53,24 @@ def test_prefix_hit_generations_resume_from_the_cache_under_both_transfers():
         assert r["replay_rows"] > 0 if replay else r["restores"] > 0
         if not replay:
             assert got == want
+
+
+def test_copy_places_scores_each_place_of_codes_past_the_window():
+    """``copy_places``: documents whose code lies past the 32-row window (26 + filler rows
+    back), generated with ``copy_gen``'s settings and scored place by place."""
+    from v41plan.validation.quality_table import score_copy_places
+
+    docs = copy_places_docs(12)
+    assert docs == copy_places_docs(12)  # seeded
+    for d in docs:
+        p = d["prompt"]
+        rows_back = len(p) - 1 - (p.index("code: ") + len("code: "))
+        assert 34 <= rows_back <= 146 and len(d["answer"]) == 8
+
+    class TwoPlacesWrong:
+        def generate_until(self, requests):
+            assert all(kw["until"] == ["\n"] and not kw["do_sample"] for _, kw in requests)
+            return [("ab" + d["answer"][2:]) for d in docs[: len(requests)]]
+
+    got = score_copy_places(TwoPlacesWrong(), 12)
+    assert got["value"] == pytest.approx(0.75) and got["docs"] == 12 and got["stderr"] == 0.0

@@ -23,12 +23,19 @@ shipped task files (so the table runs where lm-eval is not installed, the GPU im
 The multiple-choice task is scored by log-likelihood through every prompt row (the
 ``prompt_logprobs`` path runs without decoder replay and without prefix hits), so only the
 format rows and the random baseline move it; replay rows concern the generation tasks.
+
+One column is not an lm-eval task: ``copy_places``, copies whose code lies 34 to 146 rows
+behind its repeat (past the 32-row window, short of the shipped copy task's 446), generated
+greedily as ``copy_gen`` is, scored by the share of the code's places that the answer gets
+right. Exact match would score 0 on a model that misses one place in eight; this column is
+the long-context generation the replay and format rows can move.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -36,13 +43,26 @@ from pathlib import Path
 import numpy as np
 
 from v41plan.validation.lm_eval_model import TASKS_DIR, V41PlanLM
-from v41plan.validation.quality_tasks import GENERATION, TASK_METRICS
+from v41plan.validation.quality_tasks import GENERATION, TASK_METRICS, copy_doc
 
 METRICS = TASK_METRICS
 """Each task's metric (lm-eval's name)."""
 TASKS = tuple(METRICS)
-CHANCE = {"v41plan_kv_recall_mc": 0.25, "v41plan_copy_gen": 0.0, "v41plan_arith_gen": 0.0}
-"""Chance level of each task's metric (four choices; exact match of a free generation)."""
+COPY_PLACES = "copy_places"
+"""The column of copies 34 to 146 rows back, scored place by place (not an lm-eval task)."""
+COPY_PLACES_FILLER_CHARS = (8, 120)
+"""Their filler: the code's first letter 26 + filler rows behind the row that copies it."""
+COPY_PLACES_DOCS = 100
+"""Its documents without ``--limit`` (as many as each shipped task has)."""
+COLUMNS = (*TASKS, COPY_PLACES)
+CHANCE = {
+    "v41plan_kv_recall_mc": 0.25,
+    "v41plan_copy_gen": 0.0,
+    "v41plan_arith_gen": 0.0,
+    COPY_PLACES: 1 / 24,
+}
+"""Chance level of each column (four choices; exact match of a free generation; one of the
+code's 24 letters at each place)."""
 
 _HIT = {"prefix_hit": True, "max_num_batched_tokens": 128}
 """Prefix-hit rows prefill in 128-token chunks: a non-final chunk ends on the hash-block grid
@@ -69,6 +89,31 @@ def load_docs(task: str, limit: int | None) -> list[dict]:
     return docs if limit is None else docs[:limit]
 
 
+def copy_places_docs(n: int) -> list[dict]:
+    """The ``copy_places`` column's ``n`` documents (their own seed)."""
+    rng = random.Random("v41plan quality table: copy places")
+    return [copy_doc(rng, rng.randint(*COPY_PLACES_FILLER_CHARS)) for _ in range(n)]
+
+
+def score_copy_places(lm, n: int) -> dict:
+    """``copy_places``: greedy answers to ``n`` copy prompts under ``copy_gen``'s generation
+    settings; each document scores the share of its code's places the answer matches."""
+    until, max_toks = GENERATION["copy_gen"]
+    docs = copy_places_docs(n)
+    kw = {"until": until, "max_gen_toks": max_toks, "do_sample": False}
+    outs = lm.generate_until([(d["prompt"], dict(kw)) for d in docs])
+    hits = [
+        sum(a == b for a, b in zip(o, d["answer"])) / len(d["answer"])
+        for o, d in zip(outs, docs, strict=True)
+    ]
+    return _mean_stderr(hits)
+
+
+def _mean_stderr(hits: list[float]) -> dict:
+    err = float(np.std(hits, ddof=1) / np.sqrt(len(hits))) if len(hits) > 1 else None
+    return {"value": float(np.mean(hits)), "stderr": err, "docs": len(hits)}
+
+
 def score_tasks(lm, limit: int | None) -> dict:
     """Each task's metric over its shipped documents, scored as lm-eval scores the shipped
     task files (``tests/validation/test_quality_table.py`` checks the two agree): the choice
@@ -91,9 +136,7 @@ def score_tasks(lm, limit: int | None) -> dict:
                 n = len(d["choices"])
                 hits.append(float(int(np.argmax(lls[k : k + n])) == d["label"]))
                 k += n
-        mean = float(np.mean(hits))
-        err = float(np.std(hits, ddof=1) / np.sqrt(len(hits))) if len(hits) > 1 else None
-        out[task] = {"value": mean, "stderr": err, "docs": len(hits)}
+        out[task] = _mean_stderr(hits)
     return out
 
 
@@ -101,7 +144,9 @@ def score(spec: str, checkpoint: str | None, options: dict, limit: int | None, d
     """Each task's metric for one engine setting, with the resumption stats."""
     engine = {"max_num_seqs": 64, "max_num_batched_tokens": 8192, **options}
     lm = V41PlanLM(spec, checkpoint, progress=False, device=device, **engine)
-    return score_tasks(lm, limit), dict(lm.resumed)
+    scores = score_tasks(lm, limit)
+    scores[COPY_PLACES] = score_copy_places(lm, COPY_PLACES_DOCS if limit is None else limit)
+    return scores, dict(lm.resumed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             row["resumed"] = resumed
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        cells = "  ".join(f"{t.split('_', 1)[1]} {scores[t]['value']:.3f}" for t in TASKS)
+        cells = "  ".join(f"{t.removeprefix('v41plan_')} {scores[t]['value']:.3f}" for t in COLUMNS)
         print(f"{name:28s} {cells}  ({row['seconds']:.0f} s)", flush=True)
         report["rows"] = rows
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")  # after every row
@@ -151,16 +196,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
     """The report as the README's table."""
-    head = "| setting | " + " | ".join(t.removeprefix("v41plan_") for t in TASKS) + " |"
-    lines = [head, "|---" * (len(TASKS) + 1) + "|"]
+    cols = [t for t in COLUMNS if all(t in r["scores"] for r in report["rows"])]
+    head = "| setting | " + " | ".join(t.removeprefix("v41plan_") for t in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
     for r in report["rows"]:
         cells = []
-        for t in TASKS:
+        for t in cols:
             s = r["scores"][t]
             err = f" ± {s['stderr']:.3f}" if isinstance(s.get("stderr"), float) else ""
             cells.append(f"{s['value']:.3f}{err}")
         lines.append(f"| {r['row']} | " + " | ".join(cells) + " |")
-    chance = " | ".join(f"{report['chance'][t]:.2f}" for t in TASKS)
+    chance = " | ".join(f"{report['chance'][t]:.2f}" for t in cols)
     lines.append(f"| chance | {chance} |")
     return "\n".join(lines)
 
