@@ -239,10 +239,9 @@ class _Stepper:
         self.model, self.opts = model, opts
         self.ids = torch.zeros(B, S, dtype=torch.long, device=dev)
         self.targets = torch.zeros(B, S, dtype=torch.long, device=dev)
-        self.loss_w = torch.ones(B, S, device=dev)
-        """Per-target loss weights (``answer_weight`` on answer tokens)."""
         self.answer = torch.zeros(B, S, dtype=torch.long, device=dev)
-        """Each target's answer mark (``ANSWER_KINDS``): the logged accuracies' rows."""
+        """Each target's answer mark (``ANSWER_KINDS``): its loss weight (``answer_weight``
+        on answer tokens, 1 elsewhere) and the logged accuracies' rows."""
         self.rows = torch.zeros(B, S, *n_rows, dtype=torch.long, device=dev)
         self.graphs_on = opts.graphs and dev.type == "cuda"
         lr = torch.tensor(opts.lr, device=dev) if self.graphs_on else opts.lr
@@ -271,7 +270,7 @@ class _Stepper:
         m, o = self.model, self.opts
         batch = Batch(self.ids, self.targets, self.rows)
         logits, aux = m.forward(batch, dense=dense)
-        w = self.loss_w.reshape(-1)
+        w = torch.where(self.answer.reshape(-1) > 0, o.answer_weight, 1.0)
         per = F.cross_entropy(logits, self.targets.reshape(-1), reduction="none")
         ce = (per * w).sum() / w.sum()
         kind = F.one_hot(self.answer.reshape(-1), len(ANSWER_KINDS) + 1)[:, 1:].float()
@@ -374,14 +373,10 @@ def train(
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
     stepper = _Stepper(model, opts, B, S, n_rows)
     pinned = dev.type == "cuda"
-    staging = [  # (ids, targets, Engram rows, weights, answer marks) twice: one fills
-        tuple(  # while the other copies
+    staging = [  # (ids, targets, Engram rows, answer marks) twice: one fills while the
+        tuple(  # other copies
             torch.empty(shape, dtype=torch.long, pin_memory=pinned)
-            for shape in ((B, S), (B, S), (B, S, *n_rows))
-        )
-        + (
-            torch.empty(B, S, pin_memory=pinned),
-            torch.empty(B, S, dtype=torch.long, pin_memory=pinned),
+            for shape in ((B, S), (B, S), (B, S, *n_rows), (B, S))
         )
         for _ in range(2)
     ]
@@ -405,16 +400,14 @@ def train(
         if copied[k] is not None:
             copied[k].synchronize()  # the buffer's previous copy has left it
         tok, answer = corpus.batch(B)
-        ids_h, tg_h, rows_h, w_h, ans_h = staging[k]
+        ids_h, tg_h, rows_h, ans_h = staging[k]
         ids_h.copy_(torch.from_numpy(tok[:, :S]))
         tg_h.copy_(torch.from_numpy(tok[:, 1:]))
         rows_h.copy_(torch.from_numpy(engram_rows(host, tok[:, :S])))
-        w_h.copy_(torch.from_numpy(np.where(answer[:, 1:] > 0, opts.answer_weight, 1.0)))
         ans_h.copy_(torch.from_numpy(answer[:, 1:]))
         stepper.ids.copy_(ids_h, non_blocking=True)
         stepper.targets.copy_(tg_h, non_blocking=True)
         stepper.rows.copy_(rows_h, non_blocking=True)
-        stepper.loss_w.copy_(w_h, non_blocking=True)
         stepper.answer.copy_(ans_h, non_blocking=True)
         if pinned:
             copied[k] = torch.cuda.Event()
