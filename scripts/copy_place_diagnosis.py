@@ -117,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                 fmt = " ".join(f"{v:6.2f}" for v in ll[False])
                 fmt_d = " ".join(f"{v:6.2f}" for v in ll[True])
                 print(f"filler {filler:4d} shift {shift}  top-k {fmt}\n{'':19s}dense {fmt_d}")
-    print(
-        "\nplaces of the code the index top-k covers at the row predicting place 1, 2, 3 (last doc)"
-    )
-    for L, cov in rows[-1]["places_covered_by_layer"].items():
-        print(f"  layer {L:>2}: {cov[0]} | {cov[1]} | {cov[2]}")
+    for row in rows[-len(args.shifts.split(",")) :]:
+        print(
+            f"\nshift {row['shift']}: the code's places each index top-k covers at the rows "
+            "predicting places 1 | 2 | 3 (the last document)"
+        )
+        for L, cov in row["places_covered_by_layer"].items():
+            print(f"  layer {L:>2}: {cov[0]} | {cov[1]} | {cov[2]}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
