@@ -6,7 +6,9 @@
 Trains ``model.train.TrainModel`` (the published arithmetic, straight-through quantizers, the
 indexer's KL loss) on copy documents (``quality_tasks.copy_doc``, filler drawn from
 ``--min-filler`` to ``--max-filler`` characters) and ``--recall-share`` recall lists of 6 to
-``--max-pairs`` pairs (``kv_recall_doc``; none by default), at quality40's widths cut to
+``--max-pairs`` pairs (``kv_recall_doc``; none by default; ``--recall-form repeat`` asks
+``recall: KEY=`` instead of the task's question, and ``--recall-keys letters`` draws one-letter
+keys, the easiest form of the lookup), at quality40's widths cut to
 ``--layers`` layers: two window-only layers, then ratio-1 layers (the first one owns the
 compressed rows and the index, the rest reuse them). The first ``--dense-steps`` attend to
 every visible compressed row, the rest to the index top-k, as ``v41plan train`` does. Every
@@ -35,6 +37,32 @@ from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
 from v41plan.validation.provenance import provenance
 from v41plan.validation.quality_tasks import copy_doc, kv_recall_doc
+
+KEY_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+
+
+def recall_doc(rng: random.Random, pairs: int, form: str, keys: str) -> dict:
+    """A recall document ``{"context", "choices", "label"}``: ``kv_recall_doc``'s (word keys,
+    its question), with ``keys == "letters"`` one-letter keys instead, and with
+    ``form == "repeat"`` the list closed by ``recall: KEY=`` instead of the question (the
+    list's own ``KEY=``: a head that finds the key's earlier occurrence and takes what follows
+    answers it)."""
+    if keys == "letters":
+        names = rng.sample(KEY_LETTERS, k=min(pairs, len(KEY_LETTERS)))
+        values = [rng.randrange(100, 1000) for _ in names]
+        q = rng.randrange(0, max(1, len(names) // 3))  # as kv_recall_doc: outside the window
+        lines = " ".join(f"{k}={v};" for k, v in zip(names, values, strict=True))
+        key, value = names[q], str(values[q])
+    else:
+        doc = kv_recall_doc(rng, pairs)
+        lines, question = doc["context"].split("\n")
+        key = question.removeprefix("question: what is ").removesuffix("? answer:")
+        value = doc["choices"][doc["label"]].strip()
+    if form == "repeat":
+        return {"context": f"{lines}\nrecall: {key}=", "choices": [value], "label": 0}
+    ask = f"question: what is {key}? answer:"
+    return {"context": f"{lines}\n{ask}", "choices": [f" {value}"], "label": 0}
+
 
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "quality40.yaml"
 CODE_TO_REPEAT_ROWS = 26
@@ -73,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "--recall-share", type=float, default=0.0, help="recall documents among the copies"
     )
     ap.add_argument("--max-pairs", type=int, default=10, help="longest recall list (pairs)")
+    ap.add_argument("--recall-form", default="question", choices=["question", "repeat"])
+    ap.add_argument("--recall-keys", default="words", choices=["words", "letters"])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -95,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             while len(ids) <= S:
                 if rng.random() < args.recall_share:
                     try:
-                        d = kv_recall_doc(rng, rng.randint(6, args.max_pairs))
+                        pairs = rng.randint(6, args.max_pairs)
+                        d = recall_doc(rng, pairs, args.recall_form, args.recall_keys)
                     except ValueError:  # a short list without three other distinct values
                         continue
                     answer = d["choices"][d["label"]]
