@@ -6,9 +6,10 @@
 Trains ``model.train.TrainModel`` (the published arithmetic, straight-through quantizers, the
 indexer's KL loss) on copy documents (``quality_tasks.copy_doc``, filler drawn from
 ``--min-filler`` to ``--max-filler`` characters) and ``--recall-share`` recall lists of 6 to
-``--max-pairs`` pairs (``kv_recall_doc``; none by default; ``--recall-form repeat`` asks
-``recall: KEY=`` instead of the task's question, and ``--recall-keys letters`` draws one-letter
-keys, the easiest form of the lookup), at quality40's widths cut to
+``--max-pairs`` pairs (as ``kv_recall_doc`` draws them; none by default; ``--recall-form
+repeat`` asks ``recall: KEY=`` instead of the task's question; ``--recall-keys`` picks five-letter
+word keys, the task's first ones, ``letters`` 24 capitals, or ``task`` its one-letter keys;
+``--recall-questions`` above 1 asks that many questions a list), at quality40's widths cut to
 ``--layers`` layers: two window-only layers, then ratio-1 layers (the first one owns the
 compressed rows and the index, the rest reuse them). The first ``--dense-steps`` attend to
 every visible compressed row, the rest to the index top-k, as ``v41plan train`` does. Every
@@ -36,32 +37,68 @@ from v41plan.model.config import config_from_cache_spec
 from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
 from v41plan.validation.provenance import provenance
-from v41plan.validation.quality_tasks import copy_doc, kv_recall_doc
+from v41plan.validation.quality_tasks import RECALL_KEYS, copy_doc
 
 KEY_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
 
+WORD_KEYS = [
+    "amber", "basil", "cedar", "delta", "ember", "flint", "grove", "haven", "ivory", "jade",
+    "karma", "lunar", "maple", "nexus", "onyx", "pearl", "quill", "raven", "sable", "tango",
+    "umber", "viola", "willow", "xenon", "yarrow", "zephyr", "acorn", "birch", "coral", "dune",
+]  # fmt: skip
+"""The recall task's first keys: five-letter words, five tokens each."""
+
+
+def _key_pool(keys: str) -> list[str] | str:
+    return {"words": WORD_KEYS, "letters": KEY_LETTERS, "task": RECALL_KEYS}[keys]
+
+
 def recall_doc(rng: random.Random, pairs: int, form: str, keys: str) -> dict:
-    """A recall document ``{"context", "choices", "label"}``: ``kv_recall_doc``'s (word keys,
-    its question), with ``keys == "letters"`` one-letter keys instead, and with
+    """A recall document ``{"context", "choices", "label"}`` as ``kv_recall_doc`` draws it,
+    with keys from ``keys``'s pool (``words``: the task's first five-letter keys;
+    ``letters``: 24 capitals; ``task``: the task's one-letter keys), and with
     ``form == "repeat"`` the list closed by ``recall: KEY=`` instead of the question (the
     list's own ``KEY=``: a head that finds the key's earlier occurrence and takes what follows
     answers it)."""
-    if keys == "letters":
-        names = rng.sample(KEY_LETTERS, k=min(pairs, len(KEY_LETTERS)))
-        values = [rng.randrange(100, 1000) for _ in names]
-        q = rng.randrange(0, max(1, len(names) // 3))  # as kv_recall_doc: outside the window
-        lines = " ".join(f"{k}={v};" for k, v in zip(names, values, strict=True))
-        key, value = names[q], str(values[q])
-    else:
-        doc = kv_recall_doc(rng, pairs)
-        lines, question = doc["context"].split("\n")
-        key = question.removeprefix("question: what is ").removesuffix("? answer:")
-        value = doc["choices"][doc["label"]].strip()
+    names = rng.sample(_key_pool(keys), k=min(pairs, len(_key_pool(keys))))
+    values = [rng.randrange(100, 1000) for _ in names]
+    q = rng.randrange(0, max(1, len(names) // 3))  # as kv_recall_doc: outside the window
+    lines = " ".join(f"{k}={v};" for k, v in zip(names, values, strict=True))
+    key, value = names[q], str(values[q])
     if form == "repeat":
         return {"context": f"{lines}\nrecall: {key}=", "choices": [value], "label": 0}
     ask = f"question: what is {key}? answer:"
     return {"context": f"{lines}\n{ask}", "choices": [f" {value}"], "label": 0}
+
+
+def multi_recall_text(
+    rng: random.Random, pairs: int, form: str, keys: str, questions: int, window: int
+) -> tuple[str, list[int]]:
+    """A recall list followed by ``questions`` questions (or ``recall: KEY=`` lines), each on
+    another key of the whole list with its answer: the multi-query form of the lookup, many
+    answers a list. Returns the text and a mark a character: 3 on an answer whose value in
+    the list lies past the ``window`` of the row that predicts it, 4 inside it, else 0."""
+    pool = _key_pool(keys)
+    names = rng.sample(pool, k=min(pairs, len(pool)))
+    values = [str(rng.randrange(100, 1000)) for _ in names]
+    starts, text = [], ""
+    for k, v in zip(names, values, strict=True):
+        starts.append(len(text) + len(k) + 1)
+        text += f"{k}={v}; "
+    text = text.rstrip()
+    marks = [0] * len(text)
+    for q in rng.sample(range(len(names)), k=min(questions, len(names))):
+        ask = (
+            f"\nrecall: {names[q]}="
+            if form == "repeat"
+            else f"\nquestion: what is {names[q]}? answer: "
+        )
+        text += ask
+        past = len(text) - 1 - starts[q] >= window
+        text += values[q]
+        marks += [0] * len(ask) + [3 if past else 4] * len(values[q])
+    return text, marks
 
 
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "quality40.yaml"
@@ -102,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-pairs", type=int, default=10, help="longest recall list (pairs)")
     ap.add_argument("--recall-form", default="question", choices=["question", "repeat"])
-    ap.add_argument("--recall-keys", default="words", choices=["words", "letters"])
+    ap.add_argument(
+        "--recall-questions",
+        type=int,
+        default=1,
+        help="questions a recall list (above 1: the multi-query form, keys from the whole list)",
+    )
+    ap.add_argument("--recall-keys", default="words", choices=["words", "letters", "task"])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -126,6 +169,18 @@ def main(argv: list[str] | None = None) -> int:
                 if rng.random() < args.recall_share:
                     try:
                         pairs = rng.randint(6, args.max_pairs)
+                        if args.recall_questions > 1:
+                            text, m = multi_recall_text(
+                                rng,
+                                pairs,
+                                args.recall_form,
+                                args.recall_keys,
+                                args.recall_questions,
+                                cfg.sliding_window,
+                            )
+                            ids += [*text.encode(), cfg.eos_token_id]
+                            kind += [*m, 0]
+                            continue
                         d = recall_doc(rng, pairs, args.recall_form, args.recall_keys)
                     except ValueError:  # a short list without three other distinct values
                         continue
@@ -148,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     log, t0 = [], time.perf_counter()
     print(
         "| step | attention | loss | index KL | copied letters right, inside the window "
-        "| past it | recall answer tokens right |"
+        "| past it | recall answer tokens right | in-window recall (multi-query) |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for step in range(args.steps):
         tok, kind = batch()
         b = Batch(
@@ -173,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             right = (logits.argmax(-1) == b.targets.reshape(-1)).float()
             share = {
                 name: (right[k == v].mean().item() if bool((k == v).any()) else None)
-                for name, v in (("inside", 1), ("past", 2), ("recall", 3))
+                for name, v in (("inside", 1), ("past", 2), ("recall", 3), ("recall_inside", 4))
             }
             row = {
                 "step": step,
@@ -188,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {step} | {'dense' if dense else 'top-k'} | {row['loss']:.3f} | "
                 f"{row['index_kl']:.3f} | {fmt(share['inside'])} | {fmt(share['past'])} | "
-                f"{fmt(share['recall'])} |",
+                f"{fmt(share['recall'])} | {fmt(share['recall_inside'])} |",
                 flush=True,
             )
     out = Path(args.out)

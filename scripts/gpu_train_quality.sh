@@ -7,7 +7,7 @@
 #   OUT=/tmp/q STEPS=560 EVAL_S=170 scripts/gpu_train_quality.sh
 # Optional: DENSE (dense-attention steps; default a quarter of STEPS), INIT (a checkpoint to go
 # on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has), COPY_SHARE,
-# SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, MIN_CODE, MAX_CODE (the corpus mixture,
+# SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE (the corpus mixture,
 # `v41plan train --help`).
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
@@ -52,6 +52,7 @@ extra=()
 [ -n "${SHORT_COPY_SHARE:-}" ] && extra+=(--short-copy-share "$SHORT_COPY_SHARE")
 [ -n "${MAX_FILLER:-}" ] && extra+=(--max-filler-chars "$MAX_FILLER")
 [ -n "${MAX_PAIRS:-}" ] && extra+=(--max-recall-pairs "$MAX_PAIRS")
+[ -n "${RECALL_Q:-}" ] && extra+=(--recall-questions "$RECALL_Q")
 [ -n "${MIN_CODE:-}" ] && extra+=(--min-code-letters "$MIN_CODE")
 [ -n "${MAX_CODE:-}" ] && extra+=(--max-code-letters "$MAX_CODE")
 echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ ${extra[*]}" | tee -a "$OUT/train.log"

@@ -347,7 +347,9 @@ def test_corpus_draws_codes_of_a_range_as_far_back_as_eight_letter_ones():
     [
         ("--copy-share", "1.5", "between 0 and 1"),
         ("--max-filler-chars", "3", "at least 5"),
-        ("--max-recall-pairs", "2", "at least 6"),
+        ("--max-recall-pairs", "2", "must be 6 to 52"),
+        ("--max-recall-pairs", "53", "must be 6 to 52"),
+        ("--recall-questions", "0", "at least 1"),
         ("--min-code-letters", "9", "1 <= min <= max"),
         ("--max-code-letters", "0", "1 <= min <= max"),
     ],

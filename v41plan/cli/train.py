@@ -18,7 +18,8 @@ CORPUS_OPTIONS = (
         int,
         "longest copy filler drawn (the task's own: 420; a first stage can cap it)",
     ),
-    ("max_recall_pairs", int, "longest recall list drawn (the task's own: 40)"),
+    ("max_recall_pairs", int, "longest recall list drawn (the task's own: 48; at most 52)"),
+    ("recall_questions", int, "questions a recall list asks (the task: 1; more: multi-query)"),
     ("min_code_letters", int, "shortest code of a copy past the window (the task's: 8)"),
     ("max_code_letters", int, "longest code of a copy past the window"),
 )
@@ -85,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
             raise Refused(f"{flag} {getattr(args, name)}: must be between 0 and 1")
     if args.max_filler_chars < 5:
         raise Refused(f"--max-filler-chars {args.max_filler_chars}: must be at least 5")
-    if args.max_recall_pairs < 6:
-        raise Refused(f"--max-recall-pairs {args.max_recall_pairs}: must be at least 6")
+    if not 6 <= args.max_recall_pairs <= 52:
+        raise Refused(f"--max-recall-pairs {args.max_recall_pairs}: must be 6 to 52 (its keys)")
+    if args.recall_questions < 1:
+        raise Refused(f"--recall-questions {args.recall_questions}: must be at least 1")
     if not 1 <= args.min_code_letters <= args.max_code_letters:
         raise Refused(
             f"--min-code-letters {args.min_code_letters}, --max-code-letters "

@@ -36,15 +36,23 @@ from v41plan.model.checkpoint import engram_token_map, write_state
 from v41plan.model.config import ModelConfig
 from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
-from v41plan.validation.quality_tasks import COPY_CODE_LETTERS, EVAL_SEED, GENERATORS, documents
+from v41plan.validation.quality_tasks import (
+    COPY_CODE_LETTERS,
+    EVAL_SEED,
+    GENERATORS,
+    RECALL_KEYS,
+    documents,
+)
 
 SHORT_COPY_FILLER_CHARS = 4
 """Filler of a short copy document: each code letter then sits 26 + filler rows behind the
 row that copies it, inside quality40's 32-row window."""
 
-ANSWER_KINDS = ("sum", "copy_in_window", "copy_past_window", "recall")
+ANSWER_KINDS = ("sum", "copy_in_window", "copy_past_window", "recall", "recall_more")
 """What an answer token answers; a mark ``k > 0`` is ``ANSWER_KINDS[k - 1]``, 0 no answer.
-Training logs the argmax accuracy of each kind apart."""
+Training logs the argmax accuracy of each kind apart. ``recall`` is the task's own question (a
+key from the list's first third); ``recall_more`` the further questions of a multi-query list
+(``recall_questions``)."""
 
 
 @dataclass
@@ -74,8 +82,12 @@ class TrainOptions:
     """Longest copy filler drawn (the task's own: 420). With 5 to 40 or 5 to 100 characters, a
     4-layer model learns the lookup by content from scratch in about 250 steps
     (``scripts/copy_learning_probe.py``): a first stage can cap it."""
-    max_recall_pairs: int = 40
-    """Longest recall list drawn (the task's own: 40 pairs)."""
+    max_recall_pairs: int = 48
+    """Longest recall list drawn (the task's own: 48 pairs; at most 52, its keys)."""
+    recall_questions: int = 1
+    """Questions a recall list asks (the task: 1). Above 1, the task's question is followed
+    by questions on other keys of the whole list, each with its answer: more answers a list
+    for the lookup to learn from (the multi-query form)."""
     min_code_letters: int = 8
     """Shortest code of a copy past the window (the task's: 8 letters). With a range, a
     lookup for each place of an 8-letter code (what the committed checkpoint learned) no
@@ -118,19 +130,25 @@ class Corpus:
         short_copy_share: float = 0.3,
         arith_first_share: float = 0.25,
         max_filler_chars: int = 420,
-        max_recall_pairs: int = 40,
+        max_recall_pairs: int = 48,
         code_letters: tuple[int, int] = (COPY_CODE_LETTERS, COPY_CODE_LETTERS),
+        recall_questions: int = 1,
     ):
         """``copy_share``: copy documents among the recall and copy ones;
         ``short_copy_share``: copies whose code lies inside the window of its repeat;
         ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
         position 0); ``max_filler_chars`` and ``max_recall_pairs``: the longest copy filler
         and recall list drawn; ``code_letters``: the shortest and longest code of a copy past
-        the window."""
-        if max_filler_chars <= SHORT_COPY_FILLER_CHARS or max_recall_pairs < 6:
+        the window; ``recall_questions``: questions a recall list asks (``TrainOptions``)."""
+        if recall_questions < 1:
+            raise ValueError(f"recall_questions {recall_questions}: must be at least 1")
+        self.recall_questions = recall_questions
+        if max_filler_chars <= SHORT_COPY_FILLER_CHARS or not 6 <= max_recall_pairs <= len(
+            RECALL_KEYS
+        ):
             raise ValueError(
                 f"max_filler_chars {max_filler_chars} must exceed {SHORT_COPY_FILLER_CHARS} "
-                f"and max_recall_pairs {max_recall_pairs} be at least 6"
+                f"and max_recall_pairs {max_recall_pairs} be 6 to {len(RECALL_KEYS)}"
             )
         if not 1 <= code_letters[0] <= code_letters[1]:
             raise ValueError(f"code_letters {code_letters}: want 1 <= shortest <= longest")
@@ -182,7 +200,10 @@ class Corpus:
         ``max_filler_chars``)."""
         if self.rng.random() >= self.copy_share:
             pairs = self.rng.randint(6, self.max_recall_pairs)
-            return self._doc("kv_recall_mc", "recall", pairs=pairs)
+            ids, marks = self._doc("kv_recall_mc", "recall", pairs=pairs)
+            if self.recall_questions > 1:
+                ids, marks = self._more_questions(ids, marks)
+            return ids, marks
         if self.rng.random() < self.short_copy_share:
             filler = self.rng.randint(0, SHORT_COPY_FILLER_CHARS)
             return self._doc("copy_gen", "copy_in_window", filler_chars=filler)
@@ -195,6 +216,21 @@ class Corpus:
         shortest = SHORT_COPY_FILLER_CHARS + 1 + max(0, COPY_CODE_LETTERS - letters)
         filler = self.rng.randint(shortest, max(shortest, self.max_filler_chars))
         return self._doc("copy_gen", "copy_past_window", filler_chars=filler, code_letters=letters)
+
+    def _more_questions(self, ids: list[int], marks: list[int]) -> tuple[list[int], list[int]]:
+        """A recall document with ``recall_questions - 1`` further questions on other keys of
+        its list, each answered (``recall_more``), before its ``eos``."""
+        text = bytes(ids[:-1]).decode("utf-8")
+        lines, question = text.split("\n")
+        asked = question.removeprefix("question: what is ").split("?")[0]
+        pairs = [p.strip().split("=") for p in lines.split(";") if p.strip()]
+        others = [(k, v) for k, v in pairs if k != asked]
+        code = ANSWER_KINDS.index("recall_more") + 1
+        for k, v in self.rng.sample(others, k=min(self.recall_questions - 1, len(others))):
+            ask = f"\nquestion: what is {k}? answer: ".encode()
+            ids = ids[:-1] + [*ask, *v.encode(), self.eos]
+            marks = marks[:-1] + [0] * len(ask) + [code] * len(v) + [0]
+        return ids, marks
 
     def sequence_marked(self) -> tuple[list[int], list[int]]:
         """``seq_tokens + 1`` tokens and their answer marks (``ANSWER_KINDS``): long
@@ -368,6 +404,7 @@ def train(
         max_filler_chars=opts.max_filler_chars,
         max_recall_pairs=opts.max_recall_pairs,
         code_letters=(opts.min_code_letters, opts.max_code_letters),
+        recall_questions=opts.recall_questions,
     )
     B, S = opts.batch_seqs, opts.seq_tokens
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
