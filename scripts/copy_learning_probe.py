@@ -5,10 +5,11 @@
 
 Trains ``model.train.TrainModel`` (the published arithmetic, straight-through quantizers, the
 indexer's KL loss) on copy documents (``quality_tasks.copy_doc``, filler drawn from
-``--min-filler`` to ``--max-filler`` characters) and ``--recall-share`` recall lists of 6 to
-``--max-pairs`` pairs (as ``kv_recall_doc`` draws them; none by default; ``--recall-form
-repeat`` asks ``recall: KEY=`` instead of the task's question; ``--recall-keys`` picks five-letter
-word keys, the task's first ones, ``letters`` 24 capitals, or ``task`` its one-letter keys;
+``--min-filler`` to ``--max-filler`` characters) and ``--recall-share`` recall lists of
+``--min-pairs`` to ``--max-pairs`` pairs (as ``kv_recall_doc`` draws them; none by default;
+``--recall-form repeat`` asks ``recall: KEY=`` instead of the task's question; ``--recall-keys``
+picks five-letter word keys, the task's first ones, ``letters`` 24 capitals, or ``task`` its
+one-letter keys with four-digit values;
 ``--recall-questions`` above 1 asks that many questions a list), at quality40's widths cut to
 ``--layers`` layers: two window-only layers, then ratio-1 layers (the first one owns the
 compressed rows and the index, the rest reuse them). The first ``--dense-steps`` attend to
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from v41plan.geometry.derive import load_cache_spec_unchecked
+from v41plan.geometry.resolve import resolve_spec
 from v41plan.model.checkpoint import engram_token_map
 from v41plan.model.config import config_from_cache_spec
 from v41plan.model.engram import EngramHost
@@ -54,6 +55,11 @@ def _key_pool(keys: str) -> list[str] | str:
     return {"words": WORD_KEYS, "letters": KEY_LETTERS, "task": RECALL_KEYS}[keys]
 
 
+def _value_range(keys: str) -> tuple[int, int]:
+    """Values of a list: four digits with the task's keys (as ``kv_recall_doc``), else three."""
+    return (1000, 10000) if keys == "task" else (100, 1000)
+
+
 def recall_doc(rng: random.Random, pairs: int, form: str, keys: str) -> dict:
     """A recall document ``{"context", "choices", "label"}`` as ``kv_recall_doc`` draws it,
     with keys from ``keys``'s pool (``words``: the task's first five-letter keys;
@@ -62,7 +68,7 @@ def recall_doc(rng: random.Random, pairs: int, form: str, keys: str) -> dict:
     list's own ``KEY=``: a head that finds the key's earlier occurrence and takes what follows
     answers it)."""
     names = rng.sample(_key_pool(keys), k=min(pairs, len(_key_pool(keys))))
-    values = [rng.randrange(100, 1000) for _ in names]
+    values = [rng.randrange(*_value_range(keys)) for _ in names]
     q = rng.randrange(0, max(1, len(names) // 3))  # as kv_recall_doc: outside the window
     lines = " ".join(f"{k}={v};" for k, v in zip(names, values, strict=True))
     key, value = names[q], str(values[q])
@@ -81,7 +87,7 @@ def multi_recall_text(
     the list lies past the ``window`` of the row that predicts it, 4 inside it, else 0."""
     pool = _key_pool(keys)
     names = rng.sample(pool, k=min(pairs, len(pool)))
-    values = [str(rng.randrange(100, 1000)) for _ in names]
+    values = [str(rng.randrange(*_value_range(keys))) for _ in names]
     starts, text = [], ""
     for k, v in zip(names, values, strict=True):
         starts.append(len(text) + len(k) + 1)
@@ -101,14 +107,13 @@ def multi_recall_text(
     return text, marks
 
 
-SPEC = Path(__file__).resolve().parents[1] / "specs" / "quality40.yaml"
 CODE_TO_REPEAT_ROWS = 26
 """Rows from a code letter to the row that copies it, without filler (``copy_doc``'s text)."""
 
 
 def probe_config(layers: int, window: int):
     """quality40 cut to ``layers`` layers (2 window-only, then ratio 1), Engram at layer 1."""
-    base = config_from_cache_spec(load_cache_spec_unchecked(str(SPEC)))
+    base = config_from_cache_spec(resolve_spec("quality40"))
     return dataclasses.replace(
         base,
         num_hidden_layers=layers,
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--recall-share", type=float, default=0.0, help="recall documents among the copies"
     )
+    ap.add_argument("--min-pairs", type=int, default=6, help="shortest recall list (pairs)")
     ap.add_argument("--max-pairs", type=int, default=10, help="longest recall list (pairs)")
     ap.add_argument("--recall-form", default="question", choices=["question", "repeat"])
     ap.add_argument(
@@ -149,14 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (eager steps on either)")
+    ap.add_argument(
+        "--time-limit", type=float, default=0.0, help="stop after this many seconds (0: none)"
+    )
     ap.add_argument("--out", default="reports/cpu/copy_learning_probe.json")
     args = ap.parse_args(argv)
     if args.layers < 3:
         ap.error("--layers must be at least 3 (two window layers, then ratio 1)")
     torch.set_num_threads(args.threads)
+    if not 4 <= args.min_pairs <= args.max_pairs:
+        ap.error(
+            f"--min-pairs {args.min_pairs}, --max-pairs {args.max_pairs}: want 4 <= min <= max"
+        )
     torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
     cfg = probe_config(args.layers, args.window)
-    model = TrainModel(cfg, args.seed)
+    model = TrainModel(cfg, args.seed, dev)
     host = EngramHost(cfg, engram_token_map(cfg))
     rng = random.Random(f"copy-probe:{args.seed}")
     B, S = args.batch_seqs, args.seq_tokens
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             while len(ids) <= S:
                 if rng.random() < args.recall_share:
                     try:
-                        pairs = rng.randint(6, args.max_pairs)
+                        pairs = rng.randint(args.min_pairs, args.max_pairs)
                         if args.recall_questions > 1:
                             text, m = multi_recall_text(
                                 rng,
@@ -207,15 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for step in range(args.steps):
+        last = step == args.steps - 1 or (
+            args.time_limit > 0 and time.perf_counter() - t0 > args.time_limit
+        )
         tok, kind = batch()
         b = Batch(
-            torch.from_numpy(tok[:, :S]),
-            torch.from_numpy(tok[:, 1:]),
-            torch.from_numpy(engram_rows(host, tok[:, :S])),
+            torch.from_numpy(tok[:, :S]).to(dev),
+            torch.from_numpy(tok[:, 1:]).to(dev),
+            torch.from_numpy(engram_rows(host, tok[:, :S])).to(dev),
         )
         dense = step < args.dense_steps
         logits, aux = model.forward(b, dense=dense)
-        k = torch.from_numpy(kind[:, 1:]).reshape(-1)
+        k = torch.from_numpy(kind[:, 1:]).reshape(-1).to(dev)
         w = torch.where(k > 0, 5.0, 1.0)
         per = F.cross_entropy(logits, b.targets.reshape(-1), reduction="none")
         loss = (per * w).sum() / w.sum() + aux["index_kl"]
@@ -224,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         opt.zero_grad()
         model.update_router_bias(aux["expert_load"].detach(), 1e-3)
-        if step % 25 == 0 or step == args.steps - 1:
+        if step % 25 == 0 or last:
             right = (logits.argmax(-1) == b.targets.reshape(-1)).float()
             share = {
                 name: (right[k == v].mean().item() if bool((k == v).any()) else None)
@@ -246,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt(share['recall'])} | {fmt(share['recall_inside'])} |",
                 flush=True,
             )
+        if last:
+            break
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "options": vars(args),
         "layers": [(i.ratio, i.role) for i in cfg.layers],
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "provenance": provenance(),
         "rows": log,
     }
