@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Recall in its multi-query form from fresh weights on cut layer schedules and on quality40's
+# own (scripts/recall_depth_probe.py), all at once on one CUDA device for TIME_LIMIT seconds;
+# copies each train_log.json to $OUT/depth_<name>.json and prints recall over time.
+#   OUT=/tmp/d TIME_LIMIT=420 scripts/gpu_recall_depth.sh
+set -euo pipefail
+OUT=${OUT:-/tmp/v41plan_recall_depth}
+TIME_LIMIT=${TIME_LIMIT:-420}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+declare -A schedules=(
+    [r1x2]="0,0,1,1"
+    [r2x2_r1x2]="0,0,2,2,1,1"
+    [r2x6_r1x6]="0,0,2,2,2,2,2,2,1,1,1,1,1,1"
+    [quality40]="quality40"
+)
+for name in "${!schedules[@]}"; do
+    python3 scripts/recall_depth_probe.py --ratios "${schedules[$name]}" --out "/tmp/depth_$name" \
+        --time-limit "$TIME_LIMIT" > "$OUT/depth_$name.log" 2>&1 &
+done
+wait || true
+for name in "${!schedules[@]}"; do
+    cp "/tmp/depth_$name/train_log.json" "$OUT/depth_$name.json" || tail -n 5 "$OUT/depth_$name.log"
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+print("| schedule | steps | s/step | recall_more right, steps 1-50 / 200 / 400 / 600 / last 50 | recall |")
+print("|---|---:|---:|---|---:|")
+for f in sorted(pathlib.Path(sys.argv[1]).glob("depth_*.json")):
+    d = json.load(open(f))
+    k = d["answer_kinds"].index("recall_more")
+    h, t = d["answer_hits"], d["answer_tokens"]
+    def acc(a, b, j=k):
+        a, b = max(0, a), min(len(h), b)
+        n = sum(t[i][j] for i in range(a, b))
+        return "-" if a >= b or not n else f"{sum(h[i][j] for i in range(a, b)) / n:.2f}"
+    n = len(h)
+    at = [acc(0, 50), acc(150, 200), acc(350, 400), acc(550, 600), acc(n - 50, n)]
+    r = d["answer_kinds"].index("recall")
+    print(f"| {f.stem[6:]} | {n} | {d['s_per_step']:.3f} | {' / '.join(at)} | {acc(n - 50, n, r)} |")
+PY
