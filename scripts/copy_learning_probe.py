@@ -39,6 +39,7 @@ from v41plan.model.engram import EngramHost
 from v41plan.model.train import Batch, TrainModel, engram_rows
 from v41plan.validation.provenance import provenance
 from v41plan.validation.quality_tasks import RECALL_KEYS, copy_doc
+from v41plan.validation.training import Corpus
 
 KEY_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
@@ -157,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (eager steps on either)")
     ap.add_argument(
+        "--corpus",
+        default="probe",
+        choices=["probe", "train"],
+        help="train: draw the batches from v41plan train's corpus instead (its copy share, "
+        "--max-pairs, --recall-questions; sums fill each sequence), its marks mapped to these",
+    )
+    ap.add_argument(
         "--time-limit", type=float, default=0.0, help="stop after this many seconds (0: none)"
     )
     ap.add_argument("--out", default="reports/cpu/copy_learning_probe.json")
@@ -176,7 +184,25 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(f"copy-probe:{args.seed}")
     B, S = args.batch_seqs, args.seq_tokens
 
+    corpus = None
+    if args.corpus == "train":
+        corpus = Corpus(
+            cfg,
+            args.seed + 1,
+            S,
+            1.0 - args.recall_share,
+            0.0,
+            max_filler_chars=max(args.max_filler, 5),
+            max_recall_pairs=args.max_pairs,
+            recall_questions=args.recall_questions,
+        )
+    # v41plan train's answer kinds (sum, copy in/past window, recall, recall_more) as marked here
+    train_marks = np.array([0, 5, 1, 2, 3, 3], dtype=np.int64)
+
     def batch() -> tuple[np.ndarray, np.ndarray]:
+        if corpus is not None:
+            tok, ans = corpus.batch(B)
+            return tok, train_marks[ans.astype(np.int64)]
         rows, marks = [], []
         for _ in range(B):
             ids, kind = [], []
