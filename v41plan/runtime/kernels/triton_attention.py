@@ -97,10 +97,13 @@ def sparse_attention_kernel(
     OUT_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     F32_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
     dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
-    ``part_o [Tq, SPLITS, H, D]`` and ``part_ml [Tq, SPLITS, H, 2]`` instead."""
+    ``part_o [Tq, SPLITS, H, D]`` and ``part_ml [Tq, SPLITS, H, 2]`` instead. ``PREFETCH``
+    loads the next selected block's ids and pages while this block's keys load and multiply,
+    so a block waits on one dependent load (its keys) instead of three."""
     i = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -169,14 +172,39 @@ def sparse_attention_kernel(
         call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
         n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
         s_hi = NWB + (n_sel + BN - 1) // BN
-        for b in range(tl.maximum(b_lo, NWB), tl.minimum(b_hi, s_hi)):
+        sb0 = tl.maximum(b_lo, NWB)
+        sb1 = tl.minimum(b_hi, s_hi)
+        jj = (sb0 - NWB) * BN + tl.arange(0, BN)
+        if PREFETCH:
+            c_next = tl.load(ids_ptr + i * s_ids_row + jj, mask=(jj < KSEL) & (sb0 < sb1), other=-1)
+            page_next = tl.load(
+                pages_ptr + i * s_pages_row + tl.minimum(tl.maximum(c_next, 0) // RPP, P - 1),
+                mask=c_next >= 0,
+                other=-1,
+            )
+        for b in range(sb0, sb1):
             jj = (b - NWB) * BN + tl.arange(0, BN)
-            c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1)
-            valid = c >= 0
-            cc = tl.maximum(c, 0)
-            col = tl.minimum(cc // RPP, P - 1)
-            page = tl.load(pages_ptr + i * s_pages_row + col, mask=valid, other=-1)
-            valid = valid & (page >= 0)
+            if PREFETCH:
+                c = c_next
+                page = page_next
+                jn = jj + BN
+                c_next = tl.load(
+                    ids_ptr + i * s_ids_row + jn, mask=(jn < KSEL) & (b + 1 < sb1), other=-1
+                )
+                page_next = tl.load(
+                    pages_ptr + i * s_pages_row + tl.minimum(tl.maximum(c_next, 0) // RPP, P - 1),
+                    mask=c_next >= 0,
+                    other=-1,
+                )
+                valid = (c >= 0) & (page >= 0)
+                cc = tl.maximum(c, 0)
+            else:
+                c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1)
+                valid = c >= 0
+                cc = tl.maximum(c, 0)
+                col = tl.minimum(cc // RPP, P - 1)
+                page = tl.load(pages_ptr + i * s_pages_row + col, mask=valid, other=-1)
+                valid = valid & (page >= 0)
             pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
             vm = valid[:, None]
             if PLANE_FP4:

@@ -443,7 +443,7 @@ class TritonBackend(TorchBackend):
     """Most key splits of one query row (flash decoding)."""
     attention_override: dict | None = None
     """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
-    ``num_stages``): the benchmark's sweep."""
+    ``num_stages``, ``PREFETCH``): the benchmark's sweep."""
     f32_dot = "ieee"
     """fp32 attention's dot precision on the GPU: ``ieee`` (fp32 FMAs, the validation mode's
     arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
@@ -487,6 +487,7 @@ class TritonBackend(TorchBackend):
             "num_stages": 1 if f32 else 2,
             "F32_DOT": self.f32_dot,
             "DOT_BF16": dot_bf16,
+            "PREFETCH": False,  # not yet measured on the GPU: the sweep compares it
         }
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
@@ -599,6 +600,7 @@ class TritonBackend(TorchBackend):
             OUT_BF16=out_bf16,
             DOT_BF16=cfg["DOT_BF16"] and not _INTERPRETED,
             F32_DOT=cfg["F32_DOT"],
+            PREFETCH=cfg["PREFETCH"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
