@@ -2,20 +2,34 @@
 # Recall in its multi-query form from fresh weights on cut layer schedules and on quality40's
 # own (scripts/recall_depth_probe.py), all at once on one CUDA device for TIME_LIMIT seconds;
 # copies each train_log.json to $OUT/depth_<name>.json and prints recall over time.
+# EXTRA (e.g. "--fill-long") goes to every run; SET=fill runs the second set: no sums after
+# the lists, the 4-layer schedule beside quality40 from the committed checkpoint.
 #   OUT=/tmp/d TIME_LIMIT=420 scripts/gpu_recall_depth.sh
+#   OUT=/tmp/d TIME_LIMIT=420 SET=fill scripts/gpu_recall_depth.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_recall_depth}
 TIME_LIMIT=${TIME_LIMIT:-420}
+SET=${SET:-depth}
+EXTRA=${EXTRA:-}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-declare -A schedules=(
-    [r1x2]="0,0,1,1"
-    [r2x2_r1x2]="0,0,2,2,1,1"
-    [r2x6_r1x6]="0,0,2,2,2,2,2,2,1,1,1,1,1,1"
-    [quality40]="quality40"
-)
+if [ "$SET" = fill ]; then
+    declare -A schedules=(
+        [r1x2_fill]="--ratios 0,0,1,1 --fill-long"
+        [r1x2_fill_copies]="--ratios 0,0,1,1 --fill-long --copy-share 0.3"
+        [quality40_ckpt_fill]="--ratios quality40 --init-checkpoint checkpoints/quality40 --fill-long --copy-share 0.3"
+    )
+else
+    declare -A schedules=(
+        [r1x2]="--ratios 0,0,1,1"
+        [r2x2_r1x2]="--ratios 0,0,2,2,1,1"
+        [r2x6_r1x6]="--ratios 0,0,2,2,2,2,2,2,1,1,1,1,1,1"
+        [quality40]="--ratios quality40"
+    )
+fi
 for name in "${!schedules[@]}"; do
-    python3 scripts/recall_depth_probe.py --ratios "${schedules[$name]}" --out "/tmp/depth_$name" \
+    # shellcheck disable=SC2086
+    python3 scripts/recall_depth_probe.py ${schedules[$name]} $EXTRA --out "/tmp/depth_$name" \
         --time-limit "$TIME_LIMIT" > "$OUT/depth_$name.log" 2>&1 &
 done
 wait || true

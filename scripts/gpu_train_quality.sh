@@ -7,8 +7,8 @@
 #   OUT=/tmp/q STEPS=560 EVAL_S=170 scripts/gpu_train_quality.sh
 # Optional: DENSE (dense-attention steps; default a quarter of STEPS), INIT (a checkpoint to go
 # on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has), COPY_SHARE,
-# SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE (the corpus mixture,
-# `v41plan train --help`).
+# SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE, FILL_LONG (set: long
+# documents to each sequence's end instead of sums) (the corpus mixture, `v41plan train --help`).
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
@@ -55,6 +55,7 @@ extra=()
 [ -n "${RECALL_Q:-}" ] && extra+=(--recall-questions "$RECALL_Q")
 [ -n "${MIN_CODE:-}" ] && extra+=(--min-code-letters "$MIN_CODE")
 [ -n "${MAX_CODE:-}" ] && extra+=(--max-code-letters "$MAX_CODE")
+[ -n "${FILL_LONG:-}" ] && extra+=(--fill-long)
 echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ ${extra[*]}" | tee -a "$OUT/train.log"
 python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$STEPS" --dense-steps "$dense" \
     --batch-seqs "$BATCH" --seq-tokens "$SEQ" "${extra[@]}" 2>&1 | tee -a "$OUT/train.log"

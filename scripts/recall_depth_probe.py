@@ -7,10 +7,12 @@
 Trains ``validation.training.train`` (the quality model's own step: CUDA graphs, the corpus,
 the per-kind accuracies in ``train_log.json``) from fresh weights on recall alone in its
 multi-query form (``--recall-questions 8``, lists of 6 to ``--max-pairs`` pairs, all dense
-attention), at quality40's widths with the layer schedule ``--ratios`` (compress ratio a layer:
+attention; ``--fill-long``: no sums after the list, ``--copy-share``: copies among the
+lists), at quality40's widths with the layer schedule ``--ratios`` (compress ratio a layer:
 0 window-only, 1 or 2; each run of equal nonzero ratios owns its compressed rows and index at
-its first layer, Engram at layer 1), or quality40's own 40 layers. Prints the recall accuracies
-every 50 steps; ``DIR/train_log.json`` keeps them.
+its first layer, Engram at layer 1), or quality40's own 40 layers (``--init-checkpoint``: from
+those weights). Prints ``v41plan train``'s progress lines; ``DIR/train_log.json`` keeps the
+per-step accuracies of each answer kind.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=61)
     ap.add_argument("--time-limit", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copy-share", type=float, default=0.0, help="copies among long documents")
+    ap.add_argument(
+        "--fill-long", action="store_true", help="recall lists to each sequence's end, no sums"
+    )
+    ap.add_argument(
+        "--init-checkpoint", default=None, help="go on from these weights (--ratios quality40)"
+    )
     args = ap.parse_args(argv)
     if args.ratios == "quality40":
         cfg = config_from_cache_spec(resolve_spec("quality40"))
@@ -70,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         dense_steps=args.steps,
         lr=args.lr,
         seed=args.seed,
-        copy_share=0.0,
+        copy_share=args.copy_share,
+        fill_long=args.fill_long,
+        init_checkpoint=args.init_checkpoint,
         max_recall_pairs=args.max_pairs,
         recall_questions=8,
         time_limit_s=args.time_limit,

@@ -317,11 +317,36 @@ def test_corpus_caps_copy_filler_and_recall_lists_for_a_first_stage():
     x = Corpus(cfg, 5, 640, copy_share=0.5, max_filler_chars=40, max_recall_pairs=8).batch(40)[0]
     text = b"\n".join(bytes(t if t < 256 else 10 for t in row) for row in x).decode()
     gaps = [len(m.group(1)) for m in re.finditer(r"code: [A-Z]{8}\n(.*)\nrepeat", text)]
-    lists = [m.group(0).count("=") for m in re.finditer(r"(?:[a-z0-9]+=\d+; ?)+\nquestion", text)]
+    lists = [m.group(0).count("=") for m in re.finditer(r"(?:[A-Za-z]=\d+; ?)+\nquestion", text)]
     assert gaps and max(gaps) <= 40 and max(gaps) > SHORT_COPY_FILLER_CHARS
     assert lists and max(lists) <= 8
     with pytest.raises(ValueError, match="max_filler_chars"):
         Corpus(cfg, 5, 640, max_filler_chars=SHORT_COPY_FILLER_CHARS)
+
+
+def test_corpus_multi_query_lists_and_long_fill():
+    """``recall_questions``: each list asks the task's question, then others on keys of the
+    same list, each answered with that key's value and marked ``recall_more``;
+    ``fill_long``: long documents run to the sequence's end (no sums after the first
+    position), where by default sums fill it."""
+    cfg = _cfg()
+    more = ANSWER_KINDS.index("recall_more") + 1
+    for fill_long in (False, True):
+        c = Corpus(cfg, 5, 640, copy_share=0.0, max_recall_pairs=12, recall_questions=4,
+                   fill_long=fill_long)  # fmt: skip
+        x, marks = c.batch(8)
+        sums = 0
+        for row, mk in zip(x, marks, strict=True):
+            text = bytes(t if t < 256 else 10 for t in row).decode()
+            for block in re.finditer(r"((?:[A-Za-z]=\d{4}; ?)+)((?:\nquestion: [^\n]*)+)", text):
+                values = dict(p.split("=") for p in block.group(1).replace(" ", "").split(";") if p)
+                for k, v in re.findall(r"what is ([A-Za-z])\? answer: ?(\d{4})\b", block.group(2)):
+                    assert values[k] == v
+            n_more = int((mk == more).sum())
+            assert n_more % 4 == 0 or fill_long  # whole values (fill_long cuts the last)
+            sums += len(re.findall(r"\d+\+\d+=", text[30:]))
+        assert (marks == more).any()
+        assert (sums == 0) == fill_long, (fill_long, sums)
 
 
 def test_corpus_draws_codes_of_a_range_as_far_back_as_eight_letter_ones():

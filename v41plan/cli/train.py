@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, kind, text in CORPUS_OPTIONS:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=kind, default=getattr(d, name), help=text)
+    parser.add_argument(
+        "--fill-long",
+        action="store_true",
+        help="fill each sequence with recall and copy documents to its end instead of sums",
+    )
     parser.add_argument("--seed", type=int, default=d.seed, help="weights and corpus seed")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
@@ -124,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=min(TrainOptions.warmup_steps, args.steps),
         dense_steps=args.dense_steps,
         **{name: getattr(args, name) for name, _kind, _text in CORPUS_OPTIONS},
+        fill_long=args.fill_long,
         seed=args.seed,
         graphs=not args.no_graphs,
         compile=not args.no_compile,

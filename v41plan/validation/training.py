@@ -94,6 +94,11 @@ class TrainOptions:
     longer covers the corpus; in-window copies keep 8 letters."""
     max_code_letters: int = 8
     """Longest code of a copy past the window."""
+    fill_long: bool = False
+    """Fill each sequence with recall and copy documents to its end (the last one cut there)
+    instead of sums after the long documents that fit. A 640-token sequence holds one
+    multi-query recall list, so by default sums are most of its answer tokens; the 4-layer
+    probe that learns recall sees no sums."""
     index_loss_weight: float = 1.0
     """Weight of the indexer KL loss."""
     answer_weight: float = 5.0
@@ -133,16 +138,19 @@ class Corpus:
         max_recall_pairs: int = 48,
         code_letters: tuple[int, int] = (COPY_CODE_LETTERS, COPY_CODE_LETTERS),
         recall_questions: int = 1,
+        fill_long: bool = False,
     ):
         """``copy_share``: copy documents among the recall and copy ones;
         ``short_copy_share``: copies whose code lies inside the window of its repeat;
         ``arith_first_share``: sequences that open with a sum (``arith_gen`` asks at
         position 0); ``max_filler_chars`` and ``max_recall_pairs``: the longest copy filler
         and recall list drawn; ``code_letters``: the shortest and longest code of a copy past
-        the window; ``recall_questions``: questions a recall list asks (``TrainOptions``)."""
+        the window; ``recall_questions``: questions a recall list asks; ``fill_long``: long
+        documents to the sequence's end instead of sums (``TrainOptions``)."""
         if recall_questions < 1:
             raise ValueError(f"recall_questions {recall_questions}: must be at least 1")
         self.recall_questions = recall_questions
+        self.fill_long = fill_long
         if max_filler_chars <= SHORT_COPY_FILLER_CHARS or not 6 <= max_recall_pairs <= len(
             RECALL_KEYS
         ):
@@ -234,16 +242,17 @@ class Corpus:
 
     def sequence_marked(self) -> tuple[list[int], list[int]]:
         """``seq_tokens + 1`` tokens and their answer marks (``ANSWER_KINDS``): long
-        documents while they fit, then arithmetic ones. The first document starts at
+        documents while they fit, then arithmetic ones (with ``fill_long``, long documents to
+        the end, the last one cut). The first document starts at
         position 0, as the tasks present theirs: a recall or copy document, or
         (``arith_first_share`` of the sequences) a sum."""
         if self.rng.random() < self.arith_first_share:
             ids, ans = self._doc("arith_gen", "sum")
         else:
             ids, ans = self._long_doc()
-        while True:
+        while not (self.fill_long and len(ids) > self.seq_tokens):
             nxt, nxt_ans = self._long_doc()
-            if len(ids) + len(nxt) > self.seq_tokens:
+            if len(ids) + len(nxt) > self.seq_tokens and not self.fill_long:
                 break
             ids, ans = ids + nxt, ans + nxt_ans
         while len(ids) <= self.seq_tokens:
@@ -405,6 +414,7 @@ def train(
         max_recall_pairs=opts.max_recall_pairs,
         code_letters=(opts.min_code_letters, opts.max_code_letters),
         recall_questions=opts.recall_questions,
+        fill_long=opts.fill_long,
     )
     B, S = opts.batch_seqs, opts.seq_tokens
     n_rows = (len(cfg.engram_layer_ids), cfg.engram_cols)
