@@ -3,7 +3,8 @@
 # own (scripts/recall_depth_probe.py), all at once on one CUDA device for TIME_LIMIT seconds;
 # copies each train_log.json to $OUT/depth_<name>.json and prints recall over time.
 # EXTRA (e.g. "--fill-long") goes to every run; SET=fill runs the second set: no sums after
-# the lists, the 4-layer schedule beside quality40 from the committed checkpoint.
+# the lists, the 4-layer schedule beside quality40 from the committed checkpoint, and the
+# 4-layer probe's eager step on v41plan train's batches (corpus or step?).
 #   OUT=/tmp/d TIME_LIMIT=420 scripts/gpu_recall_depth.sh
 #   OUT=/tmp/d TIME_LIMIT=420 SET=fill scripts/gpu_recall_depth.sh
 set -euo pipefail
@@ -32,7 +33,15 @@ for name in "${!schedules[@]}"; do
     python3 scripts/recall_depth_probe.py ${schedules[$name]} $EXTRA --out "/tmp/depth_$name" \
         --time-limit "$TIME_LIMIT" > "$OUT/depth_$name.log" 2>&1 &
 done
+if [ "$SET" = fill ]; then
+    # the probe's eager step on v41plan train's batches (sums after each list), 4 layers
+    python3 scripts/copy_learning_probe.py --corpus train --device cuda --steps 100000 \
+        --dense-steps 100000 --batch-seqs 16 --seq-tokens 640 --recall-share 1 --max-pairs 16 \
+        --recall-questions 8 --threads 1 --time-limit "$TIME_LIMIT" \
+        --out "$OUT/probe_q8_train_corpus.json" > /tmp/probe_train_corpus.log 2>&1 &
+fi
 wait || true
+[ "$SET" = fill ] && awk 'NR <= 2 || NR % 4 == 0' /tmp/probe_train_corpus.log | tail -n 14
 for name in "${!schedules[@]}"; do
     cp "/tmp/depth_$name/train_log.json" "$OUT/depth_$name.json" || tail -n 5 "$OUT/depth_$name.log"
 done
