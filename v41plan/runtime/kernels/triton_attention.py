@@ -52,6 +52,70 @@ def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr, F32_DOT: t
 
 
 @triton.jit
+def _sel_ids(id_row, s, n_s, BN: tl.constexpr, KSEL: tl.constexpr):
+    """Ids of selected block ``s`` (-1 past the ids or past block ``n_s``)."""
+    jj = s * BN + tl.arange(0, BN)
+    return tl.load(id_row + jj, mask=(jj < KSEL) & (s < n_s), other=-1)
+
+
+@triton.jit
+def _sel_pages(pg_row, c, RPP, P):
+    """The page of each id (-1 for a -1 id)."""
+    col = tl.minimum(tl.maximum(c, 0) // RPP, P - 1)
+    return tl.load(pg_row + col, mask=c >= 0, other=-1)
+
+
+@triton.jit
+def _sel_fp4_raw(plane_ptr, s_plane_page, s_plane_row, c, page, RPP, D: tl.constexpr):
+    """FP4 main rows as stored: each lane's byte (two lanes share one) and its E4M3 scale."""
+    d = tl.arange(0, D)
+    cc = tl.maximum(c, 0)
+    vm = ((c >= 0) & (page >= 0))[:, None]
+    pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
+    byte = tl.load(pbase[:, None] + d[None, :] // 2, mask=vm, other=0)
+    sc = tl.load(pbase[:, None] + D // 2 + d[None, :] // 16, mask=vm, other=0)
+    return byte, sc
+
+
+@triton.jit
+def _fp4_keys(byte, sc, D: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Decoded FP4 keys ``[BN, D]`` (each lane's nibble times its scale)."""
+    d = tl.arange(0, D)
+    nib = (byte.to(tl.int32) >> ((d[None, :] & 1) * 4)) & 15
+    k = e2m1_value(nib) * e4m3_value(sc)
+    if DOT_BF16:
+        k = k.to(tl.bfloat16)
+    return k
+
+
+@triton.jit
+def _sel_keys(
+    plane_ptr,
+    s_plane_page,
+    s_plane_row,
+    c,
+    page,
+    RPP,
+    D: tl.constexpr,
+    PLANE_FP4: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    """Keys ``[BN, D]`` of ids ``c`` on ``page`` in the dot's operand type (zeros where invalid)."""
+    if PLANE_FP4:
+        byte, sc = _sel_fp4_raw(plane_ptr, s_plane_page, s_plane_row, c, page, RPP, D)
+        k = _fp4_keys(byte, sc, D, DOT_BF16)
+    else:
+        d = tl.arange(0, D)
+        cc = tl.maximum(c, 0)
+        vm = ((c >= 0) & (page >= 0))[:, None]
+        pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
+        k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0)
+        if not DOT_BF16:
+            k = k.to(tl.float32)
+    return k
+
+
+@triton.jit
 def sparse_attention_kernel(
     q_ptr,
     s_q_row,
@@ -86,6 +150,7 @@ def sparse_attention_kernel(
     P,
     RPP,
     KSEL: tl.constexpr,
+    KSEL_P2: tl.constexpr,
     D: tl.constexpr,
     HB: tl.constexpr,
     BN: tl.constexpr,
@@ -97,13 +162,14 @@ def sparse_attention_kernel(
     OUT_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     F32_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
     dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
-    ``part_o [Tq, SPLITS, H, D]`` and ``part_ml [Tq, SPLITS, H, 2]`` instead. ``PREFETCH``
-    loads the next selected block's ids and pages while this block's keys load and multiply,
-    so a block waits on one dependent load (its keys) instead of three."""
+    ``part_o [Tq, SPLITS, H, D]`` and ``part_ml [Tq, SPLITS, H, 2]`` instead. Each selected
+    block's keys sit behind two dependent loads (its ids, their pages); ``PREFETCH`` 1 loads
+    ids and pages blocks ahead, so a block waits on its keys alone, and 2 loads the keys a
+    block ahead too (0: no pipeline)."""
     i = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -167,61 +233,97 @@ def sparse_attention_kernel(
 
     if HAS_PLANE:
         # selected blocks up to the one holding the last id (-1 padding costs nothing)
-        KP2: tl.constexpr = NSB * BN
-        jall = tl.arange(0, KP2)
+        jall = tl.arange(0, KSEL_P2)
         call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
         n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
         s_hi = NWB + (n_sel + BN - 1) // BN
         sb0 = tl.maximum(b_lo, NWB)
         sb1 = tl.minimum(b_hi, s_hi)
-        jj = (sb0 - NWB) * BN + tl.arange(0, BN)
-        if PREFETCH:
-            c_next = tl.load(ids_ptr + i * s_ids_row + jj, mask=(jj < KSEL) & (sb0 < sb1), other=-1)
-            page_next = tl.load(
-                pages_ptr + i * s_pages_row + tl.minimum(tl.maximum(c_next, 0) // RPP, P - 1),
-                mask=c_next >= 0,
-                other=-1,
-            )
-        for b in range(sb0, sb1):
-            jj = (b - NWB) * BN + tl.arange(0, BN)
-            if PREFETCH:
-                c = c_next
-                page = page_next
-                jn = jj + BN
-                c_next = tl.load(
-                    ids_ptr + i * s_ids_row + jn, mask=(jn < KSEL) & (b + 1 < sb1), other=-1
-                )
-                page_next = tl.load(
-                    pages_ptr + i * s_pages_row + tl.minimum(tl.maximum(c_next, 0) // RPP, P - 1),
-                    mask=c_next >= 0,
-                    other=-1,
-                )
-                valid = (c >= 0) & (page >= 0)
-                cc = tl.maximum(c, 0)
-            else:
+        if PREFETCH == 0:
+            for b in range(sb0, sb1):
+                jj = (b - NWB) * BN + tl.arange(0, BN)
                 c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1)
                 valid = c >= 0
                 cc = tl.maximum(c, 0)
                 col = tl.minimum(cc // RPP, P - 1)
                 page = tl.load(pages_ptr + i * s_pages_row + col, mask=valid, other=-1)
                 valid = valid & (page >= 0)
-            pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
-            vm = valid[:, None]
-            if PLANE_FP4:
-                # each lane reads its own byte (two lanes share one: a broadcast) and picks its
-                # nibble, so the keys keep the plain [BN, D] layout: an interleave of the two
-                # nibble halves fed to bf16 dots gave wrong sums on the H200 (sm_90)
-                byte = tl.load(pbase[:, None] + d[None, :] // 2, mask=vm, other=0).to(tl.int32)
-                nib = (byte >> ((d[None, :] & 1) * 4)) & 15
-                sb = tl.load(pbase[:, None] + D // 2 + d[None, :] // 16, mask=vm, other=0)
-                k = e2m1_value(nib) * e4m3_value(sb)
-                if DOT_BF16:
-                    k = k.to(tl.bfloat16)
+                pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
+                vm = valid[:, None]
+                if PLANE_FP4:
+                    # each lane reads its own byte (two lanes share one: a broadcast) and picks
+                    # its nibble, so the keys keep the plain [BN, D] layout: an interleave of
+                    # the two nibble halves fed to bf16 dots gave wrong sums on the H200 (sm_90)
+                    byte = tl.load(pbase[:, None] + d[None, :] // 2, mask=vm, other=0).to(tl.int32)
+                    nib = (byte >> ((d[None, :] & 1) * 4)) & 15
+                    sb = tl.load(pbase[:, None] + D // 2 + d[None, :] // 16, mask=vm, other=0)
+                    k = e2m1_value(nib) * e4m3_value(sb)
+                    if DOT_BF16:
+                        k = k.to(tl.bfloat16)
+                else:
+                    k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0)
+                    if not DOT_BF16:
+                        k = k.to(tl.float32)
+                m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+        else:
+            # software pipeline over the selected blocks: every load takes addresses loaded
+            # in an earlier iteration, so a block waits on its keys alone (PREFETCH 1: ids two
+            # blocks ahead, pages one) or on none (PREFETCH 2: ids three ahead, pages two,
+            # keys one)
+            id_row = ids_ptr + i * s_ids_row
+            pg_row = pages_ptr + i * s_pages_row
+            n_s = sb1 - NWB
+            s0 = sb0 - NWB
+            c0 = _sel_ids(id_row, s0, n_s, BN, KSEL)
+            p0 = _sel_pages(pg_row, c0, RPP, P)
+            c1 = _sel_ids(id_row, s0 + 1, n_s, BN, KSEL)
+            if PREFETCH == 1:
+                for b in range(sb0, sb1):
+                    c = c0
+                    page = p0
+                    p0 = _sel_pages(pg_row, c1, RPP, P)
+                    c0 = c1
+                    c1 = _sel_ids(id_row, b - NWB + 2, n_s, BN, KSEL)
+                    valid = (c >= 0) & (page >= 0)
+                    k = _sel_keys(
+                        plane_ptr, s_plane_page, s_plane_row, c, page, RPP, D, PLANE_FP4, DOT_BF16
+                    )
+                    m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
             else:
-                k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0)
-                if not DOT_BF16:
-                    k = k.to(tl.float32)
-            m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+                p1 = _sel_pages(pg_row, c1, RPP, P)
+                c2 = _sel_ids(id_row, s0 + 2, n_s, BN, KSEL)
+                if PLANE_FP4:
+                    byte0, sc0 = _sel_fp4_raw(plane_ptr, s_plane_page, s_plane_row, c0, p0, RPP, D)
+                    for b in range(sb0, sb1):
+                        valid = (c0 >= 0) & (p0 >= 0)
+                        byte = byte0
+                        sc = sc0
+                        byte0, sc0 = _sel_fp4_raw(
+                            plane_ptr, s_plane_page, s_plane_row, c1, p1, RPP, D
+                        )
+                        c0 = c1
+                        p0 = p1
+                        p1 = _sel_pages(pg_row, c2, RPP, P)
+                        c1 = c2
+                        c2 = _sel_ids(id_row, b - NWB + 3, n_s, BN, KSEL)
+                        k = _fp4_keys(byte, sc, D, DOT_BF16)
+                        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+                else:
+                    k0 = _sel_keys(
+                        plane_ptr, s_plane_page, s_plane_row, c0, p0, RPP, D, False, DOT_BF16
+                    )
+                    for b in range(sb0, sb1):
+                        valid = (c0 >= 0) & (p0 >= 0)
+                        k = k0
+                        k0 = _sel_keys(
+                            plane_ptr, s_plane_page, s_plane_row, c1, p1, RPP, D, False, DOT_BF16
+                        )
+                        c0 = c1
+                        p0 = p1
+                        p1 = _sel_pages(pg_row, c2, RPP, P)
+                        c1 = c2
+                        c2 = _sel_ids(id_row, b - NWB + 3, n_s, BN, KSEL)
+                        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if SPLITS == 1:
         o = tl.where(l[:, None] > 0, div_rn(acc, tl.where(l > 0, l, 1.0)[:, None]), 0.0)

@@ -487,7 +487,7 @@ class TritonBackend(TorchBackend):
             "num_stages": 1 if f32 else 2,
             "F32_DOT": self.f32_dot,
             "DOT_BF16": dot_bf16,
-            "PREFETCH": False,  # not yet measured on the GPU: the sweep compares it
+            "PREFETCH": 0,  # 1 and 2 not yet measured on the GPU: the sweep compares them
         }
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
@@ -589,6 +589,7 @@ class TritonBackend(TorchBackend):
             pgt.shape[1],
             rows_per_page,
             ksel,
+            KSEL_P2=next_pow2(max(ksel, 1)),
             D=d,
             HB=cfg["HB"],
             BN=cfg["BN"],
