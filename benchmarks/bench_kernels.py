@@ -394,6 +394,56 @@ def scorer_rows(width, prefill, ix, context, ceil, kb, ref, peer=True):
     return [r]
 
 
+def scorer_sweep(width, ix, context, ceil, kb, ref):
+    """Decode scoring alone (``scores``: the fp32 score rows) and with its top-k, without and
+    with the scorer's prefetch (``score_prefetch``): where the time goes, and what the
+    pipeline buys."""
+    _, hi = WIDTHS[width]
+    rows = SIZES["decode_rows"]
+    pools = Pools(rows, context // PAGE, "bf16" if ix == "fp8" else "fp4", ix)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
+    n_comp = context // 2
+    bound = torch.full((rows,), n_comp, device=DEV)
+    pages, planes = pools.tables, pools.index
+    key_bytes = rows * n_comp * pools.index_row_bytes()
+    flops = 2 * hi * INDEX_D * rows * n_comp
+    want = ref.scores(planes, q, w, bound, pages)
+    out = []
+    for prefetch in (0, 1):
+        kb.score_prefetch = prefetch
+        try:
+            err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
+            shape = f"{width} index {hi}x{INDEX_D} {ix} decode T={rows} ctx={context}"
+            r = _row(
+                "scores",
+                f"{shape} sweep prefetch={prefetch}",
+                _bench(lambda: kb.scores(planes, q, w, bound, pages)),
+                key_bytes + rows * n_comp * 4,
+                flops,
+                ceil,
+            )
+            r["check"] = {"max_abs_err_vs_torch": err.item()}
+            out.append(r)
+            out.append(
+                _row(
+                    "score_topk",
+                    f"{shape} top-{K} sweep prefetch={prefetch}",
+                    _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
+                    key_bytes + rows * K * 8,
+                    flops,
+                    ceil,
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+            out.append({"kernel": "scores", "shape": f"prefetch={prefetch}", "error": str(e)[:300]})
+        finally:
+            kb.score_prefetch = 0
+    del pools
+    return out
+
+
 def select_rows(context, ceil, kb, ref):
     """The top-k select and the candidate blocks alone, over one score matrix."""
     rows, n = SIZES["decode_rows"], context
@@ -671,6 +721,14 @@ def main(argv=None) -> int:
                 kb,
                 ref,
             ),
+        ),
+        (
+            "scorer decode sweep medium fp8 8K",
+            lambda: scorer_sweep("medium", "fp8", ctx, ceil, kb, ref),
+        ),
+        (
+            "scorer decode sweep flash fp8 64K",
+            lambda: scorer_sweep("flash", "fp8", long_ctx, ceil, kb, ref),
         ),
         (
             "attention decode sweep medium",

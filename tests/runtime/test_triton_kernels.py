@@ -285,14 +285,27 @@ def test_scores_match_the_reference(tiny, index_dtype, dtype):
 
 
 @pytest.mark.parametrize(
-    "index_dtype, small", [("fp8", True), ("fp4", False)], ids=["fp8-small-tiles", "fp4"]
+    "index_dtype, small, prefetch",
+    [("fp8", True, 0), ("fp4", False, 0), ("fp8", True, 1), ("fp4", True, 1)],
+    ids=["fp8-small-tiles", "fp4", "fp8-small-tiles-prefetch", "fp4-small-tiles-prefetch"],
 )
-def test_score_topk_is_exact_where_the_scores_are(tiny, index_dtype, small):
+def test_score_topk_is_exact_where_the_scores_are(tiny, index_dtype, small, prefetch):
     planes, q, w, bound, pages = _scorer_case(tiny, index_dtype, exact=True, seed=4)
     # small tiles: a row's keys span several programs, tiles and select steps; programs of 4
     # rows: one of rows of one request (a shared key tile), one of two requests (row by row),
-    # one past the last row
-    kb = _tk(score_chunk=16, score_block=16, select_chunk=16, score_rows=4) if small else _tk()
+    # one past the last row. Prefetch: 4-key tiles over 64-key programs, so a program's tiles
+    # cross pages (16 rows a page)
+    kb = (
+        _tk(
+            score_chunk=64 if prefetch else 16,
+            score_block=4 if prefetch else 16,
+            select_chunk=16,
+            score_rows=4,
+            score_prefetch=prefetch,
+        )
+        if small
+        else _tk()
+    )
     s_ref = REF.scores(planes, q, w, bound, pages)
     assert torch.equal(kb.scores(planes, q, w, bound, pages), s_ref)
     for topk in (4, 64):

@@ -265,6 +265,9 @@ class TritonBackend(TorchBackend):
     """Elements the select kernel holds per step of a pass."""
     score_rows: int | None = None
     """Query rows a scorer program holds (None: by the batch, ``score_tile_rows``)."""
+    score_prefetch = 0
+    """1: the scorer loads pages two tiles ahead and keys one, so a tile's keys arrive while
+    the one before it multiplies (not yet measured on the GPU: the benchmark compares it)."""
 
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different
@@ -334,6 +337,7 @@ class TritonBackend(TorchBackend):
             QUANT=quant,
             ROUND_BF16=fp4 and q.dtype == torch.bfloat16,
             DOT_BF16=self._dot_bf16(quant or q.dtype == torch.bfloat16),
+            PREFETCH=self.score_prefetch,
         )
 
     def _select(self, score, bound, k: int, out, block_rows: int = 0) -> None:

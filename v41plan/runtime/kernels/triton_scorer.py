@@ -59,6 +59,42 @@ def _round_query(q, w, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, QUAN
 
 
 @triton.jit
+def _key_raw(
+    key_ptr,
+    s_key_page,
+    s_key_row,
+    ksc_ptr,
+    s_ksc_page,
+    s_ksc_row,
+    page,
+    n,
+    end,
+    RPP: tl.constexpr,
+    D: tl.constexpr,
+    FP4: tl.constexpr,
+):
+    """Index keys ``n`` (on ``page``, zeros where missing) as stored. fp8: the E4M3 codes
+    ``[BN, D]`` and the fp32 row scales ``[BN]``; fp4: the packed E2M1 pairs ``[BN, D / 2]``
+    (int32) and each lane's E8M0 scale ``[BN, D]``."""
+    kvalid = (n < end) & (page >= 0)
+    row = n % RPP
+    kbase = key_ptr + page * s_key_page + row * s_key_row
+    if FP4:
+        half = tl.arange(0, D // 2)
+        d = tl.arange(0, D)
+        packed = tl.load(kbase[:, None] + half[None, :], mask=kvalid[:, None], other=0)
+        sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
+        sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
+        return packed.to(tl.int32), sb
+    else:
+        d = tl.arange(0, D)
+        codes = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
+        kptr = (kbase + D).to(tl.pointer_type(tl.float32))
+        ks = tl.load(kptr, mask=kvalid, other=0.0)
+        return codes, ks
+
+
+@triton.jit
 def _score_tile(
     t0,
     c,
@@ -95,6 +131,7 @@ def _score_tile(
     QUANT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Scores of rows ``[t0, t0 + ROWS)`` over keys ``[c * CHUNK, (c + 1) * CHUNK)``, every
     row reading row ``t0``'s pages (the caller checked they are the same): one dot of
@@ -126,28 +163,48 @@ def _score_tile(
         else:
             qd = q
         end = tl.minimum(start + CHUNK, limit)
+        pg_row = pages_ptr + t0 * s_pages_row
+        if PREFETCH:
+            # pages two tiles ahead, keys one: every load takes addresses loaded in an earlier
+            # iteration, so a tile's keys arrive while the tile before it multiplies
+            n_a = start + tl.arange(0, BN)
+            pg_a = tl.load(pg_row + n_a // RPP, mask=n_a < end, other=-1)
+            ra_a, rb_a = _key_raw(
+                key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row,
+                pg_a, n_a, end, RPP, D, FP4,
+            )  # fmt: skip
+            n_b = n_a + BN
+            pg_b = tl.load(pg_row + n_b // RPP, mask=n_b < end, other=-1)
         for j0 in range(start, end, BN):
-            n = j0 + tl.arange(0, BN)
-            inb = n < end
-            page = tl.load(pages_ptr + t0 * s_pages_row + n // RPP, mask=inb, other=-1)
-            kvalid = inb & (page >= 0)
-            row = n % RPP
-            kbase = key_ptr + page * s_key_page + row * s_key_row
-            if FP4:
-                half = tl.arange(0, D // 2)
-                packed = tl.load(kbase[:, None] + half[None, :], mask=kvalid[:, None], other=0)
-                packed = packed.to(tl.int32)
-                k = tl.interleave(e2m1_value(packed & 15), e2m1_value(packed >> 4))
-                sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
-                sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
-                k = k * e8m0_value(sb)
+            if PREFETCH:
+                n = n_a
+                page = pg_a
+                ra = ra_a
+                rb = rb_a
+                n_a = n_b
+                pg_a = pg_b
+                ra_a, rb_a = _key_raw(
+                    key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row,
+                    pg_a, n_a, end, RPP, D, FP4,
+                )  # fmt: skip
+                n_b = n_b + BN
+                pg_b = tl.load(pg_row + n_b // RPP, mask=n_b < end, other=-1)
             else:
-                codes = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
+                n = j0 + tl.arange(0, BN)
+                page = tl.load(pg_row + n // RPP, mask=n < end, other=-1)
+                ra, rb = _key_raw(
+                    key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row,
+                    page, n, end, RPP, D, FP4,
+                )  # fmt: skip
+            inb = n < end
+            kvalid = inb & (page >= 0)
+            if FP4:
+                k = tl.interleave(e2m1_value(ra & 15), e2m1_value(ra >> 4)) * e8m0_value(rb)
+            else:
                 # decoded in fp32 (exact), then to the dot's type (exact again): the hardware
                 # fp8e4nv -> bf16 cast disagreed with the decode on the H200
-                k = e4m3_value(codes)
-                kptr = (kbase + D).to(tl.pointer_type(tl.float32))
-                ks = tl.load(kptr, mask=kvalid, other=0.0)
+                k = e4m3_value(ra)
+                ks = rb
             if DOT_BF16:
                 logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
             else:
@@ -207,6 +264,7 @@ def score_kernel(
     QUANT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
     """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
     for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
@@ -222,7 +280,7 @@ def score_kernel(
     if ROWS == 1:
         _score_tile(
             t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
-            RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+            RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16, PREFETCH,
         )  # fmt: skip
     else:
         NCOL: tl.constexpr = (CHUNK + RPP - 1) // RPP
@@ -236,12 +294,14 @@ def score_kernel(
             _score_tile(
                 t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
                 RPP, ROWS, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+                PREFETCH,
             )  # fmt: skip
         else:
             for i in tl.static_range(ROWS):
                 _score_tile(
                     t0 + i, c, T, *args, *args2, out_ptr, s_out_row, H, P,
                     RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
+                    PREFETCH,
                 )  # fmt: skip
 
 
