@@ -3,8 +3,9 @@
 # own (scripts/recall_depth_probe.py), all at once on one CUDA device for TIME_LIMIT seconds;
 # copies each train_log.json to $OUT/depth_<name>.json and prints recall over time.
 # EXTRA (e.g. "--fill-long") goes to every run; SET=fill runs the second set: no sums after
-# the lists, the 4-layer schedule beside quality40 from the committed checkpoint, and the
-# 4-layer probe's eager step on v41plan train's batches (corpus or step?).
+# the lists at 4 layers (with and without copies) and 14, and the 4-layer probe's eager step on
+# v41plan train's batches (corpus or step?). The 40 layers need the device alone (about 0.55 s
+# a step): FILL_LONG=1 scripts/gpu_train_quality.sh from the checkpoint.
 #   OUT=/tmp/d TIME_LIMIT=420 scripts/gpu_recall_depth.sh
 #   OUT=/tmp/d TIME_LIMIT=420 SET=fill scripts/gpu_recall_depth.sh
 set -euo pipefail
@@ -18,7 +19,7 @@ if [ "$SET" = fill ]; then
     declare -A schedules=(
         [r1x2_fill]="--ratios 0,0,1,1 --fill-long"
         [r1x2_fill_copies]="--ratios 0,0,1,1 --fill-long --copy-share 0.3"
-        [quality40_ckpt_fill]="--ratios quality40 --init-checkpoint checkpoints/quality40 --fill-long --copy-share 0.3"
+        [r2x6_r1x6_fill]="--ratios 0,0,2,2,2,2,2,2,1,1,1,1,1,1 --fill-long"
     )
 else
     declare -A schedules=(
