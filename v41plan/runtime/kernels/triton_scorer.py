@@ -84,14 +84,14 @@ def _key_raw(
         d = tl.arange(0, D)
         packed = tl.load(kbase[:, None] + half[None, :], mask=kvalid[:, None], other=0)
         sbase = ksc_ptr + page * s_ksc_page + row * s_ksc_row
-        sb = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
-        return packed.to(tl.int32), sb
+        a = packed.to(tl.int32)
+        b = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
     else:
         d = tl.arange(0, D)
-        codes = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
+        a = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
         kptr = (kbase + D).to(tl.pointer_type(tl.float32))
-        ks = tl.load(kptr, mask=kvalid, other=0.0)
-        return codes, ks
+        b = tl.load(kptr, mask=kvalid, other=0.0)
+    return a, b
 
 
 @triton.jit
