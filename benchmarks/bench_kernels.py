@@ -411,11 +411,23 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     flops = 2 * hi * INDEX_D * rows * n_comp
     want = ref.scores(planes, q, w, bound, pages)
     out = []
-    for prefetch in (0, 1):
-        kb.score_prefetch = prefetch
+    for prefetch, programs in ((0, 1), (1, 1), (0, 0), (1, 0)):
+        kb.score_prefetch, kb.select_programs = prefetch, programs
         try:
             err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
             shape = f"{width} index {hi}x{INDEX_D} {ix} decode T={rows} ctx={context}"
+            if programs != 1:  # the scores do not change: time the top-k alone
+                out.append(
+                    _row(
+                        "score_topk",
+                        f"{shape} top-{K} sweep prefetch={prefetch} select_programs=0",
+                        _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
+                        key_bytes + rows * K * 8,
+                        flops,
+                        ceil,
+                    )
+                )
+                continue
             r = _row(
                 "scores",
                 f"{shape} sweep prefetch={prefetch}",
@@ -439,7 +451,7 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
         except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
             out.append({"kernel": "scores", "shape": f"prefetch={prefetch}", "error": str(e)[:300]})
         finally:
-            kb.score_prefetch = 0
+            kb.score_prefetch, kb.select_programs = 0, 1
     del pools
     return out
 
@@ -479,6 +491,36 @@ def select_rows(context, ceil, kb, ref):
         )
         r["check"] = {"exact_vs_torch": bool(check())}
         r["peer"], r["peer_ms"] = "torch_backend", _bench(peer)
+        out.append(r)
+    return out
+
+
+def select_sweep(n, ceil, kb, ref):
+    """The top-k select alone over ``n`` scores a row (decode rows), one program a row against
+    the segment select (``select_programs``: 0 by the device, or a fixed count)."""
+    rows = SIZES["decode_rows"]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    score = torch.randn(rows, n, generator=g, device=DEV)
+    want = ref.topk_ids(score, K)
+    out = []
+    for programs in (1, 0, 4, 16, 32):
+        kb.select_programs = programs
+        try:
+            segments = kb.select_segments_for(rows, n, score.device)
+            r = _row(
+                "topk_ids",
+                f"T={rows} N={n} k={K} sweep programs={programs} ({segments} a row)",
+                _bench(lambda: kb.topk_ids(score, K)),
+                score.numel() * 4 + rows * K * 8,
+                0,
+                ceil,
+            )
+            r["check"] = {"exact_vs_torch": bool(torch.equal(kb.topk_ids(score, K), want))}
+            r["config"] = {"select_programs": programs, "segments": segments}
+        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+            r = {"kernel": "topk_ids", "shape": f"programs={programs}", "error": str(e)[:300]}
+        finally:
+            kb.select_programs = 1
         out.append(r)
     return out
 
@@ -714,14 +756,17 @@ def main(argv=None) -> int:
                     {"HB": 32, "SPLITS": 1, "num_warps": 8},
                     {"PREFETCH": 1},
                     {"PREFETCH": 2},
-                    {"PREFETCH": 2, "HB": 32, "SPLITS": 1, "num_warps": 8},
-                    {"PREFETCH": 2, "BN": 16},
+                    {"HB": 32, "SPLITS": 2, "num_warps": 8},
+                    {"HB": 64, "SPLITS": 3, "BN": 16},
+                    {"HB": 64, "SPLITS": 4, "BN": 16},
                 ],
                 ceil,
                 kb,
                 ref,
             ),
         ),
+        ("select sweep 4K", lambda: select_sweep(ctx // 2, ceil, kb, ref)),
+        ("select sweep 32K", lambda: select_sweep(long_ctx // 2, ceil, kb, ref)),
         (
             "scorer decode sweep medium fp8 8K",
             lambda: scorer_sweep("medium", "fp8", ctx, ceil, kb, ref),
@@ -740,7 +785,9 @@ def main(argv=None) -> int:
                     {"SPLITS": 8, "BN": 16},
                     {"PREFETCH": 1},
                     {"PREFETCH": 2},
-                    {"PREFETCH": 2, "SPLITS": 4, "BN": 16},
+                    {"SPLITS": 4, "BN": 32},
+                    {"SPLITS": 6, "BN": 16},
+                    {"SPLITS": 4, "BN": 16, "num_warps": 8},
                 ],
                 ceil,
                 kb,

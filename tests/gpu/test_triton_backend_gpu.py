@@ -243,6 +243,27 @@ def test_scores_within_rounding_and_select_exact_on_one_matrix(name, ix, dtype):
     assert same >= least * sum(len(set(y.tolist())) for y in b)
 
 
+@pytest.mark.parametrize("programs", [0, 8, 64])
+def test_segment_select_is_the_references_at_decode_sizes(programs):
+    # 64 rows of 32K scores (a 64K context at ratio 2): random, tied in steps, some rows
+    # bounded short or empty; the segment select (auto: enough programs to fill the device)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    s = torch.randn(64, 32768, generator=g, device="cuda")
+    s[::3] = torch.round(s[::3] * 4) / 4  # many ties at the cut
+    bound = torch.full((64,), 32768, device="cuda")
+    bound[1], bound[2], bound[5] = 0, 300, 20000
+    s = s.masked_fill(torch.arange(32768, device="cuda") >= bound[:, None], NEG)
+    ref, tri = _backends()
+    tri.select_programs = programs
+    assert tri.select_segments_for(64, 32768, s.device) > 1
+    for k in (512, 2048):
+        want = ref.topk_ids(s, k)
+        assert torch.equal(tri.topk_ids(s, k), want), k
+        got = torch.empty_like(want)  # with the row bounds, as score_topk selects
+        tri._select(s, bound, k, got)
+        assert torch.equal(got, want), k
+
+
 def _attention_case(name, kv, dtype, heads=None, t=40, seed=0):
     """Query rows of 4 requests (decode rows reading the ring, prefill rows reading this
     forward's rows above a ring cut, an empty window, a padding row) over random pools."""

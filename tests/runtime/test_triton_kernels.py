@@ -285,16 +285,19 @@ def test_scores_match_the_reference(tiny, index_dtype, dtype):
 
 
 @pytest.mark.parametrize(
-    "index_dtype, small, prefetch",
-    [("fp8", True, 0), ("fp4", False, 0), ("fp8", True, 1), ("fp4", True, 1)],
-    ids=["fp8-small-tiles", "fp4", "fp8-small-tiles-prefetch", "fp4-small-tiles-prefetch"],
+    "index_dtype, small, prefetch, select_programs",
+    [("fp8", True, 0, 1), ("fp4", False, 0, 1), ("fp8", True, 1, 3), ("fp4", True, 1, 1)],
+    ids=["fp8-small-tiles", "fp4", "fp8-small-tiles-prefetch-segments", "fp4-small-tiles-prefetch"],
 )
-def test_score_topk_is_exact_where_the_scores_are(tiny, index_dtype, small, prefetch):
+def test_score_topk_is_exact_where_the_scores_are(
+    tiny, index_dtype, small, prefetch, select_programs
+):
     planes, q, w, bound, pages = _scorer_case(tiny, index_dtype, exact=True, seed=4)
     # small tiles: a row's keys span several programs, tiles and select steps; programs of 4
     # rows: one of rows of one request (a shared key tile), one of two requests (row by row),
     # one past the last row. Prefetch: 4-key tiles over 64-key programs, so a program's tiles
-    # cross pages (16 rows a page)
+    # cross pages (16 rows a page). Select asked for 3 programs a row: two segments of 32 of the
+    # 64 rows (the bounds 33 and 40 end in the second, 16 in the first)
     kb = (
         _tk(
             score_chunk=64 if prefetch else 16,
@@ -302,6 +305,7 @@ def test_score_topk_is_exact_where_the_scores_are(tiny, index_dtype, small, pref
             select_chunk=16,
             score_rows=4,
             score_prefetch=prefetch,
+            select_programs=select_programs,
         )
         if small
         else _tk()
@@ -332,16 +336,36 @@ def _tied_scores(t: int, n: int, seed: int) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("chunk", [16, 2048])
-def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk):
-    kb = _tk(select_chunk=chunk)
+@pytest.mark.parametrize("chunk, programs", [(16, 1), (2048, 1), (16, 3)], ids=lambda v: str(v))
+def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk, programs):
+    # programs 3: rows of 40, 96 and 200 split in three segments (whole 16s: 16, 32, 80; the
+    # half-masked row's last ones lie past its visible part)
+    kb = _tk(select_chunk=chunk, select_programs=programs)
     for n, topk, dtype in (
         (40, 4, torch.float32),
         (12, 16, torch.float32),
         (96, 33, torch.bfloat16),
+        (200, 70, torch.float32),
     ):
         s = _tied_scores(6, n, n + topk).to(dtype)
         assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (n, topk)
+
+
+def test_segment_select_finds_the_kth_key_among_close_scores():
+    # every score in one coarse bin (the top 11 bits equal), so the k-th key comes from the
+    # gathered list alone; distinct low bits, ties and both signs across rows
+    g = torch.Generator().manual_seed(11)
+    base = torch.tensor([1.0, -1.0, 3.0e-3])
+    s = base[:, None] * (1 + torch.randint(0, 4000, (3, 512), generator=g) * 2.0**-23)
+    s[2, 100:140] = NEG
+    # four segments of 128 in 64-element steps; by the device (2 SMs, 3 rows): two of 256
+    for kb, segments in (
+        (_tk(select_chunk=64, select_programs=4), 4),
+        (_tk(select_programs=0, select_segment_min=64), 2),
+    ):
+        assert kb.select_segments_for(3, 512, torch.device("cpu")) == segments
+        for topk in (1, 17, 300, 600):
+            assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (segments, topk)
 
 
 @pytest.mark.parametrize("chunk", [8, 2048])

@@ -263,6 +263,12 @@ class TritonBackend(TorchBackend):
     """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
+    select_programs = 1
+    """Programs a row's top-k select takes: 1 one program a row (measured so far); 0 as many
+    segments as fill the device when the rows are few (``select_segments_for``); n > 1 that
+    many (the benchmark's sweep compares them; not yet measured on the GPU)."""
+    select_segment_min = 1024
+    """Fewest elements of a segment when ``select_programs`` is 0."""
     score_rows: int | None = None
     """Query rows a scorer program holds (None: by the batch, ``score_tile_rows``)."""
     score_prefetch = 0
@@ -347,6 +353,10 @@ class TritonBackend(TorchBackend):
         if t == 0:
             return
         assert score.stride(1) == 1 and out.stride(1) == 1
+        segments = 0 if block_rows else self.select_segments_for(t, n, score.device)
+        if segments > 1:
+            self._select_segments(score, bound, k, out, segments)
+            return
         g = max(block_rows, 1)
         elems = n // g
         SC.select_kernel[(t,)](
@@ -363,6 +373,44 @@ class TritonBackend(TorchBackend):
             CHUNK=min(self.select_chunk, next_pow2(elems)),
             KP=next_pow2(k),
         )
+
+    def select_segments_for(self, t: int, n: int, device) -> int:
+        """Programs a row's top-k select takes (1: one, the whole row in five passes). With
+        ``select_programs`` 0, a row of few rows splits into segments of at least
+        ``select_segment_min`` elements until the programs fill the device twice over; a fixed
+        count otherwise (shapes only, so a capture replays the same launches)."""
+        if self.select_programs != 0:
+            return max(1, min(self.select_programs, triton_cdiv(n, 16)))
+        want = triton_cdiv(2 * self.num_sms(device), t)
+        return max(1, min(next_pow2(want), n // self.select_segment_min, 64))
+
+    def _select_segments(self, score, bound, k: int, out, segments: int) -> None:
+        """The top-k ids over ``segments`` programs a row (``triton_scorer``'s segment
+        select: histogram, gather of the k-th key's bin, refine, write)."""
+        t, n = score.shape
+        seg = triton_cdiv(triton_cdiv(n, segments), 16) * 16
+        segments = triton_cdiv(n, seg)
+        sp = next_pow2(segments)
+        ws = torch.zeros(t, 2052 + 3 * sp, dtype=torch.int32, device=score.device)
+        lists = torch.empty(2, t, n, dtype=torch.int32, device=score.device)
+        chunk = min(self.select_chunk, next_pow2(seg))
+        b = _vec(bound) if bound is not None else score
+        has = bound is not None
+        SC.select_hist_kernel[(t, segments)](
+            score, score.stride(0), b, ws, ws.stride(0), n, seg, HAS_BOUND=has, CHUNK=chunk
+        )
+        SC.select_gather_kernel[(t, segments)](
+            score, score.stride(0), b, ws, ws.stride(0), lists[0], lists[1], n, k, n, seg,
+            SP=sp, HAS_BOUND=has, CHUNK=chunk,
+        )  # fmt: skip
+        SC.select_refine_kernel[(t,)](
+            ws, ws.stride(0), lists[0], lists[1], n, out, out.stride(0), k, seg, segments,
+            SP=sp, CHUNK=min(self.select_chunk, next_pow2(n)), KP=next_pow2(k),
+        )  # fmt: skip
+        SC.select_write_kernel[(t, segments)](
+            score, score.stride(0), b, ws, ws.stride(0), out, out.stride(0), n, seg,
+            SP=sp, HAS_BOUND=has, CHUNK=chunk,
+        )  # fmt: skip
 
     def _scorer_runs(self, op: str, planes, q, pages) -> bool:
         d = q.shape[-1]

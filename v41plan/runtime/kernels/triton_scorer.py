@@ -396,3 +396,183 @@ def select_kernel(
         j = tl.arange(0, KP)
         fill = tl.full((KP,), -1, tl.int64)
         tl.store(out_ptr + t * s_out_row + j, fill, mask=(j >= taken) & (j < K))
+
+
+# -- the select over segments: a row's elements split among programs (few rows, long rows) --------
+# Four launches, each over (row, segment) programs but the third: a histogram of the keys' top
+# 11 bits (atomics into the row's 2048 bins); a gather of the elements in the bin holding the
+# k-th key (its candidates: few, save ties) into a per-row list; one program a row finishes
+# the k-th key from the list alone and turns it into each segment's output offset and tie
+# quota; each segment then writes its ids in position order, so the output comes out ascending
+# as the one-program select's does. Workspace columns of a row (int32, zeroed):
+# [0, 2048) the histogram, 2048 the list's length, 2049 the k-th key, then SP def counts
+# (elements of a segment above the bin), SP offsets and SP tie quotas.
+SEL_BINS = tl.constexpr(2048)
+SEL_LEN = tl.constexpr(2048)
+SEL_KTH = tl.constexpr(2049)
+SEL_SEG = tl.constexpr(2052)
+
+
+@triton.jit
+def _seg_keys(row_ptr, e, n_elem):
+    """Ordered keys of elements ``e`` and which of them count (inside the row, above -inf)."""
+    inb = e < n_elem
+    v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
+    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return key, inb & (key > NEG_INF_KEY)
+
+
+@triton.jit
+def _seg_span(bound_ptr, t, s, N, SEG, HAS_BOUND: tl.constexpr):
+    """Segment ``s`` of row ``t``: ``[lo, hi)`` inside the row's bound."""
+    if HAS_BOUND:
+        n_elem = tl.minimum(tl.load(bound_ptr + t), N)
+    else:
+        n_elem = N + tl.zeros((), dtype=tl.int64)
+    lo = s.to(tl.int64) * SEG
+    return lo, tl.minimum(lo + SEG, n_elem)
+
+
+@triton.jit
+def _coarse_bin(ws_row, K):
+    """The bin of the k-th key and how many of the k remain for it (``rem``), from the row's
+    histogram; ``rem0`` is k capped by the row's valid elements."""
+    bins = tl.arange(0, SEL_BINS)
+    hist = tl.load(ws_row + bins)
+    total = tl.sum(hist, axis=0)
+    rem0 = tl.minimum(total, K)
+    at_least = total - tl.cumsum(hist, axis=0) + hist
+    dstar = tl.max(tl.where(at_least >= rem0, bins, 0), axis=0)
+    rem = rem0 - tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
+    return dstar, rem
+
+
+@triton.jit
+def select_hist_kernel(
+    score_ptr, s_score_row, bound_ptr, ws_ptr, s_ws_row, N, SEG,
+    HAS_BOUND: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program ``(t, s)``: segment ``s`` of row ``t`` into the row's 2048-bin histogram of the
+    keys' top 11 bits (unsigned order: the sign bit flipped)."""
+    t, s = tl.program_id(0), tl.program_id(1)
+    lo, hi = _seg_span(bound_ptr, t, s, N, SEG, HAS_BOUND)
+    if lo >= hi:
+        return
+    row_ptr = score_ptr + t * s_score_row
+    hist = tl.zeros((SEL_BINS,), dtype=tl.int32)
+    for e0 in range(lo, hi, CHUNK):
+        e = e0 + tl.arange(0, CHUNK)
+        key, valid = _seg_keys(row_ptr, e, hi)
+        hist += tl.histogram(((key >> 21) & 2047) ^ 1024, SEL_BINS, mask=valid)
+    bins = tl.arange(0, SEL_BINS)
+    tl.atomic_add(ws_ptr + t * s_ws_row + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def select_gather_kernel(
+    score_ptr, s_score_row, bound_ptr, ws_ptr, s_ws_row, key_ptr, pos_ptr, s_list_row, K, N,
+    SEG, SP: tl.constexpr, HAS_BOUND: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program ``(t, s)``: counts the segment's elements above the k-th key's bin and appends
+    those in it (key, position) to the row's list (in any order: the positions rank ties)."""
+    t, s = tl.program_id(0), tl.program_id(1)
+    lo, hi = _seg_span(bound_ptr, t, s, N, SEG, HAS_BOUND)
+    ws_row = ws_ptr + t * s_ws_row
+    dstar, _rem = _coarse_bin(ws_row, K)
+    row_ptr = score_ptr + t * s_score_row
+    above = tl.zeros((), dtype=tl.int32)
+    for e0 in range(lo, hi, CHUNK):
+        e = e0 + tl.arange(0, CHUNK)
+        key, valid = _seg_keys(row_ptr, e, hi)
+        digit = ((key >> 21) & 2047) ^ 1024
+        above += tl.sum((valid & (digit > dstar)).to(tl.int32), axis=0)
+        at = (valid & (digit == dstar)).to(tl.int32)
+        n_at = tl.sum(at, axis=0)
+        if n_at > 0:
+            base = tl.atomic_add(ws_row + SEL_LEN, n_at)
+            slot = base + tl.cumsum(at, axis=0) - at
+            tl.store(key_ptr + t * s_list_row + slot, key, mask=at != 0)
+            tl.store(pos_ptr + t * s_list_row + slot, e.to(tl.int32), mask=at != 0)
+    tl.store(ws_row + SEL_SEG + s, above)
+
+
+@triton.jit
+def select_refine_kernel(
+    ws_ptr, s_ws_row, key_ptr, pos_ptr, s_list_row, out_ptr, s_out_row, K, SEG, S,
+    SP: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """Program ``t``: the k-th key from the row's list (three more digit passes over the low
+    21 bits), then each segment's output offset and tie quota (ties to the smaller position:
+    the earlier segments' first); pads the output past the selection with -1."""
+    t = tl.program_id(0)
+    ws_row = ws_ptr + t * s_ws_row
+    dstar, rem = _coarse_bin(ws_row, K)
+    n_list = tl.load(ws_row + SEL_LEN)
+    keys_row, pos_row = key_ptr + t * s_list_row, pos_ptr + t * s_list_row
+    prefix = (dstar ^ 1024) << 21
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(3):
+        shift = 13 - 8 * p + 3 * (p // 2)  # 13, 5, 0
+        width = 8 - 3 * (p // 2)  # 8, 8, 5
+        hist = tl.zeros((256,), dtype=tl.int32)
+        for c0 in range(0, n_list, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)
+            key = tl.load(keys_row + c, mask=c < n_list, other=0)
+            match = (c < n_list) & ((key & -(1 << (shift + width))) == prefix)
+            hist += tl.histogram((key >> shift) & ((1 << width) - 1), 256, mask=match)
+        total = tl.sum(hist, axis=0)
+        at_least = total - tl.cumsum(hist, axis=0) + hist
+        d = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
+        if width < 8:
+            d = tl.minimum(d, (1 << width) - 1)
+        rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+        prefix = prefix | (d << shift)
+    # per segment: list elements above the k-th key, and its ties
+    segs = tl.arange(0, SP)
+    gt = tl.load(ws_row + SEL_SEG + segs, mask=segs < S, other=0)
+    eq = tl.zeros((SP,), dtype=tl.int32)
+    for c0 in range(0, n_list, CHUNK):
+        c = c0 + tl.arange(0, CHUNK)
+        inl = c < n_list
+        key = tl.load(keys_row + c, mask=inl, other=0)
+        seg = tl.load(pos_row + c, mask=inl, other=0) // SEG
+        gt += tl.histogram(seg, SP, mask=inl & (key > prefix))
+        eq += tl.histogram(seg, SP, mask=inl & (key == prefix))
+    quota = tl.minimum(tl.maximum(rem - (tl.cumsum(eq, axis=0) - eq), 0), eq)
+    count = gt + quota
+    tl.store(ws_row + SEL_KTH, prefix)
+    tl.store(ws_row + SEL_SEG + SP + segs, tl.cumsum(count, axis=0) - count, mask=segs < S)
+    tl.store(ws_row + SEL_SEG + 2 * SP + segs, quota, mask=segs < S)
+    j = tl.arange(0, KP)
+    fill = tl.full((KP,), -1, tl.int64)
+    tl.store(out_ptr + t * s_out_row + j, fill, mask=(j >= tl.sum(count, axis=0)) & (j < K))
+
+
+@triton.jit
+def select_write_kernel(
+    score_ptr, s_score_row, bound_ptr, ws_ptr, s_ws_row, out_ptr, s_out_row, N, SEG,
+    SP: tl.constexpr, HAS_BOUND: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program ``(t, s)``: the segment's selected ids, ascending, at its offset: every element
+    above the k-th key and its first ``quota`` ties."""
+    t, s = tl.program_id(0), tl.program_id(1)
+    lo, hi = _seg_span(bound_ptr, t, s, N, SEG, HAS_BOUND)
+    ws_row = ws_ptr + t * s_ws_row
+    kth = tl.load(ws_row + SEL_KTH)
+    taken = tl.load(ws_row + SEL_SEG + SP + s)
+    quota = tl.load(ws_row + SEL_SEG + 2 * SP + s)
+    row_ptr = score_ptr + t * s_score_row
+    ties = tl.zeros((), dtype=tl.int32)
+    for e0 in range(lo, hi, CHUNK):
+        e = e0 + tl.arange(0, CHUNK)
+        key, valid = _seg_keys(row_ptr, e, hi)
+        eq = (valid & (key == kth)).to(tl.int32)
+        tie_rank = ties + tl.cumsum(eq, axis=0) - eq
+        sel = valid & ((key > kth) | ((eq != 0) & (tie_rank < quota)))
+        si = sel.to(tl.int32)
+        tl.store(
+            out_ptr + t * s_out_row + taken + tl.cumsum(si, axis=0) - si, e.to(tl.int64), mask=sel
+        )
+        taken += tl.sum(si, axis=0)
+        ties += tl.sum(eq, axis=0)
