@@ -156,6 +156,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--context", type=int, default=256, help="tokens each request holds before the timed step"
     )
+    ap.add_argument(
+        "--spec",
+        default="medium",
+        help="spec name or YAML (bf16 weights here; the published formats, the CUDA default: "
+        "bench_decode_paths.py --spec S --variants compiled)",
+    )
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kv-cache-dtype", default="bf16")
@@ -177,8 +183,8 @@ def main(argv=None) -> int:
     from v41plan.runtime.paged_model import RuntimeModel
 
     ceil = measure_ceilings()
-    spec = load_spec()
-    cfg, weights, engram = load_weights(spec, args.checkpoint)
+    spec = load_spec(args.spec)
+    cfg, weights, engram, load_report = load_weights(spec, args.checkpoint)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     max_bs = max(sizes)
     P = spec.replay.hash_block_tokens
@@ -277,8 +283,10 @@ def main(argv=None) -> int:
         del llm
         torch.cuda.empty_cache()
     report = medium_report(
-        spec, args, ceil, rows, kernel_backend=args.kernel_backend, capture=capture
-    )
+        spec, args, ceil, rows, kernel_backend=args.kernel_backend, capture=capture,
+        resident_bytes=load_report["resident_bytes"],
+        checkpoint_bytes=load_report["checkpoint_bytes"],
+    )  # fmt: skip
     print(ceilings_line(ceil))
     print(
         f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'replay ms':>9} {'x step':>7} {'x replay':>8} "

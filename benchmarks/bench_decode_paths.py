@@ -56,6 +56,7 @@ from medium_model import (
     decode_requests,
     decode_step,
     load_spec,
+    load_weights,
     medium_report,
     pool_row_bytes,
     prefill_to_context,
@@ -153,23 +154,6 @@ def unlabel_sites(m, saved):
     for name in SITE_METHODS:
         m.__dict__.pop(name, None)
     m.pieces, m.dense = saved["pieces"], saved["dense"]
-
-
-def _weights(spec, checkpoint, resident: bool):
-    """``(cfg, weights on CUDA, Engram host)``: bf16 dequantised, or resident as published."""
-    from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
-    from v41plan.model.config import config_from_cache_spec
-
-    if checkpoint:
-        ckpt = load_checkpoint(checkpoint, spec, dtype=None)
-    else:
-        cfg = config_from_cache_spec(spec)
-        ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
-    if resident:
-        w = ckpt.process(torch.bfloat16, "cuda", resident=True, dequantize=("attn.wo_a.weight",))
-    else:
-        w = ckpt.process(torch.bfloat16, "cuda")
-    return ckpt.config, w, ckpt.engram_host(), ckpt.report
 
 
 def _kernels(fn) -> tuple[int, int | None, dict[str, int], dict[str, dict[str, int]]]:
@@ -273,7 +257,7 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
 
     backend, dense, moe, resident, compile_backend = VARIANTS[name]
     t0 = time.perf_counter()
-    cfg, weights, engram, load_report = _weights(spec, args.checkpoint, resident)
+    cfg, weights, engram, load_report = load_weights(spec, args.checkpoint, resident=resident)
     if backend == "triton":
         from v41plan.runtime.kernels.triton_backend import TritonBackend
 
@@ -432,6 +416,7 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="default: seeded random weights")
+    ap.add_argument("--spec", default="medium", help="spec name or YAML (e.g. flash_slice)")
     ap.add_argument("--context", type=int, default=256, help="tokens each request holds")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
@@ -456,7 +441,7 @@ def main(argv=None) -> int:
     BACKEND_KERNELS = _backend_kernels()
     ceil = measure_ceilings()
     print(ceilings_line(ceil))
-    spec = load_spec()
+    spec = load_spec(args.spec)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     print(
         f"{'variant':>14} {'bs':>4} {'replay ms':>9} {'step ms':>9} {'k/layer':>8} {'dense':>8} "

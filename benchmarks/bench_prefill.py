@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_decode_paths import VARIANTS
 from ceilings import ceilings_line, measure_ceilings
 from medium_model import (
     load_spec,
@@ -40,6 +41,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--checkpoint", default=None, help="checkpoint directory (default: seeded random weights)"
     )
+    ap.add_argument("--spec", default="medium", help="spec name or YAML (e.g. flash_slice)")
+    ap.add_argument(
+        "--variant",
+        default="reference",
+        choices=sorted(VARIANTS),
+        help="kernel path as in bench_decode_paths.py (reference: torch ops, bf16 weights; "
+        "resident: Triton attention and dense kernels, grouped W4A8 MoE, W8A8 linears)",
+    )
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--kv-cache-dtype", default="bf16")
@@ -53,8 +62,17 @@ def main(argv=None) -> int:
     from v41plan.runtime.paged_model import RuntimeModel
 
     ceil = measure_ceilings()
-    spec = load_spec()
-    cfg, weights, engram = load_weights(spec, args.checkpoint)
+    spec = load_spec(args.spec)
+    kernels, dense, moe, resident, compile_backend = VARIANTS[args.variant]
+    cfg, weights, engram, load_report = load_weights(spec, args.checkpoint, resident=resident)
+    if kernels == "triton":
+        from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+        backend = TritonBackend()
+    else:
+        from v41plan.runtime.kernels.torch_ref import TorchBackend
+
+        backend = TorchBackend()
     P = spec.replay.hash_block_tokens
     n = args.tokens
     pages = -(-n // P) + 1
@@ -72,7 +90,12 @@ def main(argv=None) -> int:
         dtype=torch.bfloat16,
         device="cuda",
         cfg=cfg,
+        backend=backend,
+        dense=dense,
+        moe=moe,
+        compile_backend=compile_backend,
     )
+    del weights
     ids = np.random.default_rng(0).integers(0, 256, n)
     req = RequestInput(
         slot=0,
@@ -121,6 +144,9 @@ def main(argv=None) -> int:
     report = medium_report(
         spec, args, ceil, rows,
         speedup_replay_on=rows[0]["ms"] / rows[1]["ms"], last_token_equal=same,
+        variant=args.variant, resident=resident,
+        resident_bytes=load_report["resident_bytes"],
+        checkpoint_bytes=load_report["checkpoint_bytes"],
     )  # fmt: skip
     print(ceilings_line(ceil))
     print(

@@ -44,15 +44,18 @@ SPEC = Path(__file__).resolve().parents[1] / "specs" / "medium.yaml"
 
 
 def load_spec(path: str | Path = SPEC):
-    """The MEDIUM ``CacheSpec`` (compiled package when present, else the YAML)."""
+    """A ``CacheSpec`` by name (``medium``, ``flash_slice``: the compiled package) or YAML path;
+    the default is MEDIUM."""
     from v41plan.serving.engine import resolve_spec
 
     return resolve_spec("medium" if Path(path) == SPEC else str(path))
 
 
-def load_weights(spec, checkpoint: str | None, seed: int = 0):
-    """``(cfg, bf16 CUDA weights, Engram host)`` from a checkpoint directory or the seeded random
-    one."""
+def load_weights(spec, checkpoint: str | None, seed: int = 0, resident: bool = False):
+    """``(cfg, CUDA weights, Engram host, load report)`` from a checkpoint directory or the
+    seeded random one: bf16 dequantised, or with ``resident`` as published (W8A8 linears, W4A8
+    experts: the runtime's CUDA default). The report holds ``resident_bytes`` and
+    ``checkpoint_bytes``."""
     from v41plan.model.checkpoint import LoadedCheckpoint, load_checkpoint, random_state
     from v41plan.model.config import config_from_cache_spec
 
@@ -61,8 +64,11 @@ def load_weights(spec, checkpoint: str | None, seed: int = 0):
     else:
         cfg = config_from_cache_spec(spec)
         ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, seed))
-    w = ckpt.process(torch.bfloat16, "cuda")
-    return ckpt.config, w, ckpt.engram_host()
+    if resident:
+        w = ckpt.process(torch.bfloat16, "cuda", resident=True, dequantize=("attn.wo_a.weight",))
+    else:
+        w = ckpt.process(torch.bfloat16, "cuda")
+    return ckpt.config, w, ckpt.engram_host(), ckpt.report
 
 
 def medium_report(spec, args, ceilings: dict, rows: list, **extra) -> dict:
@@ -70,10 +76,19 @@ def medium_report(spec, args, ceilings: dict, rows: list, **extra) -> dict:
     and cache dtypes, the ceilings and the (still filling) ``rows``, then ``extra``."""
     from v41plan.validation.provenance import provenance
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    prov = provenance()
     return {
-        "provenance": provenance(),
+        "provenance": prov,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
+        "triton": triton_version,
+        "commit": prov.get("commit"),
         "spec": spec.name,
         "dtype": "bfloat16",
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -112,3 +112,38 @@ def test_decode_benchmarks_setup_runs_a_real_step():
         )  # fmt: skip
         want = one.forward(plan_step(StepInput((dec,)), spec), ids[i][context : context + 1])
         assert torch.allclose(got[i], want.logits[0], rtol=1e-9, atol=1e-9), i
+
+
+def test_flash_slice_floors_count_its_shipped_bytes():
+    # the shapes the flash_slice benchmarks time (decode batch 1 and 64 at 256 tokens of
+    # context, an 8K prefill): the floor reads the published formats, the experts the batch
+    # touches, and holds for both replay settings without building the 34 GB of weights
+    from v41plan.geometry.resolve import resolve_spec
+    from v41plan.model.config import config_from_cache_spec
+
+    spec = resolve_spec("flash_slice")
+    cfg = config_from_cache_spec(spec)
+    rows = mm.pool_row_bytes(spec.geometry("bf16", "fp8"))
+    table = tensor_table(cfg)
+    backbone = sum(t.nbytes for t in table if not t.kind.startswith("table"))
+    assert 33.0e9 < backbone < 34.5e9  # the spec's stated 33.77 GB
+    ctx, P = 256, spec.replay.hash_block_tokens
+    pages = -(-(ctx + 8) // P)
+    floors = {}
+    for bs in (1, 64):
+        reqs = [(s, tuple(range(s * pages, (s + 1) * pages)), ctx, ctx, 1, "decode")
+                for s in range(bs)]  # fmt: skip
+        floors[bs] = mm.step_floor(cfg, step(spec, reqs), CEIL, rows=rows, index_cache_dtype="fp8")
+        assert floors[bs]["bound"] == "bytes"
+    # batch 1 reads the six experts of each layer's one row; batch 64 nearly all 32
+    experts = sum(t.nbytes for t in table if ".ffn.experts." in t.name)
+    assert floors[1]["weight_bytes"] < backbone - 0.7 * experts
+    assert floors[64]["weight_bytes"] > backbone - 0.05 * experts - 2 * 129280 * 5120
+    assert floors[1]["floor_s"] < floors[64]["floor_s"]
+    n = 8192
+    pre = [(0, tuple(range(-(-n // P) + 1)), n, 0, n, "prefill", True)]
+    off = mm.step_floor(cfg, step(spec, pre), CEIL, rows=rows, index_cache_dtype="fp8")
+    on = mm.step_floor(
+        cfg, step(spec, pre, decoder_replay=True), CEIL, rows=rows, index_cache_dtype="fp8"
+    )
+    assert off["bound"] == "flops" and 0 < on["flops"] < off["flops"]

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The flash_slice measurements on one H200 (run from the repository root): a random checkpoint
+# in the published formats (init-checkpoint, kept in ckpt/ between device calls: ignored by git,
+# 35 GB), then the decode step by FULL-graph replay on the CUDA default path (resident weights,
+# Triton kernels, compiled dense pieces), an 8K prefill with decoder replay on and off, and the
+# W8A8 linear / grouped W4A8 MoE benchmark. STEPS picks a subset:
+#   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
+#   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
+# Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
+# bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
+set -u -o pipefail
+OUT=${OUT:-reports/gpu}
+STEPS=${STEPS:-"ckpt decode prefill gemm"}
+CKPT=${CKPT:-ckpt/flash_slice}
+WORKERS=${WORKERS:-12}
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+has() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+run() {  # name, time limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%H:%M:%S)): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "== $name rc=$rc in $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+echo "provenance: $(python3 -m v41plan.validation.provenance)"
+if has ckpt; then
+    if [ -f "$CKPT/model.safetensors.index.json" ]; then
+        echo "== ckpt: $CKPT is there"
+    else
+        df -h . | tail -n 1
+        run ckpt 420 python3 -m v41plan init-checkpoint --spec flash_slice --out "$CKPT" \
+            --workers "$WORKERS"
+        du -sh "$CKPT"
+    fi
+fi
+if has decode; then
+    run decode 420 python3 benchmarks/bench_decode_paths.py --spec flash_slice \
+        --checkpoint "$CKPT" --variants compiled --batch-sizes 1,64 --kernel-table 12 \
+        --out "$OUT/bench_decode_flash_slice.json"
+fi
+if has prefill; then
+    run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
+        --variant resident --tokens 8192 --out "$OUT/bench_prefill_flash_slice.json"
+fi
+if has gemm; then
+    run gemm 240 python3 benchmarks/bench_gemm_moe.py --spec flash_slice \
+        --out "$OUT/bench_gemm_moe_flash_slice.json"
+fi
+exit $status
