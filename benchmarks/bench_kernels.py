@@ -751,6 +751,7 @@ def main(argv=None) -> int:
             lambda: attention_sweep(
                 "flash",
                 [
+                    {},  # the default, in the same run
                     {"HB": 64, "SPLITS": 1},
                     {"HB": 64, "SPLITS": 2, "BN": 16},
                     {"HB": 32, "SPLITS": 1, "num_warps": 8},
@@ -780,6 +781,7 @@ def main(argv=None) -> int:
             lambda: attention_sweep(
                 "medium",
                 [
+                    {},  # the default, in the same run
                     {"SPLITS": 1},
                     {"SPLITS": 4, "BN": 16},
                     {"SPLITS": 8, "BN": 16},
