@@ -323,6 +323,8 @@ def attention_sweep(width, configs, ceil, kb, ref):
     rows = []
     for cfg in configs:
         out = torch.empty_like(args[0])
+        if DEV == "cpu" and cfg.get("DV", 0) >= args[0].shape[-1]:  # --smoke: narrower latent
+            cfg = {**cfg, "DV": args[0].shape[-1] // 2}
         kb.attention_override = cfg
         try:
             kb.sparse_attention(*args, *sel, out)
@@ -763,6 +765,10 @@ def main(argv=None) -> int:
                     {"HB": 32, "SPLITS": 1, "num_warps": 8, "num_stages": 3},
                     {"HB": 64, "SPLITS": 3, "BN": 16},
                     {"HB": 64, "SPLITS": 4, "BN": 16},
+                    {"DV": 256},
+                    {"DV": 128},
+                    {"DV": 256, "num_warps": 4},
+                    {"DV": 256, "HB": 32, "SPLITS": 2},
                 ],
                 ceil,
                 kb,
@@ -793,6 +799,8 @@ def main(argv=None) -> int:
                     {"SPLITS": 4, "BN": 32},
                     {"SPLITS": 6, "BN": 16},
                     {"SPLITS": 4, "BN": 16, "num_warps": 8},
+                    {"DV": 256},
+                    {"DV": 256, "SPLITS": 4, "BN": 16},
                 ],
                 ceil,
                 kb,

@@ -455,16 +455,21 @@ def _attention_case(tiny, kv_dtype: str, window_only: bool, seed: int):
 
 
 @pytest.mark.parametrize(
-    "kv_dtype,window_only,num_sms,prefetch",
-    [(kv, wo, sms, 0) for kv in ("bf16", "fp4") for wo in (False, True) for sms in (1, 64)]
+    "kv_dtype,window_only,num_sms,prefetch,dv",
+    [(kv, wo, sms, 0, 0) for kv in ("bf16", "fp4") for wo in (False, True) for sms in (1, 64)]
     # the software-pipelined selected blocks, in 4-key blocks so the 12 ids span three (the
     # interpreter takes tiles below the GPU's 16)
-    + [(kv, False, sms, pf) for kv in ("bf16", "fp4") for sms in (1, 64) for pf in (1, 2)],
+    + [(kv, False, sms, pf, 0) for kv in ("bf16", "fp4") for sms in (1, 64) for pf in (1, 2)]
+    # each program accumulating 16 of the 64 output columns (four programs a head block; with
+    # splits, only the first writes the partial max and sum)
+    + [(kv, wo, sms, 0, 16) for kv in ("bf16", "fp4") for wo in (False, True) for sms in (1, 64)],
 )
-def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num_sms, prefetch):
+def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num_sms, prefetch, dv):
     args, sel = _attention_case(tiny, kv_dtype, window_only, seed=10)
     kb = TritonBackend(num_sms=num_sms)  # 64 SMs: the rows split over keys; 1: one pass
-    kb.attention_override = {"PREFETCH": prefetch, "BN": 4} if prefetch else None
+    kb.attention_override = (
+        {"PREFETCH": prefetch, "BN": 4} if prefetch else {"DV": dv} if dv else None
+    )
     out_ref = torch.full_like(args[0], float("nan"))
     out = torch.full_like(args[0], float("nan"))
     REF.sparse_attention(*args, *sel, out_ref)

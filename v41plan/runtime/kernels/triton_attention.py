@@ -29,13 +29,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr, F32_DOT: tl.constexpr):
-    """One key block of the online softmax (base-2 logits ``q . k * scale * log2 e``)."""
+def _online(
+    q, k, v, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr, F32_DOT: tl.constexpr
+):  # fmt: skip
+    """One key block of the online softmax (base-2 logits ``q . k * scale * log2 e``); ``v``:
+    the block's value columns this program accumulates (``k`` itself when it holds them all)."""
     if DOT_BF16:
         kd = k.to(tl.bfloat16)
+        vd = v.to(tl.bfloat16)
         s = tl.dot(q, tl.trans(kd))
     else:
         kd = k
+        vd = v.to(tl.float32)
         s = tl.dot(q, tl.trans(kd), input_precision=F32_DOT)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -44,9 +49,9 @@ def _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16: tl.constexpr, F32_DOT: t
     p = tl.exp2(s - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     if DOT_BF16:
-        pv = tl.dot(p.to(tl.bfloat16), kd)
+        pv = tl.dot(p.to(tl.bfloat16), vd)
     else:
-        pv = tl.dot(p, kd, input_precision=F32_DOT)
+        pv = tl.dot(p, vd, input_precision=F32_DOT)
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc
 
@@ -163,19 +168,26 @@ def sparse_attention_kernel(
     DOT_BF16: tl.constexpr,
     F32_DOT: tl.constexpr,
     PREFETCH: tl.constexpr = 0,
+    DV: tl.constexpr = 0,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
     dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
     ``part_o [Tq, SPLITS, H, D]`` and ``part_ml [Tq, SPLITS, H, 2]`` instead. Each selected
     block's keys sit behind two dependent loads (its ids, their pages); ``PREFETCH`` 1 loads
     ids and pages blocks ahead, so a block waits on its keys alone, and 2 loads the keys a
-    block ahead too (0: no pipeline)."""
+    block ahead too (0: no pipeline). ``DV`` < ``D`` (PREFETCH 0): the program accumulates
+    output columns ``[dv * DV, (dv + 1) * DV)`` only (axis 1 is ``hb * (D // DV) + dv``): every
+    program computes the whole logits, and its accumulator is ``[HB, DV]``."""
     i = tl.program_id(0)
-    hb = tl.program_id(1)
+    NDV: tl.constexpr = D // DV if DV > 0 else 1
+    VW: tl.constexpr = DV if DV > 0 else D
+    hb = tl.program_id(1) // NDV
+    dvi = tl.program_id(1) % NDV
     sp = tl.program_id(2)
     h = hb * HB + tl.arange(0, HB)
     hm = h < H
     d = tl.arange(0, D)
+    dv = dvi * VW + tl.arange(0, VW)
     q = tl.load(
         q_ptr + i * s_q_row + h[:, None] * s_q_head + d[None, :], mask=hm[:, None], other=0.0
     )
@@ -202,7 +214,7 @@ def sparse_attention_kernel(
     else:
         m = tl.full((HB,), float("-inf"), tl.float32)
         l = tl.zeros((HB,), dtype=tl.float32)
-    acc = tl.zeros((HB, D), dtype=tl.float32)
+    acc = tl.zeros((HB, VW), dtype=tl.float32)
 
     # window blocks from the first holding a visible position (none without a slot)
     first = pos - (W - 1)
@@ -229,7 +241,21 @@ def sparse_attention_kernel(
             k = tl.where(from_ring[:, None], kr.to(tl.bfloat16), kf.to(tl.bfloat16))
         else:
             k = tl.where(from_ring[:, None], kr.to(tl.float32), kf.to(tl.float32))
-        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+        if VW == D:
+            v = k
+        else:  # this program's columns again (from L1: the same rows)
+            if RING_FP8:
+                vcodes = tl.load(rbase[:, None] + dv[None, :], mask=rmask, other=0)
+                vsb = tl.load(rbase[:, None] + D + dv[None, :] // 32, mask=rmask, other=127)
+                vr = e4m3_value(vcodes) * e8m0_value(vsb)
+            else:
+                vr = tl.load(rbase[:, None] + dv[None, :], mask=rmask, other=0.0)
+            vf = tl.load(kv_ptr + frow[:, None] * s_kv_row + dv[None, :], mask=fmask, other=0.0)
+            if DOT_BF16:
+                v = tl.where(from_ring[:, None], vr.to(tl.bfloat16), vf.to(tl.bfloat16))
+            else:
+                v = tl.where(from_ring[:, None], vr.to(tl.float32), vf.to(tl.float32))
+        m, l, acc = _online(q, k, v, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if HAS_PLANE:
         # selected blocks up to the one holding the last id (-1 padding costs nothing)
@@ -260,11 +286,22 @@ def sparse_attention_kernel(
                     k = e2m1_value(nib) * e4m3_value(sb)
                     if DOT_BF16:
                         k = k.to(tl.bfloat16)
+                    if VW == D:
+                        v = k
+                    else:
+                        vb = tl.load(pbase[:, None] + dv[None, :] // 2, mask=vm, other=0)
+                        vn = (vb.to(tl.int32) >> ((dv[None, :] & 1) * 4)) & 15
+                        vs = tl.load(pbase[:, None] + D // 2 + dv[None, :] // 16, mask=vm, other=0)
+                        v = e2m1_value(vn) * e4m3_value(vs)
                 else:
                     k = tl.load(pbase[:, None] + d[None, :], mask=vm, other=0.0)
                     if not DOT_BF16:
                         k = k.to(tl.float32)
-                m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+                    if VW == D:
+                        v = k
+                    else:
+                        v = tl.load(pbase[:, None] + dv[None, :], mask=vm, other=0.0)
+                m, l, acc = _online(q, k, v, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
         else:
             # software pipeline over the selected blocks: every load takes addresses loaded
             # in an earlier iteration, so a block waits on its keys alone (PREFETCH 1: ids two
@@ -288,7 +325,7 @@ def sparse_attention_kernel(
                     k = _sel_keys(
                         plane_ptr, s_plane_page, s_plane_row, c, page, RPP, D, PLANE_FP4, DOT_BF16
                     )
-                    m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+                    m, l, acc = _online(q, k, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
             else:
                 p1 = _sel_pages(pg_row, c1, RPP, P)
                 c2 = _sel_ids(id_row, s0 + 2, n_s, BN, KSEL)
@@ -307,7 +344,7 @@ def sparse_attention_kernel(
                         c1 = c2
                         c2 = _sel_ids(id_row, b - NWB + 3, n_s, BN, KSEL)
                         k = _fp4_keys(byte, sc, D, DOT_BF16)
-                        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+                        m, l, acc = _online(q, k, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
                 else:
                     k0 = _sel_keys(
                         plane_ptr, s_plane_page, s_plane_row, c0, p0, RPP, D, False, DOT_BF16
@@ -323,20 +360,21 @@ def sparse_attention_kernel(
                         p1 = _sel_pages(pg_row, c2, RPP, P)
                         c1 = c2
                         c2 = _sel_ids(id_row, b - NWB + 3, n_s, BN, KSEL)
-                        m, l, acc = _online(q, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+                        m, l, acc = _online(q, k, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if SPLITS == 1:
         o = tl.where(l[:, None] > 0, div_rn(acc, tl.where(l > 0, l, 1.0)[:, None]), 0.0)
-        optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + d[None, :]
+        optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + dv[None, :]
         if OUT_BF16:
             tl.store(optr, bf16_bits(o), mask=hm[:, None])
         else:
             tl.store(optr, o, mask=hm[:, None])
     else:
         base = (i * SPLITS + sp) * H + h
-        tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=hm[:, None])
-        tl.store(part_ml_ptr + base * 2, m, mask=hm)
-        tl.store(part_ml_ptr + base * 2 + 1, l, mask=hm)
+        tl.store(part_o_ptr + base[:, None] * D + dv[None, :], acc, mask=hm[:, None])
+        first = hm & (dvi == 0)  # every column program has the same (max, sum)
+        tl.store(part_ml_ptr + base * 2, m, mask=first)
+        tl.store(part_ml_ptr + base * 2 + 1, l, mask=first)
 
 
 @triton.jit

@@ -495,7 +495,8 @@ class TritonBackend(TorchBackend):
     """Most key splits of one query row (flash decoding)."""
     attention_override: dict | None = None
     """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
-    ``num_stages``, ``PREFETCH``): the benchmark's sweep."""
+    ``num_stages``, ``PREFETCH``, ``DV``: output columns a program accumulates, 0 all of them):
+    the benchmark's sweep."""
     f32_dot = "ieee"
     """fp32 attention's dot precision on the GPU: ``ieee`` (fp32 FMAs, the validation mode's
     arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
@@ -543,6 +544,9 @@ class TritonBackend(TorchBackend):
         }
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
+        dv = cfg.setdefault("DV", 0)
+        if dv and (dv >= d or d % dv or dv != next_pow2(dv) or cfg["PREFETCH"]):
+            raise ValueError(f"DV {dv}: a power of two below head_dim {d}, with PREFETCH 0")
         return cfg
 
     def sparse_attention(
@@ -596,7 +600,8 @@ class TritonBackend(TorchBackend):
         packed = ring.dtype == torch.uint8 or (has_plane and plane.dtype == torch.uint8)
         cfg = self.attention_config(tq, h, d, window, ksel, q.device, q.dtype, packed)
         splits = cfg["SPLITS"]
-        grid = (tq, cfg["n_hb"], splits)
+        n_dv = d // cfg["DV"] if cfg["DV"] else 1
+        grid = (tq, cfg["n_hb"] * n_dv, splits)
         part_o = part_ml = out
         if splits > 1:
             part_o = torch.empty(tq, splits, h, d, dtype=torch.float32, device=q.device)
@@ -654,6 +659,7 @@ class TritonBackend(TorchBackend):
             DOT_BF16=cfg["DOT_BF16"] and not _INTERPRETED,
             F32_DOT=cfg["F32_DOT"],
             PREFETCH=cfg["PREFETCH"],
+            DV=cfg["DV"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
