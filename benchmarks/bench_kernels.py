@@ -313,13 +313,13 @@ def attention_rows(width, prefill, kv, peers, ceil, kb, ref):
     return out_rows
 
 
-def attention_sweep(width, configs, ceil, kb, ref):
-    """Decode attention under other launch settings (head block, key splits, tile, warps), so
-    the defaults can follow the measurements."""
-    pools, args, sel, shape = _attention_setup(width, False, "bf16")
+def attention_sweep(width, configs, ceil, kb, ref, prefill=False):
+    """Decode (or prefill) attention under other launch settings (head block, key splits,
+    tile, warps, output columns), so the defaults can follow the measurements."""
+    pools, args, sel, shape = _attention_setup(width, prefill, "bf16")
     want = torch.empty_like(args[0])
     ref.sparse_attention(*args, *sel, want)
-    nbytes, flops = _attention_cost(pools, args, sel, False)
+    nbytes, flops = _attention_cost(pools, args, sel, prefill)
     rows = []
     for cfg in configs:
         out = torch.empty_like(args[0])
@@ -784,6 +784,17 @@ def main(argv=None) -> int:
         (
             "scorer decode sweep flash fp8 64K",
             lambda: scorer_sweep("flash", "fp8", long_ctx, ceil, kb, ref),
+        ),
+        (
+            "attention prefill sweep flash",
+            lambda: attention_sweep(
+                "flash",
+                [{}, {"DV": 256}, {"HB": 32}, {"DV": 256, "HB": 32}, {"BN": 16}],
+                ceil,
+                kb,
+                ref,
+                prefill=True,
+            ),
         ),
         (
             "attention decode sweep medium",
