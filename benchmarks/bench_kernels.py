@@ -497,6 +497,42 @@ def select_rows(context, ceil, kb, ref):
     return out
 
 
+def scorer_prefill_split(context, ceil, kb, ref):
+    """An 8K prefill's index scores alone and with their top-k (medium fp8): how much of the
+    prefill row is the select (one program a row, over the row's own bound)."""
+    _, hi = WIDTHS["medium"]
+    rows = context
+    pools = Pools(1, context // PAGE, "bf16", "fp8")
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
+    bound = (torch.arange(rows, device=DEV) + 1) // 2
+    pages, planes = pools.tables[0].expand(rows, -1).contiguous(), pools.index
+    visible = int(bound.sum())
+    flops = 2 * hi * INDEX_D * visible
+    shape = f"medium index {hi}x{INDEX_D} fp8 prefill T={rows} ctx={context}"
+    out = [
+        _row(
+            "scores",
+            f"{shape} split",
+            _bench(lambda: kb.scores(planes, q, w, bound, pages)),
+            visible * (pools.index_row_bytes() + 4),
+            flops,
+            ceil,
+        ),
+        _row(
+            "score_topk",
+            f"{shape} top-{K} split",
+            _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
+            visible * pools.index_row_bytes() + rows * K * 8,
+            flops,
+            ceil,
+        ),
+    ]
+    del pools
+    return out
+
+
 def select_sweep(n, ceil, kb, ref):
     """The top-k select alone over ``n`` scores a row (decode rows), one program a row against
     the segment select (``select_programs``: 0 by the device, or a fixed count)."""
@@ -775,6 +811,7 @@ def main(argv=None) -> int:
                 ref,
             ),
         ),
+        ("scorer prefill split sweep", lambda: scorer_prefill_split(pre, ceil, kb, ref)),
         ("select sweep 4K", lambda: select_sweep(ctx // 2, ceil, kb, ref)),
         ("select sweep 32K", lambda: select_sweep(long_ctx // 2, ceil, kb, ref)),
         (
