@@ -5,7 +5,9 @@
 # EXTRA (e.g. "--fill-long") goes to every run; SET=fill runs the second set: no sums after
 # the lists at 4 layers (with and without copies) and 14, and the 4-layer probe's eager step on
 # v41plan train's batches (corpus or step?). The 40 layers need the device alone (about 0.55 s
-# a step): FILL_LONG=1 scripts/gpu_train_quality.sh from the checkpoint.
+# a step): scripts/recall_depth_probe.py --ratios quality40 --fill-long (reports/gpu/
+# recall_depth_fill.json: from fresh weights they learn recall, the committed checkpoint does
+# not).
 #   OUT=/tmp/d TIME_LIMIT=420 scripts/gpu_recall_depth.sh
 #   OUT=/tmp/d TIME_LIMIT=420 SET=fill scripts/gpu_recall_depth.sh
 set -euo pipefail
