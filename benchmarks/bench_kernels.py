@@ -497,6 +497,45 @@ def select_rows(context, ceil, kb, ref):
     return out
 
 
+def scorer_tile_sweep(width, context, ceil, kb, ref):
+    """Decode scores alone (fp8 plane) over the keys a program covers (``score_chunk``: more
+    programs, fewer tiles each) and the keys a tile holds (``score_block``)."""
+    _, hi = WIDTHS[width]
+    rows = SIZES["decode_rows"]
+    pools = Pools(rows, context // PAGE, "bf16", "fp8")
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
+    n_comp = context // 2
+    bound = torch.full((rows,), n_comp, device=DEV)
+    pages, planes = pools.tables, pools.index
+    want = ref.scores(planes, q, w, bound, pages)
+    shape = f"{width} index {hi}x{INDEX_D} fp8 decode T={rows} ctx={context}"
+    out = []
+    saved = kb.score_chunk, kb.score_block
+    for chunk, block in ((512, 32), (128, 32), (256, 32), (1024, 32), (256, 16), (512, 16)):
+        kb.score_chunk, kb.score_block = chunk, block
+        try:
+            err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
+            r = _row(
+                "scores",
+                f"{shape} sweep score_chunk={chunk} score_block={block}",
+                _bench(lambda: kb.scores(planes, q, w, bound, pages)),
+                rows * n_comp * (pools.index_row_bytes() + 4),
+                2 * hi * INDEX_D * rows * n_comp,
+                ceil,
+            )
+            r["check"] = {"max_abs_err_vs_torch": err.item()}
+            r["config"] = {"score_chunk": chunk, "score_block": block}
+        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+            r = {"kernel": "scores", "shape": f"chunk={chunk} block={block}", "error": str(e)[:300]}
+        finally:
+            kb.score_chunk, kb.score_block = saved
+        out.append(r)
+    del pools
+    return out
+
+
 def scorer_prefill_split(context, ceil, kb, ref):
     """An 8K prefill's index scores alone and with their top-k (medium fp8): how much of the
     prefill row is the select (one program a row, over the row's own bound)."""
@@ -812,6 +851,11 @@ def main(argv=None) -> int:
             ),
         ),
         ("scorer prefill split sweep", lambda: scorer_prefill_split(pre, ceil, kb, ref)),
+        ("scorer tile sweep medium 8K", lambda: scorer_tile_sweep("medium", ctx, ceil, kb, ref)),
+        (
+            "scorer tile sweep flash 64K",
+            lambda: scorer_tile_sweep("flash", long_ctx, ceil, kb, ref),
+        ),
         ("select sweep 4K", lambda: select_sweep(ctx // 2, ceil, kb, ref)),
         ("select sweep 32K", lambda: select_sweep(long_ctx // 2, ceil, kb, ref)),
         (
