@@ -167,8 +167,8 @@ def sparse_attention_kernel(
     OUT_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     F32_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
-    DV: tl.constexpr = 0,
+    PREFETCH: tl.constexpr,
+    DV: tl.constexpr,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
     dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
@@ -177,10 +177,10 @@ def sparse_attention_kernel(
     ids and pages blocks ahead, so a block waits on its keys alone, and 2 loads the keys a
     block ahead too (0: no pipeline). ``DV`` < ``D`` (PREFETCH 0): the program accumulates
     output columns ``[dv * DV, (dv + 1) * DV)`` only (axis 1 is ``hb * (D // DV) + dv``): every
-    program computes the whole logits, and its accumulator is ``[HB, DV]``."""
+    program computes the whole logits, and its accumulator is ``[HB, DV]`` (``DV = D``: all)."""
     i = tl.program_id(0)
-    NDV: tl.constexpr = D // DV if DV > 0 else 1
-    VW: tl.constexpr = DV if DV > 0 else D
+    NDV: tl.constexpr = D // DV
+    VW: tl.constexpr = DV
     hb = tl.program_id(1) // NDV
     dvi = tl.program_id(1) % NDV
     sp = tl.program_id(2)

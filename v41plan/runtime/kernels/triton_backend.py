@@ -659,7 +659,7 @@ class TritonBackend(TorchBackend):
             DOT_BF16=cfg["DOT_BF16"] and not _INTERPRETED,
             F32_DOT=cfg["F32_DOT"],
             PREFETCH=cfg["PREFETCH"],
-            DV=cfg["DV"],
+            DV=cfg["DV"] or d,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
