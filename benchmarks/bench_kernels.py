@@ -416,34 +416,24 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     for prefetch, programs in ((0, 1), (1, 1), (0, 0), (1, 0)):
         kb.score_prefetch, kb.select_programs = prefetch, programs
         try:
-            err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
             shape = f"{width} index {hi}x{INDEX_D} {ix} decode T={rows} ctx={context}"
-            if programs != 1:  # the scores do not change: time the top-k alone
-                out.append(
-                    _row(
-                        "score_topk",
-                        f"{shape} top-{K} sweep prefetch={prefetch} select_programs=0",
-                        _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
-                        key_bytes + rows * K * 8,
-                        flops,
-                        ceil,
-                    )
+            if programs == 1:  # the scores alone (the segment select does not change them)
+                err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
+                r = _row(
+                    "scores",
+                    f"{shape} sweep prefetch={prefetch}",
+                    _bench(lambda: kb.scores(planes, q, w, bound, pages)),
+                    key_bytes + rows * n_comp * 4,
+                    flops,
+                    ceil,
                 )
-                continue
-            r = _row(
-                "scores",
-                f"{shape} sweep prefetch={prefetch}",
-                _bench(lambda: kb.scores(planes, q, w, bound, pages)),
-                key_bytes + rows * n_comp * 4,
-                flops,
-                ceil,
-            )
-            r["check"] = {"max_abs_err_vs_torch": err.item()}
-            out.append(r)
+                r["check"] = {"max_abs_err_vs_torch": err.item()}
+                out.append(r)
             out.append(
                 _row(
                     "score_topk",
-                    f"{shape} top-{K} sweep prefetch={prefetch}",
+                    f"{shape} top-{K} sweep prefetch={prefetch}"
+                    + ("" if programs == 1 else " select_programs=0"),
                     _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
                     key_bytes + rows * K * 8,
                     flops,
