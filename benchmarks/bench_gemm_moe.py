@@ -23,7 +23,8 @@ Prints a table; writes JSON (``device``, ``torch``, ``triton``, ``commit``, ``sp
 ``ceilings``, ``resident_bytes``/``checkpoint_bytes`` of the layer, ``rows`` with ``ms``,
 ``floor_ms``, ``of_floor``, ``peer``, ``peer_ms``) to ``--out`` or ``$OUT/bench_gemm_moe.json``.
 A failing row is reported and the run goes on. Bounded: about 2 minutes on an H200 (``--quick``
-about 1), most of it Triton compiles.
+about 1), most of it Triton compiles. ``--sweep`` adds ``sweep ...`` rows (``sweep_rows``):
+tiles and splits of both kernels against the shipped defaults (marked ``{}``).
 """
 
 from __future__ import annotations
@@ -344,11 +345,138 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
                 traceback.print_exc()
 
 
+def _sweep_row(rows: list, name: str, fn, floor_ms: float, config, deadline: float) -> None:
+    """Time ``fn`` as one sweep row (or record why it did not run)."""
+    if time.monotonic() > deadline:
+        rows.append({"name": name, "error": "skipped: time budget"})
+        return
+    try:
+        ms, how = time_ms(fn)
+        rows.append(
+            {
+                "name": name,
+                "ms": ms,
+                "floor_ms": floor_ms,
+                "of_floor": floor_ms / ms,
+                "peer": None,
+                "peer_ms": None,
+                "timing": how,
+                "config": config.__dict__ if config is not None else None,
+            }
+        )
+    except Exception as exc:  # noqa: BLE001 (report the row, keep going)
+        rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+        traceback.print_exc()
+
+
+def sweep_rows(cfg, ceil, rows: list, deadline: float) -> None:
+    """Tiles and splits against the defaults (``--sweep``): the W8A8 linear at prefill shapes
+    (pre-quantized input) over tiles, at decode shapes with the default split-K against none,
+    and the routed experts (``grouped_moe_w4a8``) at decode 1 / 64 and an 8K prefill over
+    ``MoEConfig`` tiles. ``{}`` marks the shipped default."""
+    import dataclasses
+
+    from v41plan.runtime.kernels.triton_gemm import GemmConfig, default_config, w8a8_linear
+    from v41plan.runtime.kernels.triton_moe import MoEConfig, grouped_moe_w4a8
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+    from v41plan.runtime.resident import GroupedMoE
+
+    D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    shapes = {
+        "wq_a": (cfg.q_lora_rank, D),
+        "wq_b": (H * d, cfg.q_lora_rank),
+        "wkv": (d, D),
+        "wo_b": (D, cfg.o_groups * cfg.o_lora_rank),
+        "shared.w2": (D, cfg.moe_intermediate_size),
+    }
+    tiles = [
+        None,
+        GemmConfig(128, 128, 64, 8, 4),
+        GemmConfig(128, 128, 128, 8, 3),
+        GemmConfig(128, 256, 64, 8, 3),
+        GemmConfig(128, 256, 128, 4, 3),
+        GemmConfig(256, 128, 64, 8, 3),
+        GemmConfig(64, 128, 128, 4, 4),
+    ]
+    M = 8192
+    for name in ("wq_b", "wo_b"):
+        N, K = shapes[name]
+        wc, ws = _fp8_weight(N, K)
+        xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+        floor_ms = 2 * M * N * K / ceil["fp8_flop_per_s"] * 1e3
+        for c in tiles:
+            tag = (
+                "{}"
+                if c is None
+                else f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+            )
+            fn = lambda a=(xq, wc, ws, torch.bfloat16, xs), c=c: w8a8_linear(*a, config=c)
+            _sweep_row(rows, f"sweep w8a8 {name} M={M} prequant {tag}", fn, floor_ms, c, deadline)
+    for name, (N, K) in shapes.items():
+        wc, ws = _fp8_weight(N, K)
+        wbytes = wc.numel() + ws.numel()
+        for Md in (1, 64):
+            x = torch.randn(Md, K, device="cuda", dtype=torch.bfloat16)
+            floor_ms = (wbytes + 2 * Md * (N + K)) / ceil["copy_bytes_per_s"] * 1e3
+            base = default_config(Md, N, K, "fp8")
+            for c in (base, dataclasses.replace(base, split_k=1)):
+                tag = f"split {c.split_k}" + (" {}" if c is base else "")
+                fn = lambda x=x, wc=wc, ws=ws, c=c: w8a8_linear(x, wc, ws, config=c)
+                _sweep_row(rows, f"sweep w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
+    res, _ = _moe_layer(cfg)
+    moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="fp8")
+    E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
+    moe_tiles = {
+        "decode": [
+            None,
+            MoEConfig(16, 64, 64, 128, 4, 3),
+            MoEConfig(16, 32, 64, 256, 4, 3),
+            MoEConfig(16, 64, 128, 256, 4, 4),
+            MoEConfig(16, 128, 128, 128, 8, 3),
+            MoEConfig(16, 32, 32, 128, 2, 4),
+        ],
+        "prefill": [
+            None,
+            MoEConfig(128, 128, 128, 64, 8, 3),
+            MoEConfig(128, 128, 128, 128, 8, 3),
+            MoEConfig(64, 128, 128, 128, 4, 3),
+            MoEConfig(128, 64, 128, 64, 4, 4),
+            MoEConfig(64, 256, 128, 64, 8, 3),
+        ],
+    }
+    for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
+        x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+        ids, wts = moe.route(x)
+        xq, xs = act_quant_fp8(x)
+        e_act = int(torch.unique(ids).numel())
+        nbytes = e_act * expert_bytes + n * D * 2 * 2
+        flops = 2 * n * k * 3 * D * I
+        floor_ms = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_flop_per_s"]) * 1e3
+        for c in moe_tiles["prefill" if n > 1024 else "decode"]:
+            tag = (
+                "{}"
+                if c is None
+                else (
+                    f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
+                    f"w{c.num_warps} s{c.num_stages}"
+                )
+            )
+            fn = lambda x=x, c=c, xq=xq, xs=xs, ids=ids, wts=wts: grouped_moe_w4a8(
+                xq, xs, ids, wts, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16,
+                dot="fp8", config=c,
+            )  # fmt: skip
+            _sweep_row(rows, f"sweep moe routed {label} {tag}", fn, floor_ms, c, deadline)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="flash_slice")
     ap.add_argument("--quick", action="store_true", help="fewer shapes, no config sweep")
     ap.add_argument("--budget-s", type=float, default=160.0, help="skip rows past this")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also tiles and splits against the defaults"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -382,6 +510,7 @@ def main(argv=None) -> int:
     for part in (
         lambda: w8a8_rows(cfg, ceil, args.quick, rows, deadline),
         lambda: moe_rows(cfg, ceil, args.quick, rows, deadline, report),
+        lambda: sweep_rows(cfg, ceil, rows, deadline) if args.sweep else None,
     ):
         try:
             part()

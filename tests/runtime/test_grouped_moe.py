@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+import triton
+import triton.language as tl
 
 from v41plan.geometry.runtime import load_cache_spec
 from v41plan.model.checkpoint import LoadedCheckpoint, random_state
@@ -26,6 +28,7 @@ from v41plan.model.layers import MoE
 from v41plan.model.sharding import shard_weights
 from v41plan.runtime.collectives import TPGroup
 from v41plan.runtime.kernels.moe_torch import align_rows, padded_rows
+from v41plan.runtime.kernels.triton_moe import e2m1_pair_bytes
 from v41plan.runtime.resident import GroupedMoE
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -281,3 +284,27 @@ def test_gloo_tp2_resident_matches_world_size_1(tiny, tmp_path):
         for ep in (True, False):
             y, gids = got[ep]
             assert torch.equal(gids, ids) and _rel(y, whole) <= REL
+
+
+def test_fp4_pair_bytes_are_the_codes_values_over_64():
+    """``e2m1_pair_bytes`` on every byte: each nibble's E4M3 byte decodes to its E2M1 value
+    times ``2**-6`` (signs and the subnormal 0.5 included), low nibble first."""
+    from v41plan.model.quant import E2M1_VALUES
+
+    p = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEV)
+    lo, hi = torch.empty_like(p), torch.empty_like(p)
+    _pair_bytes_kernel[(1,)](p, lo, hi)
+    mag = torch.tensor(E2M1_VALUES)
+    table = torch.cat([mag, -mag])  # bit 3 the sign (code 8 is -0.0: equal to 0.0)
+    b = torch.arange(256)
+    for got, nib in ((lo, b & 15), (hi, b >> 4)):
+        assert torch.equal(got.cpu().view(torch.float8_e4m3fn).float() * 64.0, table[nib])
+
+
+@triton.jit
+def _pair_bytes_kernel(p_ptr, lo_ptr, hi_ptr):
+    """``e2m1_pair_bytes`` over 256 bytes."""
+    i = tl.arange(0, 256)
+    lo, hi = e2m1_pair_bytes(tl.load(p_ptr + i))
+    tl.store(lo_ptr + i, lo.to(tl.uint8))
+    tl.store(hi_ptr + i, hi.to(tl.uint8))

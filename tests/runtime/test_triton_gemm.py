@@ -187,3 +187,105 @@ def test_w8a8_swiglu_is_the_shared_expert_composition(dtype):
         assert float((hq.view(torch.uint8) != rq.view(torch.uint8)).float().mean()) <= 0.01
     with pytest.raises(ValueError, match="w8a8_swiglu"):
         w8a8_swiglu(xq[:, :96], xs[:, :3], w1, w3, limit, dtype)
+
+
+def test_split_k_heuristic_and_rounding():
+    """Decode launches with few output tiles split K (two programs an SM, 264 off the device);
+    each split covers whole ``block_k`` steps, at least 512 lanes, and the partials' traffic
+    stays at most a quarter of the weight's."""
+    from v41plan.runtime.kernels.triton_gemm import _splits, split_k_for
+
+    assert split_k_for(1, 5120, 8192, GemmConfig(16, 64, 128)) == 4  # wo_b: 80 tiles
+    assert split_k_for(1, 32768, 1024, GemmConfig(16, 64, 128)) == 1  # wq_b: 512 tiles
+    assert split_k_for(1, 512, 5120, GemmConfig(16, 32, 64)) == 10  # wkv: 512-lane splits
+    assert split_k_for(64, 5120, 8192, GemmConfig(64, 64, 32)) == 4  # traffic: K / (32 M)
+    assert split_k_for(64, 5120, 1024, GemmConfig(64, 64, 32)) == 1
+    assert _splits(352, GemmConfig(16, 32, 32, split_k=3)) == (3, 128)  # 11 steps: 4 + 4 + 3
+    assert _splits(352, GemmConfig(16, 32, 32, split_k=40)) == (11, 32)  # never an empty split
+    assert _splits(352, GemmConfig(16, 32, 32)) == (1, 352)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_is_the_linear_within_the_bound(dtype):
+    """A split-K launch (float32 partials summed in split order by a second launch) keeps the
+    bound, the same bits on every run, and the epilogue: RoPE and the grouped input."""
+    from v41plan.model.layers import rope_heads
+
+    M, heads, d, rd, K = 5, 3, 32, 16, 352  # 11 K steps of 32 in 3 splits: 4 + 4 + 3
+    split = GemmConfig(16, 32, 32, num_warps=1, num_stages=1, split_k=3)
+    x = _activations(M, K, 11).to(DEV)
+    w = torch.randn(heads * d, K, generator=torch.Generator().manual_seed(12)) * 0.05
+    wc, ws = quantize_fp8_weight(w)
+    dwc, dws = wc.to(DEV), ws.to(DEV)
+    y = w8a8_linear(x.to(dtype), dwc, dws, torch.float32, config=split)
+    assert _bound_check(y, x.to(dtype).float(), wc, ws, "fp32", 0.0) <= 1.0
+    assert torch.equal(y, w8a8_linear(x.to(dtype), dwc, dws, torch.float32, config=split))
+    plain = w8a8_linear(x.to(dtype), dwc, dws, dtype, config=split)
+    assert (
+        _bound_check(
+            plain, x.to(dtype).float(), wc, ws, "fp32", 2.0**-8 if dtype == torch.bfloat16 else 0.0
+        )
+        <= 1.0
+    )
+    cos, sin = _rope_tables(M, rd, 13)
+    got = w8a8_linear(x.to(dtype), dwc, dws, dtype, rope=(cos, sin, d), config=split)
+    assert torch.equal(got, rope_heads(plain, cos, sin, d))
+    xq, xs = act_quant_fp8(x.to(dtype))
+    assert torch.equal(w8a8_linear(xq, dwc, dws, dtype, x_scales=xs, config=split), plain)
+    zt = x.to(dtype).reshape(M, 11, 32)  # grouped input, 11 groups of 32 lanes
+    assert torch.equal(w8a8_linear(zt, dwc, dws, dtype, config=split), plain)
+
+
+def test_split_k_swiglu_is_the_composition_of_split_linears():
+    """The shared expert's split-K launch: each product's partials summed in split order, then
+    the SwiGLU and its quantization: the codes of the same composition over split-K linears."""
+    from v41plan.runtime.kernels.moe_torch import swiglu
+    from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
+
+    M, N, K, limit, dtype = 5, 64, 352, 1.5, torch.bfloat16
+    split = GemmConfig(16, 32, 32, num_warps=1, num_stages=1, split_k=3)
+    x = (_activations(M, K, 14) * 1e-2).to(DEV).to(dtype)
+    g = torch.Generator().manual_seed(15)
+    w1, w3 = (quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.2) for _ in range(2))
+    w1, w3 = tuple(t.to(DEV) for t in w1), tuple(t.to(DEV) for t in w3)
+    xq, xs = act_quant_fp8(x)
+    hq, hs = w8a8_swiglu(xq, xs, w1, w3, limit, dtype, config=split)
+    h1 = w8a8_linear(xq, *w1, dtype, x_scales=xs, config=split)
+    h3 = w8a8_linear(xq, *w3, dtype, x_scales=xs, config=split)
+    rq, rs = act_quant_fp8(swiglu(h1, h3, limit, torch.float32).to(dtype))
+    if DEV == "cpu":
+        assert torch.equal(hq.view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(hs.view(torch.uint8), rs.view(torch.uint8))
+    else:  # Triton's sigmoid against torch's silu: a code may move by one step (see above)
+        assert float((hq.view(torch.uint8) != rq.view(torch.uint8)).float().mean()) <= 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_quantize_once_with_the_same_bits(dtype, monkeypatch):
+    """From ``PREQUANT_ROWS`` rows the input is quantized by its own launch: the result is the
+    prologue's bit for bit (plain, RoPE, and the grouped input)."""
+    from v41plan.runtime.kernels import triton_gemm
+
+    M, heads, d, rd, G = 6, 2, 64, 16, 3
+    K = G * 32
+    x = _activations(M, K, 16).to(DEV).to(dtype)
+    wc, ws = quantize_fp8_weight(torch.randn(heads * d, K) * 0.05)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    cos, sin = _rope_tables(M, rd, 17)
+    zt = x.reshape(M, G, 32).transpose(0, 1).contiguous().transpose(0, 1)  # strided groups
+    calls = [
+        lambda: w8a8_linear(x, wc, ws),
+        lambda: w8a8_linear(x, wc, ws, torch.float32, rope=(cos, sin, d)),
+        lambda: w8a8_linear(zt, wc, ws),
+    ]
+    monkeypatch.setattr(triton_gemm, "PREQUANT_ROWS", 1 << 30)
+    prologue = [f() for f in calls]
+    quantized = []
+    monkeypatch.setattr(
+        triton_gemm, "act_quant_fp8", lambda t: quantized.append(t) or act_quant_fp8(t)
+    )
+    monkeypatch.setattr(triton_gemm, "PREQUANT_ROWS", M)
+    for f, want in zip(calls, prologue):
+        got = f()
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert len(quantized) == len(calls)  # every call took the separate quantizer

@@ -468,6 +468,7 @@ def _attention_case(tiny, kv_dtype: str, window_only: bool, seed: int):
 def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num_sms, prefetch, dv):
     args, sel = _attention_case(tiny, kv_dtype, window_only, seed=10)
     kb = TritonBackend(num_sms=num_sms)  # 64 SMs: the rows split over keys; 1: one pass
+    kb.combine_columns = 16  # the merge in four column programs a head block
     kb.attention_override = (
         {"PREFETCH": prefetch, "BN": 4} if prefetch else {"DV": dv} if dv else None
     )

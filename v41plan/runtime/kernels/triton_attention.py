@@ -391,9 +391,13 @@ def combine_kernel(
     SPLITS: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
-    """Merge the splits of query row ``i``: ``sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
+    """Merge the splits of query row ``i``, heads block ``program_id(1)``, latent columns
+    ``[program_id(2) * DC, + DC)``: ``sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``. A
+    program per column chunk: at one query row the merge is otherwise a couple of programs
+    reading every split's partial alone."""
     i = tl.program_id(0)
     hb = tl.program_id(1)
+    c0 = tl.program_id(2) * DC
     h = hb * HB + tl.arange(0, HB)
     hm = h < H
     mx = tl.full((HB,), float("-inf"), tl.float32)
@@ -408,18 +412,16 @@ def combine_kernel(
         den += tl.load(part_ml_ptr + base * 2 + 1, mask=hm, other=0.0) * wgt
     inv_ok = den > 0
     den = tl.where(inv_ok, den, 1.0)
-    # the latent in column chunks of DC: an [HB, D] fp32 accumulator spills at 64 heads
     dc = tl.arange(0, DC)
-    for c0 in tl.static_range(0, D, DC):
-        acc = tl.zeros((HB, DC), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            base = (i * SPLITS + s) * H + h
-            wgt = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")) - mu)
-            pptr = part_o_ptr + base[:, None] * D + c0 + dc[None, :]
-            acc += tl.load(pptr, mask=hm[:, None], other=0.0) * wgt[:, None]
-        o = tl.where(inv_ok[:, None], div_rn(acc, den[:, None]), 0.0)
-        optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + c0 + dc[None, :]
-        if OUT_BF16:
-            tl.store(optr, bf16_bits(o), mask=hm[:, None])
-        else:
-            tl.store(optr, o, mask=hm[:, None])
+    acc = tl.zeros((HB, DC), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        base = (i * SPLITS + s) * H + h
+        wgt = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=hm, other=float("-inf")) - mu)
+        pptr = part_o_ptr + base[:, None] * D + c0 + dc[None, :]
+        acc += tl.load(pptr, mask=hm[:, None], other=0.0) * wgt[:, None]
+    o = tl.where(inv_ok[:, None], div_rn(acc, den[:, None]), 0.0)
+    optr = out_ptr + i * s_out_row + h[:, None] * s_out_head + c0 + dc[None, :]
+    if OUT_BF16:
+        tl.store(optr, bf16_bits(o), mask=hm[:, None])
+    else:
+        tl.store(optr, o, mask=hm[:, None])

@@ -493,6 +493,9 @@ class TritonBackend(TorchBackend):
     from L2)."""
     max_splits = 16
     """Most key splits of one query row (flash decoding)."""
+    combine_columns = 64
+    """Latent columns per program of the splits' merge (with at most 16 heads: one query row's
+    merge is then dozens of programs, not one or two)."""
     attention_override: dict | None = None
     """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
     ``num_stages``, ``PREFETCH``, ``DV``: output columns a program accumulates, 0 all of them):
@@ -664,7 +667,8 @@ class TritonBackend(TorchBackend):
             num_stages=cfg["num_stages"],
         )
         if splits > 1:
-            A.combine_kernel[(tq, cfg["n_hb"])](
+            chb, dc = min(16, next_pow2(h)), min(d, self.combine_columns)
+            A.combine_kernel[(tq, triton_cdiv(h, chb), triton_cdiv(d, dc))](
                 part_o,
                 part_ml,
                 dst,
@@ -672,11 +676,11 @@ class TritonBackend(TorchBackend):
                 out.stride(1),
                 h,
                 D=d,
-                DC=min(d, 128),
-                HB=cfg["HB"],
+                DC=dc,
+                HB=chb,
                 SPLITS=splits,
                 OUT_BF16=out_bf16,
-                num_warps=cfg["num_warps"],
+                num_warps=4,
             )
 
 

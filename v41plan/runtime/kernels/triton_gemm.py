@@ -22,6 +22,7 @@ cores with the scales applied to each 32-lane block's partial product.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ import triton.language as tl
 
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
+    act_quant_fp8,
     decode_e4m3,
     e8m0_value,
     encode_e4m3,
@@ -59,6 +61,33 @@ class GemmConfig:
     """Software-pipelining depth of the K loop."""
     group_m: int = 8
     """Row tiles walked together, so that a weight tile is read from L2 while it is hot."""
+    split_k: int = 1
+    """Programs per output tile, each over its own ``K / split_k`` lanes (a whole number of
+    ``block_k`` steps); a second launch sums their float32 partials in split order (no atomics,
+    the same bits every run) and applies the epilogue. For few rows and a long K: a decode
+    launch's output tiles alone are too few programs to stream the weight."""
+
+
+SPLIT_MIN_LANES = 512
+"""K lanes a split covers at least (its K loop's setup is then a small share of it)."""
+
+
+def _programs_wanted() -> int:
+    """Programs a weight-streaming launch should have: two per streaming multiprocessor."""
+    if not torch.cuda.is_available():
+        return 264
+    return 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def split_k_for(M: int, N: int, K: int, cfg: GemmConfig) -> int:
+    """K splits for a launch of ``cfg``'s tiles: enough programs to stream the weight (see
+    ``GemmConfig.split_k``), each over at least ``SPLIT_MIN_LANES`` lanes, and the partials'
+    float32 traffic (written and read back: ``8 * split * M * N`` bytes) at most a quarter of
+    the weight's ``N * K`` bytes."""
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    want = triton.cdiv(_programs_wanted(), tiles)
+    most = min(K // SPLIT_MIN_LANES, K // (32 * max(M, 1)))
+    return max(1, min(want, most))
 
 
 def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
@@ -72,12 +101,14 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
     # decode (reports/gpu/sweep_decode_tiles.json, H200): the K loop's latency bounds these
     # launches, not their bytes; narrow tiles give narrow weights more programs (wq_a 384 x 1024:
     # 10.3 us against 11.9 at one row, 10.6 against 18.5 at 64 rows)
-    if M <= 64 and N <= 2048:
-        return GemmConfig(16, 32, 64 if dot == "fp8" else 128, num_warps=4, num_stages=4)
-    if M <= 16:
-        return GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
     if M <= 64:
-        return GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
+        if N <= 2048:
+            cfg = GemmConfig(16, 32, 64 if dot == "fp8" else 128, num_warps=4, num_stages=4)
+        elif M <= 16:
+            cfg = GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
+        else:
+            cfg = GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
+        return dataclasses.replace(cfg, split_k=split_k_for(M, N, K, cfg))
     return GemmConfig(128, 128, bk, num_warps=8, num_stages=4 if dot == "fp8" else 3)
 
 
@@ -212,6 +243,42 @@ def rope_lanes(acc, rm, rn, mmask, cos_ptr, sin_ptr, scm, HEAD_D: tl.constexpr,
 
 
 @triton.jit
+def store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
+                 OUT_BF16: tl.constexpr, HEAD_D: tl.constexpr, ROPE_D: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The linear's epilogue: ``acc`` rounded to bf16 where the output is, RoPE on the last
+    ``ROPE_D`` lanes of every ``HEAD_D``-lane head (``ROPE_D > 0``) rounded again, stored."""
+    if OUT_BF16:
+        acc = round_bf16(acc)
+    if ROPE_D > 0:
+        acc = rope_lanes(acc, rm, rn, mmask, cos_ptr, sin_ptr, scm, HEAD_D, ROPE_D, BM, BN)
+        if OUT_BF16:
+            acc = round_bf16(acc)
+    ymask = mmask[:, None] & nmask[None, :]
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N):
+    """A K split's float32 partial ``[BM, BN]`` into ``part [split, M, N]`` (split = axis 1)."""
+    row = tl.program_id(1) * M + rm
+    mask = mmask[:, None] & nmask[None, :]
+    tl.store(part_ptr + row[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr):  # fmt: skip
+    """The ``S`` partials of the tile ``(rm, rn)`` summed in split order, float32."""
+    mask = mmask[:, None] & nmask[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in tl.static_range(S):
+        row = s * M + rm
+        acc += tl.load(part_ptr + row[:, None].to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _w8a8_kernel(
     x_ptr,
     xs_ptr,
@@ -220,6 +287,7 @@ def _w8a8_kernel(
     y_ptr,
     cos_ptr,
     sin_ptr,
+    part_ptr,
     M,
     N,
     K: tl.constexpr,
@@ -240,22 +308,30 @@ def _w8a8_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
 ):
     """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
     constant: a weight's width, and the interpreter needs Python loop bounds. ``KG > 0``: ``x``
     is ``[M, K / KG, KG]`` with group stride ``sxg`` (lane ``k`` at group ``k // KG``).
     ``ROPE_D > 0``: RoPE on the last ``ROPE_D`` lanes of every ``HEAD_D``-lane head of the
-    output, after its bf16 rounding, then rounded again."""
+    output, after its bf16 rounding, then rounded again. ``SPLIT_K > 1``: this program sums
+    the ``K_SPLIT`` lanes of split ``program_id(1)`` into ``part`` (``_split_sum_kernel`` ends
+    the product)."""
     rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(1) * K_SPLIT
+    else:
+        k_lo = 0
     # the fp8 mode scales each 32-lane block's product: a wider BK walks its blocks unrolled,
     # in the same order (the sums are BK=32's, bit for bit)
     SUB: tl.constexpr = 32 if DOT == 2 else BK
-    for k0 in range(0, K, BK):
+    for kk in range(0, K_SPLIT, BK):
         for j in tl.static_range(BK // SUB):
-            kb = k0 + j * SUB
+            kb = k_lo + kk + j * SUB
             rk = kb + tl.arange(0, SUB)
             kmask = rk < K
             rka = rk if KG == 0 else (rk // KG) * sxg + rk % KG
@@ -263,14 +339,40 @@ def _w8a8_kernel(
                 x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
             )
             acc = w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
-    if OUT_BF16:
-        acc = round_bf16(acc)
-    if ROPE_D > 0:
-        acc = rope_lanes(acc, rm, rn, mmask, cos_ptr, sin_ptr, scm, HEAD_D, ROPE_D, BM, BN)
-        if OUT_BF16:
-            acc = round_bf16(acc)
-    ymask = mmask[:, None] & nmask[None, :]
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+    if SPLIT_K > 1:
+        store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
+    else:
+        store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
+                     HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr, y_ptr, cos_ptr, sin_ptr, M, N, sym, scm, S: tl.constexpr, OUT_BF16: tl.constexpr,
+    HEAD_D: tl.constexpr, ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """A split-K linear's end: the ``S`` float32 partials of one ``[BM, BN]`` tile summed in
+    split order, then ``_w8a8_kernel``'s epilogue."""
+    rm, rn = tile_ids(M, N, BM, BN, 1)
+    mmask = rm < M
+    nmask = rn < N
+    acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S, BM, BN)
+    store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16, HEAD_D,
+                 ROPE_D, BM, BN)  # fmt: skip
+
+
+@triton.jit
+def store_swiglu(acc1, acc3, limit, h_ptr, hs_ptr, rm, rn, mmask, nmask, N, shm, shsm,
+                 ROUND_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """The shared expert's epilogue: ``swiglu_fp8`` of the gate/up sums (no routing weight),
+    its E4M3 codes and E8M0 fields stored."""
+    ones = tl.full([BM], 1.0, dtype=tl.float32)  # no routing weight: times one is exact
+    q, field = swiglu_fp8(acc1, acc3, limit, ones, ROUND_BF16, BM, BN)
+    hmask = mmask[:, None] & nmask[None, :]
+    tl.store(h_ptr + rm[:, None] * shm + rn[None, :], q.to(tl.uint8), mask=hmask)
+    rb = tl.min(rn, axis=0) // 32 + tl.arange(0, BN // 32)  # the tile's 32-lane blocks
+    bmask = mmask[:, None] & (rb < N // 32)[None, :]
+    tl.store(hs_ptr + rm[:, None] * shsm + rb[None, :], field.to(tl.uint8), mask=bmask)
 
 
 @triton.jit
@@ -283,6 +385,7 @@ def _w8a8_swiglu_kernel(
     ws3_ptr,
     h_ptr,
     hs_ptr,
+    part_ptr,
     limit,
     M,
     N,
@@ -299,19 +402,26 @@ def _w8a8_swiglu_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
 ):
     """One ``[BM, BN]`` tile of the shared expert's ``h = swiglu(x W1^T, x W3^T)`` from
     pre-quantized ``x``, written as its FP8 activation codes (E4M3 + E8M0 per 32 lanes; ``BN``
-    a multiple of 32): what ``w2`` reads. See ``w8a8_swiglu``."""
+    a multiple of 32): what ``w2`` reads. See ``w8a8_swiglu``. ``SPLIT_K > 1``: the two
+    partials of split ``program_id(1)`` into ``part [2, SPLIT_K, M, N]``."""
     rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(1) * K_SPLIT
+    else:
+        k_lo = 0
     SUB: tl.constexpr = 32 if DOT == 2 else BK
-    for k0 in range(0, K, BK):
+    for kk in range(0, K_SPLIT, BK):
         for j in tl.static_range(BK // SUB):
-            kb = k0 + j * SUB
+            kb = k_lo + kk + j * SUB
             rk = kb + tl.arange(0, SUB)
             kmask = rk < K
             a, sx = load_a_tile(
@@ -319,13 +429,45 @@ def _w8a8_swiglu_kernel(
             )
             acc1 = w8a8_step(acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
             acc3 = w8a8_step(acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
-    ones = tl.full([BM], 1.0, dtype=tl.float32)  # no routing weight: times one is exact
-    q, field = swiglu_fp8(acc1, acc3, limit, ones, ROUND_BF16, BM, BN)
-    hmask = mmask[:, None] & nmask[None, :]
-    tl.store(h_ptr + rm[:, None] * shm + rn[None, :], q.to(tl.uint8), mask=hmask)
-    rb = tl.min(rn, axis=0) // 32 + tl.arange(0, BN // 32)  # the tile's 32-lane blocks
-    bmask = mmask[:, None] & (rb < N // 32)[None, :]
-    tl.store(hs_ptr + rm[:, None] * shsm + rb[None, :], field.to(tl.uint8), mask=bmask)
+    if SPLIT_K > 1:
+        store_partial(acc1, part_ptr, rm, rn, mmask, nmask, M, N)
+        store_partial(acc3, part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N)
+    else:
+        store_swiglu(acc1, acc3, limit, h_ptr, hs_ptr, rm, rn, mmask, nmask, N, shm, shsm,
+                     ROUND_BF16, BM, BN)  # fmt: skip
+
+
+@triton.jit
+def _swiglu_split_sum_kernel(
+    part_ptr, h_ptr, hs_ptr, limit, M, N, shm, shsm, S: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """A split-K shared expert's end: each product's ``S`` partials summed in split order,
+    then ``_w8a8_swiglu_kernel``'s epilogue."""
+    rm, rn = tile_ids(M, N, BM, BN, 1)
+    mmask = rm < M
+    nmask = rn < N
+    acc1 = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S, BM, BN)
+    acc3 = sum_partials(part_ptr + S * M * N, rm, rn, mmask, nmask, M, N, S, BM, BN)
+    store_swiglu(acc1, acc3, limit, h_ptr, hs_ptr, rm, rn, mmask, nmask, N, shm, shsm,
+                 ROUND_BF16, BM, BN)  # fmt: skip
+
+
+PREQUANT_ROWS = 256
+"""Rows from which ``w8a8_linear`` quantizes its input in a launch of its own rather than in
+the GEMM's prologue (bench_gemm_moe.py: prefill rows, 0.71 -> 0.42 ms at wq_a, 8K rows)."""
+
+SUM_TILE = (16, 128)
+"""``[rows, lanes]`` of a split-K sum program (lanes a multiple of 32: the SwiGLU's end
+quantizes 32-lane blocks)."""
+
+
+def _splits(K: int, cfg: GemmConfig) -> tuple[int, int]:
+    """``(splits, lanes a split covers)`` of ``cfg`` over ``K`` lanes: ``cfg.split_k`` rounded
+    so that every split covers a whole number of ``block_k`` steps and none is empty."""
+    steps = triton.cdiv(K, cfg.block_k)
+    per = triton.cdiv(steps, max(1, min(cfg.split_k, steps)))
+    return triton.cdiv(steps, per), per * cfg.block_k
 
 
 def default_dot(device: torch.device) -> str:
@@ -376,6 +518,11 @@ def w8a8_linear(
         raise ValueError("w8a8_linear: a grouped [M, G, K/G] input is quantized in the prologue")
     if out_dtype is None:
         out_dtype = x.dtype if quant_x else torch.bfloat16
+    if quant_x and M >= PREQUANT_ROWS:
+        # many row tiles: the prologue would quantize each row tile once per output tile;
+        # quantizing once first gives the same codes (the same rounding, bit for bit)
+        xq, xs = act_quant_fp8(x.reshape(M, K) if grouped else x)
+        return w8a8_linear(xq, w_codes, w_scales, out_dtype, xs, dot, config, rope)
     cfg = config or default_config(M, N, K, dot)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
@@ -398,7 +545,9 @@ def w8a8_linear(
         if cos.dtype != torch.float32 or N % head_d or cfg.block_n % 2 or head_d % 2:
             raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
         cos, sin = cos.contiguous(), sin.contiguous()
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    split, k_split = _splits(K, cfg)
+    part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     _w8a8_kernel[grid](
         xk,
         xs,
@@ -407,6 +556,7 @@ def w8a8_linear(
         y,
         cos,
         sin,
+        part,
         M,
         N,
         K,
@@ -427,12 +577,21 @@ def w8a8_linear(
         BN=cfg.block_n,
         BK=cfg.block_k,
         GROUP_M=cfg.group_m,
+        SPLIT_K=split,
+        K_SPLIT=k_split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # the RoPE's products and sums round apart, as apply_rope's (the scale products of the
         # K loop multiply by powers of two: exact either way)
         enable_fp_fusion=rope is None,
     )
+    if split > 1:
+        bm, bn = SUM_TILE
+        _split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            part, y, cos, sin, M, N, y.stride(0), cos.stride(0), S=split,
+            OUT_BF16=out_dtype == torch.bfloat16, HEAD_D=head_d, ROPE_D=rope_d, BM=bm, BN=bn,
+            enable_fp_fusion=rope is None,
+        )  # fmt: skip
     return y
 
 
@@ -468,12 +627,22 @@ def w8a8_swiglu(
     h = torch.empty((M, N), dtype=torch.uint8, device=xq.device)
     hs = torch.empty((M, N // QUANT_BLOCK), dtype=torch.uint8, device=xq.device)
     if M:
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        split, k_split = _splits(K, cfg)
+        part = (
+            h if split == 1 else torch.empty((2, split, M, N), dtype=torch.float32, device=h.device)
+        )
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
         _w8a8_swiglu_kernel[grid](
-            x, xs, c1, s1, c3, s3, h, hs, float(limit), M, N, K,
+            x, xs, c1, s1, c3, s3, h, hs, part, float(limit), M, N, K,
             x.stride(0), xs.stride(0), c1.stride(0), s1.stride(0), h.stride(0), hs.stride(0),
             DOT=DOT_MODES[dot], ROUND_BF16=dtype == torch.bfloat16, BM=cfg.block_m,
-            BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
+            K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        if split > 1:
+            bm, bn = SUM_TILE
+            _swiglu_split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+                part, h, hs, float(limit), M, N, h.stride(0), hs.stride(0), S=split,
+                ROUND_BF16=dtype == torch.bfloat16, BM=bm, BN=bn,
+            )  # fmt: skip
     return h.view(torch.float8_e4m3fn), hs.view(torch.float8_e8m0fnu)

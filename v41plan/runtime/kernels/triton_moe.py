@@ -37,8 +37,7 @@ from v41plan.runtime.kernels.triton_gemm import (
 )
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
-    decode_e2m1,
-    e2m1_as_e4m3,
+    decode_e4m3,
     e8m0_value,
     round_bf16,
 )
@@ -145,6 +144,20 @@ def align_rows_fused(
 
 
 @triton.jit
+def e2m1_pair_bytes(p):
+    """Packed E2M1 bytes (even lane in the low nibble) -> (low, high) E4M3 bytes of the codes'
+    values times ``2**-6``: the sign to bit 7 and the three magnitude bits to bits 2-4, where
+    E2M1's exponent and mantissa become E4M3's low exponent bits and top mantissa bit (the
+    subnormal 0.5 lands on E4M3's subnormal ``2**-7``): four integer operations a code and no
+    compare (the exact E4M3 bytes would need a case for the subnormal); the caller multiplies
+    the block scale by 64."""
+    p = p.to(tl.int32)
+    lo = ((p << 4) & 0x80) | ((p << 2) & 0x1C)
+    hi = (p & 0x80) | ((p >> 2) & 0x1C)
+    return lo, hi
+
+
+@triton.jit
 def load_fp4_tile(
     w_ptr,
     s_ptr,
@@ -162,18 +175,21 @@ def load_fp4_tile(
 ):
     """One ``[BN, BK]`` tile of a packed E2M1 weight ``[out, K/2]`` (even lane in the low
     nibble) with E8M0 row scales ``[out, K/32]``: (operand, per-row scale ``[BN]``) as in
-    ``load_a_tile``."""
+    ``load_a_tile``. Every mode reads the codes as ``e2m1_pair_bytes``' scaled E4M3 bytes and
+    takes the factor 64 into the scale (exact: a power of two; a scale field above 247 would
+    overflow, and published weights' are far below)."""
     rp = k0 // 2 + tl.arange(0, BK // 2)
     pmask = nmask[:, None] & (rp < K // 2)[None, :]
-    p = tl.load(w_ptr + rn[:, None] * swn + rp[None, :], mask=pmask, other=0).to(tl.int32)
-    codes = tl.interleave(p & 15, p >> 4)
+    p = tl.load(w_ptr + rn[:, None] * swn + rp[None, :], mask=pmask, other=0)
+    lo, hi = e2m1_pair_bytes(p)
+    codes = tl.interleave(lo, hi)
     if DOT == 2:
-        b = e2m1_as_e4m3(codes).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        sw = e8m0_value(tl.load(s_ptr + rn * ssn + k0 // 32, mask=nmask, other=0))
+        b = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        sw = e8m0_value(tl.load(s_ptr + rn * ssn + k0 // 32, mask=nmask, other=0)) * 64.0
     else:
         bmask = nmask[:, None] & kmask[None, :]
         fld = tl.load(s_ptr + rn[:, None] * ssn + rk[None, :] // 32, mask=bmask, other=0)
-        b = decode_e2m1(codes) * e8m0_value(fld)
+        b = decode_e4m3(codes) * (e8m0_value(fld) * 64.0)
         sw = tl.zeros([BN], dtype=tl.float32)
     return b, sw
 

@@ -95,24 +95,6 @@ def decode_e4m3(b):
 
 
 @triton.jit
-def decode_e2m1(c):
-    """E2M1 codes (integers 0..15, bit 3 the sign) -> float32 values {0, .5, 1, 1.5, 2, 3, 4, 6}."""
-    c = c.to(tl.int32)
-    c3 = c & 7
-    normal = ((((c3 >> 1) + 126) << 23) | ((c3 & 1) << 22)).to(tl.float32, bitcast=True)
-    v = tl.where(c3 < 2, c3.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 8) != 0, -v, v)
-
-
-@triton.jit
-def e2m1_as_e4m3(c):
-    """E2M1 codes -> the E4M3 bytes of the same values (every E2M1 value is an E4M3 value)."""
-    c = c.to(tl.int32)
-    c3 = c & 7
-    return ((c & 8) << 4) | tl.where(c3 < 2, c3 * 0x30, (c3 + 12) << 2)
-
-
-@triton.jit
 def _act_quant_kernel(
     x_ptr,
     q_ptr,
