@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -52,18 +50,11 @@ TARGET_MS = 60.0
 
 
 def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or os.environ.get("V41PLAN_COMMIT", "unknown")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("V41PLAN_COMMIT", "unknown")
+    """The commit of the tree measured: ``provenance``'s (``V41PLAN_COMMIT`` where the caller
+    names it: a device machine's copy can carry a stale ``.git``), else ``unknown``."""
+    from v41plan.validation.provenance import provenance
+
+    return provenance().get("commit") or "unknown"
 
 
 def time_ms(fn, graph: bool = True, reps: int = 5) -> tuple[float, str]:
@@ -369,7 +360,7 @@ def _sweep_row(rows: list, name: str, fn, floor_ms: float, config, deadline: flo
         traceback.print_exc()
 
 
-def sweep_rows(cfg, ceil, rows: list, deadline: float) -> None:
+def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) -> None:
     """Tiles and splits against the defaults (``--sweep``): the W8A8 linear at prefill shapes
     (pre-quantized input) over tiles, at decode shapes with the default split-K against none,
     and the routed experts (``grouped_moe_w4a8``) at decode 1 / 64 and an 8K prefill over
@@ -399,7 +390,7 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float) -> None:
         GemmConfig(64, 128, 128, 4, 4),
     ]
     M = 8192
-    for name in ("wq_b", "wo_b"):
+    for name in ("wq_b", "wo_b") if "w8a8" in parts else ():
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
         xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
@@ -412,7 +403,7 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float) -> None:
             )
             fn = lambda a=(xq, wc, ws, torch.bfloat16, xs), c=c: w8a8_linear(*a, config=c)
             _sweep_row(rows, f"sweep w8a8 {name} M={M} prequant {tag}", fn, floor_ms, c, deadline)
-    for name, (N, K) in shapes.items():
+    for name, (N, K) in shapes.items() if "w8a8" in parts else ():
         wc, ws = _fp8_weight(N, K)
         wbytes = wc.numel() + ws.numel()
         for Md in (1, 64):
@@ -423,26 +414,33 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float) -> None:
                 tag = f"split {c.split_k}" + (" {}" if c is base else "")
                 fn = lambda x=x, wc=wc, ws=ws, c=c: w8a8_linear(x, wc, ws, config=c)
                 _sweep_row(rows, f"sweep w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
+    if "moe" not in parts:
+        return
     res, _ = _moe_layer(cfg)
     moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="fp8")
     E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
-    moe_tiles = {
-        "decode": [
+    moe_tiles = {  # (dot mode, decode or prefill): tiles
+        ("fp8", "decode"): [
             None,
             MoEConfig(16, 64, 64, 128, 4, 3),
             MoEConfig(16, 32, 64, 256, 4, 3),
-            MoEConfig(16, 64, 128, 256, 4, 4),
-            MoEConfig(16, 128, 128, 128, 8, 3),
             MoEConfig(16, 32, 32, 128, 2, 4),
         ],
-        "prefill": [
+        ("fp8", "prefill"): [None, MoEConfig(64, 256, 128, 64, 8, 3)],
+        # bf16 operands: the scales applied to the decoded tiles, one dot per K step
+        ("bf16", "decode"): [
             None,
+            MoEConfig(16, 32, 64, 128, 4, 3),
+            MoEConfig(16, 32, 64, 256, 4, 3),
+            MoEConfig(16, 64, 64, 128, 4, 4),
+            MoEConfig(16, 64, 128, 256, 8, 3),
+        ],
+        ("bf16", "prefill"): [
+            None,
+            MoEConfig(64, 128, 128, 128, 8, 3),
             MoEConfig(128, 128, 128, 64, 8, 3),
-            MoEConfig(128, 128, 128, 128, 8, 3),
-            MoEConfig(64, 128, 128, 128, 4, 3),
-            MoEConfig(128, 64, 128, 64, 4, 4),
-            MoEConfig(64, 256, 128, 64, 8, 3),
+            MoEConfig(64, 64, 64, 128, 4, 3),
         ],
     }
     for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
@@ -453,20 +451,21 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float) -> None:
         nbytes = e_act * expert_bytes + n * D * 2 * 2
         flops = 2 * n * k * 3 * D * I
         floor_ms = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_flop_per_s"]) * 1e3
-        for c in moe_tiles["prefill" if n > 1024 else "decode"]:
-            tag = (
-                "{}"
-                if c is None
-                else (
-                    f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
-                    f"w{c.num_warps} s{c.num_stages}"
+        for dot in ("fp8", "bf16"):
+            for c in moe_tiles[dot, "prefill" if n > 1024 else "decode"]:
+                tag = (
+                    "{}"
+                    if c is None
+                    else (
+                        f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
+                        f"w{c.num_warps} s{c.num_stages}"
+                    )
                 )
-            )
-            fn = lambda x=x, c=c, xq=xq, xs=xs, ids=ids, wts=wts: grouped_moe_w4a8(
-                xq, xs, ids, wts, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16,
-                dot="fp8", config=c,
-            )  # fmt: skip
-            _sweep_row(rows, f"sweep moe routed {label} {tag}", fn, floor_ms, c, deadline)
+                fn = lambda c=c, a=(xq, xs, ids, wts), dot=dot: grouped_moe_w4a8(
+                    *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot=dot, config=c,
+                )  # fmt: skip
+                name = f"sweep moe routed {label} {dot} {tag}"
+                _sweep_row(rows, name, fn, floor_ms, c, deadline)
 
 
 def main(argv=None) -> int:
@@ -477,6 +476,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sweep", action="store_true", help="also tiles and splits against the defaults"
     )
+    ap.add_argument("--sweep-parts", default="w8a8,moe", help="the sweep's parts: w8a8, moe")
+    ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -508,9 +509,13 @@ def main(argv=None) -> int:
     }
     rows: list = []
     for part in (
-        lambda: w8a8_rows(cfg, ceil, args.quick, rows, deadline),
-        lambda: moe_rows(cfg, ceil, args.quick, rows, deadline, report),
-        lambda: sweep_rows(cfg, ceil, rows, deadline) if args.sweep else None,
+        lambda: None if args.no_main else w8a8_rows(cfg, ceil, args.quick, rows, deadline),
+        lambda: None if args.no_main else moe_rows(cfg, ceil, args.quick, rows, deadline, report),
+        lambda: (
+            sweep_rows(cfg, ceil, rows, deadline, args.sweep_parts.split(","))
+            if args.sweep
+            else None
+        ),
     ):
         try:
             part()

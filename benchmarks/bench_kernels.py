@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -58,18 +57,11 @@ def _smoke() -> None:
 
 
 def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        return out.stdout.strip() or os.environ.get("V41PLAN_COMMIT", "unknown")
-    except OSError:
-        return os.environ.get("V41PLAN_COMMIT", "unknown")
+    """The commit of the tree measured: ``provenance``'s (``V41PLAN_COMMIT`` where the caller
+    names it: a device machine's copy can carry a stale ``.git``), else ``unknown``."""
+    from v41plan.validation.provenance import provenance
+
+    return provenance().get("commit") or "unknown"
 
 
 def _bench(fn) -> float:

@@ -47,7 +47,6 @@ import http.client
 import json
 import random
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -64,16 +63,11 @@ from report_io import write_report
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
+    """The commit of the tree measured: ``provenance``'s (``V41PLAN_COMMIT`` where the caller
+    names it: a device machine's copy can carry a stale ``.git``), else ``unknown``."""
+    from v41plan.validation.provenance import provenance
+
+    return provenance().get("commit") or "unknown"
 
 
 def _metrics(url: str) -> dict[str, float]:

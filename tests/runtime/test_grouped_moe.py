@@ -28,7 +28,8 @@ from v41plan.model.layers import MoE
 from v41plan.model.sharding import shard_weights
 from v41plan.runtime.collectives import TPGroup
 from v41plan.runtime.kernels.moe_torch import align_rows, padded_rows
-from v41plan.runtime.kernels.triton_moe import e2m1_pair_bytes
+from v41plan.runtime.kernels.triton_gemm import load_a_tile
+from v41plan.runtime.kernels.triton_moe import e2m1_pair_bytes, load_fp4_tile
 from v41plan.runtime.resident import GroupedMoE
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -308,3 +309,47 @@ def _pair_bytes_kernel(p_ptr, lo_ptr, hi_ptr):
     lo, hi = e2m1_pair_bytes(tl.load(p_ptr + i))
     tl.store(lo_ptr + i, lo.to(tl.uint8))
     tl.store(hi_ptr + i, hi.to(tl.uint8))
+
+
+@triton.jit
+def _bf16_tiles_kernel(
+    w_ptr, s_ptr, x_ptr, xs_ptr, wout_ptr, xout_ptr, swn, ssn, sxm, sxsm,
+    K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """The bf16 mode's operand tiles at K offset ``program_id(0) * BK``, stored as float32."""
+    k0 = tl.program_id(0) * BK
+    rn = tl.arange(0, BN)
+    rk = k0 + tl.arange(0, BK)
+    kmask = rk < K
+    b, _ = load_fp4_tile(w_ptr, s_ptr, rn, rk, k0, rn < BN, kmask, swn, ssn, K, 1, BN, BK)
+    tl.store(wout_ptr + rn[:, None] * K + rk[None, :], b.to(tl.float32), mask=kmask[None, :])
+    rm = tl.arange(0, BM)
+    a, _ = load_a_tile(x_ptr, xs_ptr, rm, rk, k0, rm < BM, kmask, sxm, sxsm, False, 1, BM, BK)
+    tl.store(xout_ptr + rm[:, None] * K + rk[None, :], a.to(tl.float32), mask=kmask[None, :])
+
+
+def test_bf16_mode_tiles_are_the_dequantized_operands():
+    """The bf16 dot mode's operands (a tile's BK / 32 scales loaded once, codes through the E4M3
+    conversion, scaled in float32, then bf16): the dequantized FP4 weight and FP8 activations,
+    exactly, a partial last K tile included."""
+    from v41plan.model.quant import QuantWeight, e8m0_encode, fake_fp8
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    N, M, K, BK = 32, 16, 96, 64
+    g = torch.Generator().manual_seed(21)
+    codes = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    field = torch.randint(-12, 4, (N, K // 32), generator=g)
+    scales = e8m0_encode(torch.pow(2.0, field.to(torch.float32)))
+    w = QuantWeight(codes.view(torch.int8), scales, "fp4")
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 2, K)
+    xq, xs = act_quant_fp8(x.to(DEV))
+    c8, s8 = codes.to(DEV), scales.view(torch.uint8).to(DEV)
+    wout = torch.full((N, K), float("nan"), device=DEV)
+    xout = torch.full((M, K), float("nan"), device=DEV)
+    xq8, xs8 = xq.view(torch.uint8), xs.view(torch.uint8)
+    _bf16_tiles_kernel[(triton.cdiv(K, BK),)](
+        c8, s8, xq8, xs8, wout, xout, c8.stride(0), s8.stride(0), xq8.stride(0), xs8.stride(0),
+        K=K, BN=N, BM=M, BK=BK,
+    )  # fmt: skip
+    assert torch.equal(wout.cpu(), w.dequantize(torch.float32))
+    assert torch.equal(xout.cpu(), fake_fp8(x, 32))

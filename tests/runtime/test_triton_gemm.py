@@ -218,15 +218,13 @@ def test_split_k_is_the_linear_within_the_bound(dtype):
     wc, ws = quantize_fp8_weight(w)
     dwc, dws = wc.to(DEV), ws.to(DEV)
     y = w8a8_linear(x.to(dtype), dwc, dws, torch.float32, config=split)
-    assert _bound_check(y, x.to(dtype).float(), wc, ws, "fp32", 0.0) <= 1.0
+    xr = x.to(dtype).float().cpu()  # the input as the kernel reads it
+    mode = DOTS[-1]  # the default dot mode: fp8 on the device, fp32 on the interpreter
+    assert _bound_check(y, xr, wc, ws, mode, 0.0) <= 1.0
     assert torch.equal(y, w8a8_linear(x.to(dtype), dwc, dws, torch.float32, config=split))
     plain = w8a8_linear(x.to(dtype), dwc, dws, dtype, config=split)
-    assert (
-        _bound_check(
-            plain, x.to(dtype).float(), wc, ws, "fp32", 2.0**-8 if dtype == torch.bfloat16 else 0.0
-        )
-        <= 1.0
-    )
+    u_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    assert _bound_check(plain, xr, wc, ws, mode, u_out) <= 1.0
     cos, sin = _rope_tables(M, rd, 13)
     got = w8a8_linear(x.to(dtype), dwc, dws, dtype, rope=(cos, sin, d), config=split)
     assert torch.equal(got, rope_heads(plain, cos, sin, d))

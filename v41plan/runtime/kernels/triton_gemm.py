@@ -109,7 +109,11 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
         else:
             cfg = GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
         return dataclasses.replace(cfg, split_k=split_k_for(M, N, K, cfg))
-    return GemmConfig(128, 128, bk, num_warps=8, num_stages=4 if dot == "fp8" else 3)
+    # prefill (reports/gpu/bench_gemm_moe_sweep.json, H200): 64-lane K steps beat 32 (wq_b
+    # 2.84 -> 2.48 ms, wo_b 2.92 -> 2.67 at 8K rows); 256-wide tiles spill
+    if dot == "fp8":
+        return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
+    return GemmConfig(128, 128, bk, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -155,6 +159,21 @@ def load_a_tile(
             # byte, or 0xFF = NaN past the end, would poison the zero codes' product)
             live = tl.sum(kmask.to(tl.int32), axis=0) > 0
             sx = e8m0_value(tl.load(xs_ptr + rm * sxsm + k0 // 32, mask=mmask & live, other=0))
+        elif DOT == 1:
+            # the tile's BK / 32 scales once, the codes by the E4M3 conversion, the product
+            # in bf16 (exact: a 4-bit significand times a power of two)
+            nb: tl.constexpr = BK // 32
+            live = tl.max(tl.reshape(kmask.to(tl.int32), [nb, 32]), axis=1) > 0
+            kbi = k0 // 32 + tl.arange(0, nb)
+            fld = tl.load(
+                xs_ptr + rm[:, None] * sxsm + kbi[None, :],
+                mask=mmask[:, None] & live[None, :],
+                other=0,
+            )
+            v = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            a = tl.reshape(tl.reshape(v, [BM, nb, 32]) * e8m0_value(fld)[:, :, None], [BM, BK])
+            a = a.to(tl.bfloat16)
+            sx = tl.zeros([BM], dtype=tl.float32)
         else:
             fld = tl.load(xs_ptr + rm[:, None] * sxsm + rk[None, :] // 32, mask=amask, other=0)
             a = decode_e4m3(bits) * e8m0_value(fld)

@@ -186,6 +186,17 @@ def load_fp4_tile(
     if DOT == 2:
         b = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         sw = e8m0_value(tl.load(s_ptr + rn * ssn + k0 // 32, mask=nmask, other=0)) * 64.0
+    elif DOT == 1:
+        # the tile's BK / 32 scales once, the codes by the E4M3 conversion, the product in bf16
+        # (exact: E2M1 times a power of two); one dot per BK lanes, no per-block scaling
+        nb: tl.constexpr = BK // 32
+        kbi = k0 // 32 + tl.arange(0, nb)
+        fmask = nmask[:, None] & (kbi < K // 32)[None, :]
+        fld = tl.load(s_ptr + rn[:, None] * ssn + kbi[None, :], mask=fmask, other=0)
+        v = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc = e8m0_value(fld) * 64.0
+        b = tl.reshape(tl.reshape(v, [BN, nb, 32]) * sc[:, :, None], [BN, BK]).to(tl.bfloat16)
+        sw = tl.zeros([BN], dtype=tl.float32)
     else:
         bmask = nmask[:, None] & kmask[None, :]
         fld = tl.load(s_ptr + rn[:, None] * ssn + rk[None, :] // 32, mask=bmask, other=0)
