@@ -264,16 +264,17 @@ class TritonBackend(TorchBackend):
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
     select_programs = 1
-    """Programs a row's top-k select takes: 1 one program a row (measured so far); 0 as many
-    segments as fill the device when the rows are few (``select_segments_for``); n > 1 that
-    many (the benchmark's sweep compares them; not yet measured on the GPU)."""
+    """Programs a row's top-k select takes: 1 one program a row (the fastest measured); 0 as
+    many segments as fill the device when the rows are few (``select_segments_for``); n > 1
+    that many (slower on the H200 at 4K-32K keys: reports/gpu/bench_kernels_sweep2.json)."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     score_rows: int | None = None
     """Query rows a scorer program holds (None: by the batch, ``score_tile_rows``)."""
     score_prefetch = 0
     """1: the scorer loads pages two tiles ahead and keys one, so a tile's keys arrive while
-    the one before it multiplies (not yet measured on the GPU: the benchmark compares it)."""
+    the one before it multiplies (H200: faster at 64K keys, slower at 8K; off until a rule by
+    context is measured, reports/gpu/bench_kernels_sweep*.json)."""
 
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different
@@ -543,7 +544,7 @@ class TritonBackend(TorchBackend):
             "num_stages": 1 if f32 else 2,
             "F32_DOT": self.f32_dot,
             "DOT_BF16": dot_bf16,
-            "PREFETCH": 0,  # 1 and 2 not yet measured on the GPU: the sweep compares them
+            "PREFETCH": 0,  # 1 and 2 lost in both sweeps (reports/gpu/bench_kernels_sweep*.json)
         }
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
