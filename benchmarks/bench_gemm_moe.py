@@ -389,20 +389,83 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
         GemmConfig(256, 128, 64, 8, 3),
         GemmConfig(64, 128, 128, 4, 4),
     ]
+    # bf16 operands: the block scales applied to the decoded tiles, one dot per K step
+    bf16_tiles = [
+        None,
+        GemmConfig(128, 128, 128, 8, 3),
+        GemmConfig(128, 128, 32, 8, 3),
+    ]
+
+    def moe_sweep() -> None:
+        res, _ = _moe_layer(cfg)
+        moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="fp8")
+        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
+        moe_tiles = {  # (dot mode, decode or prefill): tiles
+            ("fp8", "decode"): [
+                None,
+                MoEConfig(16, 64, 64, 128, 4, 3),
+                MoEConfig(16, 32, 64, 256, 4, 3),
+                MoEConfig(16, 32, 32, 128, 2, 4),
+            ],
+            ("fp8", "prefill"): [None, MoEConfig(64, 256, 128, 64, 8, 3)],
+            # bf16 operands: the scales applied to the decoded tiles, one dot per K step
+            ("bf16", "decode"): [
+                None,
+                MoEConfig(16, 32, 64, 128, 4, 3),
+                MoEConfig(16, 32, 64, 256, 4, 3),
+                MoEConfig(16, 64, 64, 128, 4, 4),
+                MoEConfig(16, 64, 128, 256, 8, 3),
+            ],
+            ("bf16", "prefill"): [
+                None,
+                MoEConfig(64, 128, 128, 128, 8, 3),
+                MoEConfig(128, 128, 128, 64, 8, 3),
+                MoEConfig(64, 64, 64, 128, 4, 3),
+            ],
+        }
+        for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
+            x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+            ids, wts = moe.route(x)
+            xq, xs = act_quant_fp8(x)
+            e_act = int(torch.unique(ids).numel())
+            nbytes = e_act * expert_bytes + n * D * 2 * 2
+            flops = 2 * n * k * 3 * D * I
+            floor_ms = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_flop_per_s"]) * 1e3
+            for dot in ("fp8", "bf16"):
+                for c in moe_tiles[dot, "prefill" if n > 1024 else "decode"]:
+                    tag = (
+                        "{}"
+                        if c is None
+                        else (
+                            f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
+                            f"w{c.num_warps} s{c.num_stages}"
+                        )
+                    )
+                    fn = lambda c=c, a=(xq, xs, ids, wts), dot=dot: grouped_moe_w4a8(
+                        *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot=dot, config=c,
+                    )  # fmt: skip
+                    name = f"sweep moe routed {label} {dot} {tag}"
+                    _sweep_row(rows, name, fn, floor_ms, c, deadline)
+
+    if "moe" in parts:  # first: the rows the kernels' next step depends on
+        moe_sweep()
     M = 8192
     for name in ("wq_b", "wo_b") if "w8a8" in parts else ():
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
         xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
         floor_ms = 2 * M * N * K / ceil["fp8_flop_per_s"] * 1e3
-        for c in tiles:
-            tag = (
-                "{}"
-                if c is None
-                else f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
-            )
-            fn = lambda a=(xq, wc, ws, torch.bfloat16, xs), c=c: w8a8_linear(*a, config=c)
-            _sweep_row(rows, f"sweep w8a8 {name} M={M} prequant {tag}", fn, floor_ms, c, deadline)
+        for dot, cands in (("fp8", tiles), ("bf16", bf16_tiles)):
+            for c in cands:
+                tag = (
+                    "{}"
+                    if c is None
+                    else f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                )
+                fn = lambda a=(xq, wc, ws, torch.bfloat16, xs, dot), c=c: w8a8_linear(*a, config=c)
+                name_ = f"sweep w8a8 {name} M={M} prequant {dot} {tag}"
+                _sweep_row(rows, name_, fn, floor_ms, c, deadline)
     for name, (N, K) in shapes.items() if "w8a8" in parts else ():
         wc, ws = _fp8_weight(N, K)
         wbytes = wc.numel() + ws.numel()
@@ -414,58 +477,6 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                 tag = f"split {c.split_k}" + (" {}" if c is base else "")
                 fn = lambda x=x, wc=wc, ws=ws, c=c: w8a8_linear(x, wc, ws, config=c)
                 _sweep_row(rows, f"sweep w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
-    if "moe" not in parts:
-        return
-    res, _ = _moe_layer(cfg)
-    moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="fp8")
-    E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
-    moe_tiles = {  # (dot mode, decode or prefill): tiles
-        ("fp8", "decode"): [
-            None,
-            MoEConfig(16, 64, 64, 128, 4, 3),
-            MoEConfig(16, 32, 64, 256, 4, 3),
-            MoEConfig(16, 32, 32, 128, 2, 4),
-        ],
-        ("fp8", "prefill"): [None, MoEConfig(64, 256, 128, 64, 8, 3)],
-        # bf16 operands: the scales applied to the decoded tiles, one dot per K step
-        ("bf16", "decode"): [
-            None,
-            MoEConfig(16, 32, 64, 128, 4, 3),
-            MoEConfig(16, 32, 64, 256, 4, 3),
-            MoEConfig(16, 64, 64, 128, 4, 4),
-            MoEConfig(16, 64, 128, 256, 8, 3),
-        ],
-        ("bf16", "prefill"): [
-            None,
-            MoEConfig(64, 128, 128, 128, 8, 3),
-            MoEConfig(128, 128, 128, 64, 8, 3),
-            MoEConfig(64, 64, 64, 128, 4, 3),
-        ],
-    }
-    for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
-        x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
-        ids, wts = moe.route(x)
-        xq, xs = act_quant_fp8(x)
-        e_act = int(torch.unique(ids).numel())
-        nbytes = e_act * expert_bytes + n * D * 2 * 2
-        flops = 2 * n * k * 3 * D * I
-        floor_ms = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_flop_per_s"]) * 1e3
-        for dot in ("fp8", "bf16"):
-            for c in moe_tiles[dot, "prefill" if n > 1024 else "decode"]:
-                tag = (
-                    "{}"
-                    if c is None
-                    else (
-                        f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
-                        f"w{c.num_warps} s{c.num_stages}"
-                    )
-                )
-                fn = lambda c=c, a=(xq, xs, ids, wts), dot=dot: grouped_moe_w4a8(
-                    *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot=dot, config=c,
-                )  # fmt: skip
-                name = f"sweep moe routed {label} {dot} {tag}"
-                _sweep_row(rows, name, fn, floor_ms, c, deadline)
 
 
 def main(argv=None) -> int:

@@ -104,40 +104,75 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
 
 
 def _gemm_variants(hidden: int) -> list:
-    """The W8A8 linear and the grouped MoE kernels in the fp8 mode at wide K steps (their 32-lane
-    blocks unrolled), and the one-program permutation."""
+    """The W8A8 linear (decode tiles, split-K and the prefill tile) and the shared expert's
+    gate/up with their split sums, the grouped MoE's two GEMMs in the fp8 and bf16 modes at
+    wide K steps (the fp8 mode's 32-lane blocks unrolled), and the one-program permutation."""
     from v41plan.runtime.kernels import triton_gemm as tg
     from v41plan.runtime.kernels import triton_moe as tm
 
     i32 = "i32"
     out = []
-    # plain, the grouped wo_b input (K/G = 256) and the query's RoPE epilogue (heads of 512)
-    for name, kg, head_d, rope_d in (("", 0, 0, 0), (" grouped", 256, 0, 0), (" rope", 0, 512, 64)):
-        sig = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8"}
-        sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+    # plain, the grouped wo_b input (K/G = 256), the query's RoPE epilogue (heads of 512), a
+    # 4-way K split, and the prefill tile
+    forms = (
+        ("", 0, 0, 0, 1, (16, 32, 128, 4)),
+        (" grouped", 256, 0, 0, 1, (16, 32, 128, 4)),
+        (" rope", 0, 512, 64, 1, (16, 32, 128, 4)),
+        (" split 4", 0, 0, 0, 4, (16, 32, 128, 4)),
+        (" prefill 128x128x64", 0, 0, 0, 1, (128, 128, 64, 8)),
+        (" bf16 prefill 128x128x64", 0, 0, 0, 1, (128, 128, 64, 8)),
+        (" bf16 prefill 128x128x128", 0, 0, 0, 1, (128, 128, 128, 8)),
+    )
+    for name, kg, head_d, rope_d, split, (bm, bn, bk, warps) in forms:
+        quant_x = split == 1 and bm == 16  # the prologue quantizes; else E4M3 codes come in
+        xdt = "*bf16" if quant_x else "*u8"
+        sig = {"x_ptr": xdt, "xs_ptr": xdt, "w_ptr": "*u8", "ws_ptr": "*u8"}
+        sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "part_ptr": "*fp32"})
         sig.update(dict.fromkeys(("M", "N"), i32))
         sig["K"] = "constexpr"
         sig.update(dict.fromkeys(("sxm", "sxg", "sxsm", "swn", "swsn", "sym", "scm"), i32))
-        cx = {"K": hidden, "QUANT_X": True, "DOT": 2, "OUT_BF16": True, "KG": kg}
-        cx.update({"HEAD_D": head_d, "ROPE_D": rope_d, "BM": 16, "BN": 32, "BK": 128})
-        cx["GROUP_M"] = 8
+        cx = {"K": hidden, "QUANT_X": quant_x, "DOT": 1 if "bf16" in name else 2}
+        cx["OUT_BF16"] = True
+        cx.update({"KG": kg, "HEAD_D": head_d, "ROPE_D": rope_d, "BM": bm, "BN": bn, "BK": bk})
+        cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // bk) * bk})
         sig.update(dict.fromkeys(cx, "constexpr"))
-        out.append((f"w8a8 fp8 bk=128{name}", tg._w8a8_kernel, sig, cx, 4))
-    sig = {n: "*u8" for n in ("xq_ptr", "xs_ptr", "w1_ptr", "ws1_ptr", "w3_ptr", "ws3_ptr")}
-    sig.update({"h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32", "M": i32, "N": i32})
-    sig["K"] = "constexpr"
-    sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "shm", "shsm"), i32))
-    cx = {"K": hidden, "DOT": 2, "ROUND_BF16": True, "BM": 16, "BN": 32, "BK": 64, "GROUP_M": 8}
+        out.append((f"w8a8 bk={bk}{name}", tg._w8a8_kernel, sig, cx, warps))
+    sig = {"part_ptr": "*fp32", "y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    sig.update(dict.fromkeys(("M", "N", "sym", "scm"), i32))
+    cx = {"S": 4, "OUT_BF16": True, "HEAD_D": 512, "ROPE_D": 64, "BM": 16, "BN": 128}
     sig.update(dict.fromkeys(cx, "constexpr"))
-    out.append(("w8a8 swiglu fp8 bk=64", tg._w8a8_swiglu_kernel, sig, cx, 4))
-    ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8", "w3_ptr": "*u8"}
-    ptrs.update({"s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32", "rw_ptr": "*fp32"})
-    ptrs.update({"act_ptr": "*u8", "acts_ptr": "*u8", "limit": "fp32"})
-    ptrs.update(dict.fromkeys(("sx", "sxs", "swe", "swn", "sse", "ssn", "sa", "sas"), i32))
-    cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": 2, "BM": 16, "BN": 32}
-    cx["BK"] = 128
-    ptrs.update(dict.fromkeys(cx, "constexpr"))
-    out.append(("moe gate_up fp8 bk=128", tm._gate_up_kernel, ptrs, cx, 4))
+    out.append(("w8a8 split sum rope", tg._split_sum_kernel, sig, cx, 4))
+    for split in (1, 4):
+        sig = {n: "*u8" for n in ("xq_ptr", "xs_ptr", "w1_ptr", "ws1_ptr", "w3_ptr", "ws3_ptr")}
+        sig.update({"h_ptr": "*u8", "hs_ptr": "*u8", "part_ptr": "*fp32", "limit": "fp32"})
+        sig.update({"M": i32, "N": i32, "K": "constexpr"})
+        sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "shm", "shsm"), i32))
+        cx = {"K": hidden, "DOT": 2, "ROUND_BF16": True, "BM": 16, "BN": 32, "BK": 64}
+        cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // 64) * 64})
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"w8a8 swiglu fp8 bk=64 split {split}", tg._w8a8_swiglu_kernel, sig, cx, 4))
+    sig = {"part_ptr": "*fp32", "h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32"}
+    sig.update(dict.fromkeys(("M", "N", "shm", "shsm"), i32))
+    cx = {"S": 4, "ROUND_BF16": True, "BM": 16, "BN": 64}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("w8a8 swiglu split sum", tg._swiglu_split_sum_kernel, sig, cx, 4))
+    for dot, bk in ((2, 128), (1, 128), (1, 256)):
+        mode = "fp8" if dot == 2 else "bf16"
+        ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8"}
+        ptrs.update({"w3_ptr": "*u8", "s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32"})
+        ptrs.update({"rw_ptr": "*fp32", "act_ptr": "*u8", "acts_ptr": "*u8", "limit": "fp32"})
+        ptrs.update(dict.fromkeys(("sx", "sxs", "swe", "swn", "sse", "ssn", "sa", "sas"), i32))
+        cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": dot, "BM": 16}
+        cx.update({"BN": 32, "BK": bk})
+        ptrs.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"moe gate_up {mode} bk={bk}", tm._gate_up_kernel, ptrs, cx, 4))
+        ptrs = {"act_ptr": "*u8", "acts_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8"}
+        ptrs.update({"bexp_ptr": "*i32", "y_ptr": "*bf16"})
+        ptrs.update(dict.fromkeys(("sa", "sas", "swe", "swn", "sse", "ssn", "sy"), i32))
+        cx = {"D": hidden, "I": 256, "ROUND_BF16": True, "DOT": dot, "BM": 16, "BN": 64}
+        cx["BK"] = bk
+        ptrs.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"moe down {mode} bk={bk}", tm._down_kernel, ptrs, cx, 4))
     sig = {"ids_ptr": "*i64", "row_ids_ptr": "*i64", "pos_ptr": "*i64", "ends_ptr": "*i32"}
     sig.update({"be_ptr": "*i32", "nk": i32, "R": i32, "expert_first": i32})
     cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}

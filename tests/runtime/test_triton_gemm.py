@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+import triton
+import triton.language as tl
 
 from v41plan.model.quant import (
     dequant_fp8_weight,
@@ -27,7 +29,7 @@ from v41plan.model.quant import (
     quantize_fp8_blocks,
     quantize_fp8_weight,
 )
-from v41plan.runtime.kernels.triton_gemm import GemmConfig, w8a8_linear
+from v41plan.runtime.kernels.triton_gemm import GemmConfig, fp8_weight_tile_bf16, w8a8_linear
 from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -287,3 +289,32 @@ def test_prefill_rows_quantize_once_with_the_same_bits(dtype, monkeypatch):
         got = f()
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert len(quantized) == len(calls)  # every call took the separate quantizer
+
+
+@triton.jit
+def _fp8_tile_kernel(w_ptr, ws_ptr, out_ptr, N, swn, swsn, K: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):  # fmt: skip
+    """``fp8_weight_tile_bf16`` of the tile (``program_id(0)``, ``program_id(1)``), as float32."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    kb = tl.program_id(1) * BK
+    rk = kb + tl.arange(0, BK)
+    nmask, kmask = rn < N, rk < K
+    m = nmask[:, None] & kmask[None, :]
+    wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=m, other=0)
+    b = fp8_weight_tile_bf16(wb, ws_ptr, rn, kb, nmask, kmask, swsn, BN, BK)
+    tl.store(out_ptr + rn[:, None] * K + rk[None, :], b.to(tl.float32), mask=m)
+
+
+def test_bf16_mode_weight_tiles_are_the_dequantized_weight():
+    """The bf16 dot mode's weight operand (a tile's block scales loaded once, codes through the
+    E4M3 conversion): the dequantized weight exactly, partial row blocks and K tiles included
+    (on the device the whole bf16 GEMM is checked against its bound)."""
+    N, K, BN, BK = 80, 160, 64, 128
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(18)) * 0.05
+    w[:, 64:96] *= 300.0  # one K block with a much larger scale
+    wc, ws = quantize_fp8_weight(w)
+    c8, s8 = wc.view(torch.uint8).to(DEV), ws.view(torch.uint8).to(DEV)
+    out = torch.full((N, K), float("nan"), device=DEV)
+    grid = (triton.cdiv(N, BN), triton.cdiv(K, BK))
+    _fp8_tile_kernel[grid](c8, s8, out, N, c8.stride(0), s8.stride(0), K=K, BN=BN, BK=BK)
+    assert torch.equal(out.cpu(), dequant_fp8_weight(wc, ws, torch.float32))

@@ -195,13 +195,37 @@ def qdot(acc, a, sa, b, sb, DOT: tl.constexpr):
 
 
 @triton.jit
-def w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT: tl.constexpr):
-    """``acc`` plus one K step of ``a @ W^T`` over the lanes ``rk`` (see ``_w8a8_kernel``)."""
+def fp8_weight_tile_bf16(wb, ws_ptr, rn, kb, nmask, kmask, swsn, BN: tl.constexpr,
+                         BK: tl.constexpr):  # fmt: skip
+    """The E4M3 weight codes ``wb [BN, BK]`` (rows ``rn``, a multiple of 32 from a 32-row
+    boundary; lanes from ``kb``) as bf16 values: the tile's ``(BN / 32) x (BK / 32)`` block
+    scales loaded once, the codes by the E4M3 conversion, the product in float32 then bf16
+    (exact: a 4-bit significand times a power of two)."""
+    mb: tl.constexpr = BN // 32
+    nb: tl.constexpr = BK // 32
+    rlive = tl.max(tl.reshape(nmask.to(tl.int32), [mb, 32]), axis=1) > 0
+    klive = tl.max(tl.reshape(kmask.to(tl.int32), [nb, 32]), axis=1) > 0
+    rb = tl.min(rn, axis=0) // 32 + tl.arange(0, mb)
+    kbi = kb // 32 + tl.arange(0, nb)
+    fmask = rlive[:, None] & klive[None, :]
+    fld = tl.load(ws_ptr + rb[:, None] * swsn + kbi[None, :], mask=fmask, other=0)
+    v = tl.reshape(wb.to(tl.float8e4nv, bitcast=True).to(tl.float32), [mb, 32, nb, 32])
+    return tl.reshape(v * e8m0_value(fld)[:, None, :, None], [BN, BK]).to(tl.bfloat16)
+
+
+@triton.jit
+def w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn,
+              DOT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """``acc`` plus one K step of ``a @ W^T`` over the ``BK`` lanes ``rk`` and ``BN`` output
+    rows ``rn`` (see ``_w8a8_kernel``)."""
     bmask = nmask[:, None] & kmask[None, :]
     wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=bmask, other=0)
     if DOT == 2:
         sw = e8m0_value(tl.load(ws_ptr + (rn // 32) * swsn + kb // 32, mask=nmask, other=0))
         acc = qdot(acc, a, sx, wb.to(tl.float8e4nv, bitcast=True), sw, DOT)
+    elif DOT == 1 and BN % 32 == 0:
+        b = fp8_weight_tile_bf16(wb, ws_ptr, rn, kb, nmask, kmask, swsn, BN, BK)
+        acc = qdot(acc, a, sx, b, sx, DOT)
     else:
         fld = tl.load(ws_ptr + (rn // 32)[:, None] * swsn + rk[None, :] // 32, mask=bmask)
         acc = qdot(acc, a, sx, decode_e4m3(wb) * e8m0_value(fld), sx, DOT)
@@ -357,7 +381,9 @@ def _w8a8_kernel(
             a, sx = load_a_tile(
                 x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
             )
-            acc = w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
+            acc = w8a8_step(
+                acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+            )
     if SPLIT_K > 1:
         store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
     else:
@@ -446,8 +472,12 @@ def _w8a8_swiglu_kernel(
             a, sx = load_a_tile(
                 xq_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, False, DOT, BM, SUB
             )
-            acc1 = w8a8_step(acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
-            acc3 = w8a8_step(acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT)
+            acc1 = w8a8_step(
+                acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+            )
+            acc3 = w8a8_step(
+                acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+            )
     if SPLIT_K > 1:
         store_partial(acc1, part_ptr, rm, rn, mmask, nmask, M, N)
         store_partial(acc3, part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N)
@@ -477,8 +507,11 @@ PREQUANT_ROWS = 256
 the GEMM's prologue (bench_gemm_moe.py: prefill rows, 0.71 -> 0.42 ms at wq_a, 8K rows)."""
 
 SUM_TILE = (16, 128)
-"""``[rows, lanes]`` of a split-K sum program (lanes a multiple of 32: the SwiGLU's end
-quantizes 32-lane blocks)."""
+"""``[rows, lanes]`` of a split-K linear's sum program."""
+
+SWIGLU_SUM_TILE = (16, 64)
+"""``[rows, lanes]`` of the shared expert's split-K sum program (lanes a multiple of 32: its
+end quantizes 32-lane blocks; 128 lanes spill at sm_90, scripts/check_dense_kernels_sm90.py)."""
 
 
 def _splits(K: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -659,7 +692,7 @@ def w8a8_swiglu(
             K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if split > 1:
-            bm, bn = SUM_TILE
+            bm, bn = SWIGLU_SUM_TILE
             _swiglu_split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
                 part, h, hs, float(limit), M, N, h.stride(0), hs.stride(0), S=split,
                 ROUND_BF16=dtype == torch.bfloat16, BM=bm, BN=bn,
