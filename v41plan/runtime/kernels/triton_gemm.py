@@ -79,15 +79,13 @@ def _programs_wanted() -> int:
     return 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def split_k_for(M: int, N: int, K: int, cfg: GemmConfig) -> int:
-    """K splits for a launch of ``cfg``'s tiles: enough programs to stream the weight (see
-    ``GemmConfig.split_k``), each over at least ``SPLIT_MIN_LANES`` lanes, and the partials'
-    float32 traffic (written and read back: ``8 * split * M * N`` bytes) at most a quarter of
-    the weight's ``N * K`` bytes."""
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    want = triton.cdiv(_programs_wanted(), tiles)
-    most = min(K // SPLIT_MIN_LANES, K // (32 * max(M, 1)))
-    return max(1, min(want, most))
+def split_k_for(N: int, K: int, cfg: GemmConfig) -> int:
+    """K splits of a decode launch (up to 64 rows) of ``cfg``'s tiles: enough programs to stream
+    the weight with one row block (see ``GemmConfig.split_k``), each split over at least
+    ``SPLIT_MIN_LANES`` lanes. It does not depend on the rows: a row's sums are the same at
+    every decode batch size."""
+    want = triton.cdiv(_programs_wanted(), triton.cdiv(N, cfg.block_n))
+    return max(1, min(want, K // SPLIT_MIN_LANES))
 
 
 def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
@@ -108,12 +106,13 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
             cfg = GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
         else:
             cfg = GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
-        return dataclasses.replace(cfg, split_k=split_k_for(M, N, K, cfg))
-    # prefill (reports/gpu/bench_gemm_moe_sweep.json, H200): 64-lane K steps beat 32 (wq_b
-    # 2.84 -> 2.48 ms, wo_b 2.92 -> 2.67 at 8K rows); 256-wide tiles spill
+        return dataclasses.replace(cfg, split_k=split_k_for(N, K, cfg))
+    # prefill (reports/gpu/bench_gemm_moe_sweep*.json, H200): fp8, 64-lane K steps beat 32
+    # (wq_b 2.84 -> 2.48 ms, wo_b 2.92 -> 2.67 at 8K rows); bf16, 32-lane steps beat 64 and
+    # 128 (2.35 against 2.91 and 2.93 ms); 256-wide tiles spill
     if dot == "fp8":
         return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
-    return GemmConfig(128, 128, bk, num_warps=8, num_stages=3)
+    return GemmConfig(128, 128, 32 if dot == "bf16" else bk, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -523,7 +522,9 @@ def _splits(K: int, cfg: GemmConfig) -> tuple[int, int]:
 
 
 def default_dot(device: torch.device) -> str:
-    """``"fp32"`` on the CPU (Triton's interpreter), ``"fp8"`` on CUDA."""
+    """``"fp32"`` on the CPU (Triton's interpreter), ``"fp8"`` on CUDA. One mode at every row
+    count: a row's sums then do not change with its launch's (the bf16 mode is 5% faster at
+    8K rows, reports/gpu/bench_gemm_moe_sweep2.json, not enough to switch modes by rows)."""
     return "fp8" if device.type == "cuda" else "fp32"
 
 

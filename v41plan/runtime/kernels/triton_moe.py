@@ -62,6 +62,13 @@ class MoEConfig:
     """Software-pipelining depth."""
 
 
+def default_moe_dot(device: torch.device) -> str:
+    """The grouped MoE's dot mode: ``"bf16"`` on CUDA at every row count (an 8K prefill's routed
+    experts 35.8 -> 17.0 ms against the FP8 mode, decode within 5% and a little ahead with its
+    tiles: reports/gpu/bench_gemm_moe_sweep2.json), ``default_dot``'s elsewhere."""
+    return "bf16" if device.type == "cuda" else default_dot(device)
+
+
 def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128) -> MoEConfig:
     """Tiles for ``rows = N * k`` routed rows: narrow blocks for decode, wide for prefill."""
     if dot == "fp32" and not torch.cuda.is_available():
@@ -70,8 +77,15 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         bd = max(32, min(128, triton.next_power_of_2(hidden)))
         return MoEConfig(16, bi, bd, max(bi, bd), num_warps=1, num_stages=1)
     bk = 32 if dot == "fp8" else 64
-    if rows <= 1024:  # decode: narrower gate/up tiles, 128-lane K steps (the sweep's choice)
+    if rows <= 1024:  # decode: narrow gate/up tiles (reports/gpu/bench_gemm_moe_sweep2.json:
+        # bf16 256-lane K steps 0.177 / 0.851 ms at batch 1 / 64, fp8 128-lane 0.189 / 0.872)
+        if dot == "bf16":
+            return MoEConfig(16, 32, 64, 256, num_warps=4, num_stages=3)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
+    if dot == "bf16" and rows >= 8192:
+        # 128-row blocks: 17.0 ms against 24.9 with 64 at an 8K prefill (the sweep); below
+        # 8K routed rows the padding of every expert's group to 128 would weigh (not measured)
+        return MoEConfig(128, 128, 128, 64, num_warps=8, num_stages=3)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
 
@@ -445,7 +459,7 @@ def grouped_moe_w4a8_stages(
         raise ValueError(f"grouped_moe_w4a8 computes in bf16 or float32, not {dtype}")
     n, k = ids.shape
     El, I, D = w1.shape
-    dot = dot or default_dot(xq.device)
+    dot = dot or default_moe_dot(xq.device)
     cfg = config or default_moe_config(n * k, dot, D, I)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
