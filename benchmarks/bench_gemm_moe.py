@@ -416,12 +416,19 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                 MoEConfig(16, 32, 64, 256, 4, 3),
                 MoEConfig(16, 64, 64, 128, 4, 4),
                 MoEConfig(16, 64, 128, 256, 8, 3),
+                # raw tiles loaded a K step ahead (the decode's loads feed the FP4 decode, not
+                # the dot, so the pipeliner leaves them alone)
+                MoEConfig(16, 32, 64, 256, 4, 3, prefetch=True),
+                MoEConfig(16, 32, 64, 128, 4, 3, prefetch=True),
+                MoEConfig(16, 64, 64, 256, 4, 1, prefetch=True),
             ],
             ("bf16", "prefill"): [
                 None,
                 MoEConfig(64, 128, 128, 128, 8, 3),
                 MoEConfig(128, 128, 128, 64, 8, 3),
                 MoEConfig(64, 64, 64, 128, 4, 3),
+                MoEConfig(128, 128, 128, 64, 8, 3, prefetch=True),
+                MoEConfig(64, 128, 128, 128, 8, 3, prefetch=True),
             ],
         }
         for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
@@ -439,7 +446,7 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                         if c is None
                         else (
                             f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
-                            f"w{c.num_warps} s{c.num_stages}"
+                            f"w{c.num_warps} s{c.num_stages}{' prefetch' if c.prefetch else ''}"
                         )
                     )
                     fn = lambda c=c, a=(xq, xs, ids, wts), dot=dot: grouped_moe_w4a8(

@@ -353,3 +353,37 @@ def test_bf16_mode_tiles_are_the_dequantized_operands():
     )  # fmt: skip
     assert torch.equal(wout.cpu(), w.dequantize(torch.float32))
     assert torch.equal(xout.cpu(), fake_fp8(x, 32))
+
+
+def test_prefetch_gives_the_same_bits(tiny):
+    """``MoEConfig.prefetch`` (each step's raw tiles loaded one step ahead, registers carried
+    through the K loop) runs the same arithmetic: the intermediate's codes and scales, the rows
+    and the combined output equal the plain loop's bit for bit, over several K steps with a
+    partial last one; the FP8 mode refuses it."""
+    from v41plan.runtime.kernels.triton_moe import MoEConfig, grouped_moe_w4a8_stages
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    cfg, _w64, res = tiny
+    w1, w3, w2 = (res[f"{LAYER}.ffn.experts.{n}"].to(DEV) for n in ("w1", "w3", "w2"))
+    n, k = 9, cfg.num_experts_per_tok
+    D, I = cfg.hidden_size, w1.shape[1]
+    bk = 96 if D % 96 and D > 96 else 32  # K steps of 96 lanes leave a partial last step
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(n, D, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(w1.shape[0], generator=g)[:k] for _ in range(n)]).to(DEV)
+    wts = torch.rand(n, k, generator=g).to(DEV)
+    xq, xs = act_quant_fp8(x)
+    assert D > bk and I > bk, (D, I, bk)  # several K steps in both GEMMs
+    plain = MoEConfig(16, 32, 32, bk, num_warps=1, num_stages=1)
+    ahead = dataclasses.replace(plain, prefetch=True)
+    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, "fp32")
+    a = grouped_moe_w4a8_stages(*args, config=plain)
+    b = grouped_moe_w4a8_stages(*args, config=ahead)
+    live = a.rows.row_ids >= 0  # padding rows of skipped blocks are never written
+    assert torch.equal(a.rows.row_ids, b.rows.row_ids) and int(live.sum()) == n * k
+    assert torch.equal(a.act[live], b.act[live])
+    assert torch.equal(a.act_scales[live], b.act_scales[live])
+    assert torch.equal(a.y_rows[live], b.y_rows[live])
+    assert a.y_rows[live].abs().amax() > 0
+    with pytest.raises(ValueError, match="prefetch"):
+        grouped_moe_w4a8_stages(*args[:-1], "fp8", config=ahead)

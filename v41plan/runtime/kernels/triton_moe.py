@@ -60,6 +60,11 @@ class MoEConfig:
     """Warps per program."""
     num_stages: int = 3
     """Software-pipelining depth."""
+    prefetch: bool = False
+    """bf16 and fp32 modes: each K step's raw tiles (FP4 bytes, FP8 codes, their scale bytes)
+    are loaded one step ahead, into registers, so their latency overlaps the step before
+    (Triton pipelines only loads that feed a dot directly; these feed the decode first). The
+    same arithmetic."""
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -172,6 +177,53 @@ def e2m1_pair_bytes(p):
 
 
 @triton.jit
+def fp4_raw(w_ptr, s_ptr, rn, k0, nmask, swn, ssn, K: tl.constexpr, BK: tl.constexpr):
+    """The raw ``[BN, BK]`` tile of a packed E2M1 weight at lanes ``k0..``: (packed bytes
+    ``[BN, BK/2]``, E8M0 bytes ``[BN, BK/32]``); zeros past ``K``."""
+    rp = k0 // 2 + tl.arange(0, BK // 2)
+    p = tl.load(
+        w_ptr + rn[:, None] * swn + rp[None, :],
+        mask=nmask[:, None] & (rp < K // 2)[None, :],
+        other=0,
+    )
+    kbi = k0 // 32 + tl.arange(0, BK // 32)
+    fmask = nmask[:, None] & (kbi < K // 32)[None, :]
+    return p, tl.load(s_ptr + rn[:, None] * ssn + kbi[None, :], mask=fmask, other=0)
+
+
+@triton.jit
+def fp4_bf16(p, fld, BN: tl.constexpr, BK: tl.constexpr):
+    """``fp4_raw``'s tile as bf16 values: the codes by ``e2m1_pair_bytes`` and the E4M3
+    conversion, times their block scales (and 64) in float32, then bf16 (exact)."""
+    lo, hi = e2m1_pair_bytes(p)
+    v = tl.interleave(lo, hi).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    sc = e8m0_value(fld) * 64.0
+    return tl.reshape(tl.reshape(v, [BN, BK // 32, 32]) * sc[:, :, None], [BN, BK]).to(tl.bfloat16)
+
+
+@triton.jit
+def fp8_rows_raw(x_ptr, xs_ptr, rows, k0, rmask, sxm, sxsm, K: tl.constexpr, BK: tl.constexpr):
+    """The raw ``[BM, BK]`` tile of FP8 activations (rows ``rows``, lanes ``k0..``): (E4M3
+    bytes, E8M0 bytes ``[BM, BK/32]``); zeros past ``K``."""
+    rk = k0 + tl.arange(0, BK)
+    bits = tl.load(
+        x_ptr + rows[:, None] * sxm + rk[None, :], mask=rmask[:, None] & (rk < K)[None, :], other=0
+    )
+    kbi = k0 // 32 + tl.arange(0, BK // 32)
+    fmask = rmask[:, None] & (kbi < K // 32)[None, :]
+    return bits, tl.load(xs_ptr + rows[:, None] * sxsm + kbi[None, :], mask=fmask, other=0)
+
+
+@triton.jit
+def fp8_rows_bf16(bits, fld, BM: tl.constexpr, BK: tl.constexpr):
+    """``fp8_rows_raw``'s tile as bf16 values (exact: E4M3 times a power of two)."""
+    v = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.reshape(v, [BM, BK // 32, 32]) * e8m0_value(fld)[:, :, None], [BM, BK]).to(
+        tl.bfloat16
+    )
+
+
+@triton.jit
 def load_fp4_tile(
     w_ptr,
     s_ptr,
@@ -249,6 +301,7 @@ def _gate_up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
     weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32)."""
@@ -269,19 +322,34 @@ def _gate_up_kernel(
     s3 = s3_ptr + g.to(tl.int64) * sse
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
-    for k0 in range(0, D, BK):
-        for j in tl.static_range(BK // SUB):
-            kb = k0 + j * SUB
-            rk = kb + tl.arange(0, SUB)
-            kmask = rk < D
-            a, sxv = load_a_tile(
-                xq_ptr, xs_ptr, tok, rk, kb, valid, kmask, sx, sxs, False, DOT, BM, SUB
-            )
-            b1, sw1 = load_fp4_tile(w1, s1, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
-            acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
-            b3, sw3 = load_fp4_tile(w3, s3, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
-            acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
+    if PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
+        OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
+        none = tl.zeros([BM], dtype=tl.float32)
+        ab, af = fp8_rows_raw(xq_ptr, xs_ptr, tok, 0, valid, sx, sxs, D, BK)
+        p1, f1 = fp4_raw(w1, s1, rn, 0, nmask, swn, ssn, D, BK)
+        p3, f3 = fp4_raw(w3, s3, rn, 0, nmask, swn, ssn, D, BK)
+        for k0 in range(0, D, BK):
+            nab, naf = fp8_rows_raw(xq_ptr, xs_ptr, tok, k0 + BK, valid, sx, sxs, D, BK)
+            np1, nf1 = fp4_raw(w1, s1, rn, k0 + BK, nmask, swn, ssn, D, BK)
+            np3, nf3 = fp4_raw(w3, s3, rn, k0 + BK, nmask, swn, ssn, D, BK)
+            a = fp8_rows_bf16(ab, af, BM, BK).to(OPND)
+            acc1 = qdot(acc1, a, none, fp4_bf16(p1, f1, BN, BK).to(OPND), none, DOT)
+            acc3 = qdot(acc3, a, none, fp4_bf16(p3, f3, BN, BK).to(OPND), none, DOT)
+            ab, af, p1, f1, p3, f3 = nab, naf, np1, nf1, np3, nf3
+    else:
+        SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
+        for k0 in range(0, D, BK):
+            for j in tl.static_range(BK // SUB):
+                kb = k0 + j * SUB
+                rk = kb + tl.arange(0, SUB)
+                kmask = rk < D
+                a, sxv = load_a_tile(
+                    xq_ptr, xs_ptr, tok, rk, kb, valid, kmask, sx, sxs, False, DOT, BM, SUB
+                )
+                b1, sw1 = load_fp4_tile(w1, s1, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
+                acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
+                b3, sw3 = load_fp4_tile(w3, s3, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
+                acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
     rw = tl.load(rw_ptr + flat, mask=valid, other=0.0)
     q, field = swiglu_fp8(acc1, acc3, limit, rw, ROUND_BF16, BM, BN)
     tl.store(act_ptr + rr[:, None] * sa + rn[None, :], q.to(tl.uint8), mask=nmask[None, :])
@@ -312,6 +380,7 @@ def _down_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
     stored in ``y``'s dtype (the compute dtype's rounding of a linear output)."""
@@ -327,17 +396,29 @@ def _down_kernel(
     w2 = w2_ptr + g.to(tl.int64) * swe
     s2 = s2_ptr + g.to(tl.int64) * sse
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
-    for k0 in range(0, I, BK):
-        for j in tl.static_range(BK // SUB):
-            kb = k0 + j * SUB
-            rk = kb + tl.arange(0, SUB)
-            kmask = rk < I
-            a, sav = load_a_tile(
-                act_ptr, acts_ptr, rr, rk, kb, rmask, kmask, sa, sas, False, DOT, BM, SUB
-            )
-            b, sw = load_fp4_tile(w2, s2, rn, rk, kb, nmask, kmask, swn, ssn, I, DOT, BN, SUB)
-            acc = qdot(acc, a, sav, b, sw, DOT)
+    if PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
+        OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
+        none = tl.zeros([BM], dtype=tl.float32)
+        ab, af = fp8_rows_raw(act_ptr, acts_ptr, rr, 0, rmask, sa, sas, I, BK)
+        p2, f2 = fp4_raw(w2, s2, rn, 0, nmask, swn, ssn, I, BK)
+        for k0 in range(0, I, BK):
+            nab, naf = fp8_rows_raw(act_ptr, acts_ptr, rr, k0 + BK, rmask, sa, sas, I, BK)
+            np2, nf2 = fp4_raw(w2, s2, rn, k0 + BK, nmask, swn, ssn, I, BK)
+            b = fp4_bf16(p2, f2, BN, BK).to(OPND)
+            acc = qdot(acc, fp8_rows_bf16(ab, af, BM, BK).to(OPND), none, b, none, DOT)
+            ab, af, p2, f2 = nab, naf, np2, nf2
+    else:
+        SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
+        for k0 in range(0, I, BK):
+            for j in tl.static_range(BK // SUB):
+                kb = k0 + j * SUB
+                rk = kb + tl.arange(0, SUB)
+                kmask = rk < I
+                a, sav = load_a_tile(
+                    act_ptr, acts_ptr, rr, rk, kb, rmask, kmask, sa, sas, False, DOT, BM, SUB
+                )
+                b, sw = load_fp4_tile(w2, s2, rn, rk, kb, nmask, kmask, swn, ssn, I, DOT, BN, SUB)
+                acc = qdot(acc, a, sav, b, sw, DOT)
     if ROUND_BF16:
         acc = round_bf16(acc)
     tl.store(
@@ -463,6 +544,8 @@ def grouped_moe_w4a8_stages(
     cfg = config or default_moe_config(n * k, dot, D, I)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
+    if cfg.prefetch and dot == "fp8":
+        raise ValueError("MoEConfig.prefetch runs the bf16 and fp32 dot modes, not fp8")
     rows: MoERows = align_rows_fused(ids, expert_first, El, cfg.block_m)
     R = rows.rows
     dev = xq.device
@@ -473,7 +556,7 @@ def grouped_moe_w4a8_stages(
     c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
     g1, g3, g2 = _bytes(w1.scales), _bytes(w3.scales), _bytes(w2.scales)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
-    common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "PREFETCH": cfg.prefetch}
     if R:
         nb = R // cfg.block_m
         _gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n))](
