@@ -421,6 +421,12 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                 MoEConfig(16, 32, 64, 256, 4, 3, prefetch=True),
                 MoEConfig(16, 32, 64, 128, 4, 3, prefetch=True),
                 MoEConfig(16, 64, 64, 256, 4, 1, prefetch=True),
+                # even and odd lanes apart: two codes decoded per instruction, bf16 activations
+                MoEConfig(16, 32, 64, 256, 4, 3, pairs=True),
+                MoEConfig(16, 32, 64, 128, 4, 3, pairs=True),
+                MoEConfig(16, 64, 64, 256, 4, 3, pairs=True),
+                MoEConfig(16, 32, 64, 256, 2, 3, pairs=True),
+                MoEConfig(16, 32, 64, 128, 4, 3, prefetch=True, pairs=True),
             ],
             ("bf16", "prefill"): [
                 None,
@@ -429,6 +435,9 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                 MoEConfig(64, 64, 64, 128, 4, 3),
                 MoEConfig(128, 128, 128, 64, 8, 3, prefetch=True),
                 MoEConfig(64, 128, 128, 128, 8, 3, prefetch=True),
+                MoEConfig(128, 128, 128, 64, 8, 3, pairs=True),
+                MoEConfig(128, 128, 128, 128, 8, 3, pairs=True),
+                MoEConfig(64, 128, 128, 128, 8, 3, pairs=True),
             ],
         }
         for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
@@ -447,6 +456,7 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                         else (
                             f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
                             f"w{c.num_warps} s{c.num_stages}{' prefetch' if c.prefetch else ''}"
+                            f"{' pairs' if c.pairs else ''}"
                         )
                     )
                     fn = lambda c=c, a=(xq, xs, ids, wts), dot=dot: grouped_moe_w4a8(

@@ -103,14 +103,19 @@ def _fp4_experts(E: int, out: int, inp: int, seed: int):
     return QuantWeight(codes.to(torch.uint8).view(torch.int8).cuda(), scales.cuda(), "fp4")
 
 
-@pytest.mark.parametrize("dot", DOTS)
-def test_grouped_w4a8_equals_the_torch_grouped_moe(dot):
+@pytest.mark.parametrize("dot,pairs", [(d, False) for d in DOTS] + [("fp32", True), ("bf16", True)])
+def test_grouped_w4a8_equals_the_torch_grouped_moe(dot, pairs):
     """The float32 dot modes agree with the torch grouped MoE to summation order. The FP8 tensor
     cores' coarser in-block sums flip a few of the intermediate's E4M3 roundings (about 1e-3
     relative on the output, so no output tolerance separates that from a fault): there the
-    forced-decision check of ``tests/runtime/moe_forced.py`` decides."""
+    forced-decision check of ``tests/runtime/moe_forced.py`` decides. ``MoEConfig.pairs`` in
+    the bf16 mode decodes by inline PTX: its bits equal those of the same loop decoding by
+    Triton's operations."""
+    import dataclasses
+
     from tests.runtime.moe_forced import assert_forced_decisions, forced_decision_report
     from v41plan.model.quant import fake_fp8
+    from v41plan.runtime.kernels import triton_moe
     from v41plan.runtime.kernels.moe_torch import grouped_moe_torch
     from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8_stages, moe_combine
     from v41plan.runtime.kernels.triton_quant import act_quant_fp8
@@ -122,15 +127,27 @@ def test_grouped_w4a8_equals_the_torch_grouped_moe(dot):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).cuda()
     wts = torch.rand(N, k, generator=g).cuda()
     xq, xs = act_quant_fp8(x)
-    st = grouped_moe_w4a8_stages(xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, dot=dot)
+    cfg = dataclasses.replace(triton_moe.default_moe_config(N * k, dot, D, I), pairs=pairs)
+    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32)
+    st = grouped_moe_w4a8_stages(*args, dot=dot, config=cfg)
     got = moe_combine(st.y_rows, st.rows.pos, k)
+    if pairs and dot == "bf16":
+        triton_moe.PAIRS_ASM = False
+        try:
+            ops = grouped_moe_w4a8_stages(*args, dot=dot, config=cfg)
+        finally:
+            triton_moe.PAIRS_ASM = True
+        live = st.rows.row_ids >= 0
+        assert torch.equal(st.act[live], ops.act[live])
+        assert torch.equal(st.y_rows[live], ops.y_rows[live])
     deq = [w.dequantize(torch.float32) for w in (w1, w3, w2)]
     ref = grouped_moe_torch(fake_fp8(x, 32), ids, wts, *deq, 0, 10.0, impl="gather")
     err = _rel_fro(got, ref)
-    MEASURED[f"grouped w4a8 {dot} rel"] = err
+    tag = dot + (" pairs" if pairs else "")
+    MEASURED[f"grouped w4a8 {tag} rel"] = err
     acc = U_MOE_FP8 if dot == "fp8" else D * U_ACC[dot]
     report = forced_decision_report(xq, xs, ids, wts, w1, w3, w2, 10.0, st, got, acc)
-    MEASURED[f"grouped w4a8 {dot} forced"] = report
+    MEASURED[f"grouped w4a8 {tag} forced"] = report
     assert_forced_decisions(report)
     if dot != "fp8":
         assert err <= 1e-5

@@ -387,3 +387,93 @@ def test_prefetch_gives_the_same_bits(tiny):
     assert a.y_rows[live].abs().amax() > 0
     with pytest.raises(ValueError, match="prefetch"):
         grouped_moe_w4a8_stages(*args[:-1], "fp8", config=ahead)
+
+
+@triton.jit
+def _pair_tiles_kernel(
+    w_ptr, s_ptr, lo_ptr, hi_ptr, swn, ssn,
+    K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """``fp4_pairs``' operands at K offset ``program_id(0) * BK``: the even lanes' values to
+    ``lo [BN, K/2]`` and the odd lanes' to ``hi``, as float32."""
+    from v41plan.runtime.kernels.triton_moe import fp4_pairs, fp4_raw
+
+    k0 = tl.program_id(0) * BK
+    rn = tl.arange(0, BN)
+    p, fld = fp4_raw(w_ptr, s_ptr, rn, k0, rn < BN, swn, ssn, K, BK)
+    lo, hi = fp4_pairs(p, fld, ASM, tl.bfloat16, BN, BK)
+    rh = k0 // 2 + tl.arange(0, BK // 2)
+    at = rn[:, None] * (K // 2) + rh[None, :]
+    tl.store(lo_ptr + at, lo.to(tl.float32), mask=(rh < K // 2)[None, :])
+    tl.store(hi_ptr + at, hi.to(tl.float32), mask=(rh < K // 2)[None, :])
+
+
+@pytest.mark.parametrize("asm", [False, True] if DEV == "cuda" else [False])
+def test_pairs_operands_are_the_dequantized_weight_and_activation(asm):
+    """``MoEConfig.pairs``' operands: every byte value's low and high nibble under scale fields
+    from 2**-120 to 2**1 (the ``E2M1_PAIRS_ASM`` decode on CUDA, Triton's operations elsewhere) are
+    the dequantized weight's even and odd lanes exactly, a partial last K tile included; the
+    deinterleaved activation rows are the FP8 activations' values exactly."""
+    from v41plan.model.quant import QuantWeight, e8m0_encode, fake_fp8
+    from v41plan.runtime.kernels.triton_moe import deinterleave_fp8
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    N, K, BK = 32, 160, 128
+    g = torch.Generator().manual_seed(23)
+    codes = torch.arange(N * K // 2, dtype=torch.int32).reshape(N, K // 2) % 256
+    codes = codes[:, torch.randperm(K // 2, generator=g)].to(torch.uint8)
+    field = torch.randint(-40, 2, (N, K // 32), generator=g)
+    field[0, 0], field[1, 0] = -120, 1  # the ends (values stay normal floats), and 2
+    scales = e8m0_encode(torch.pow(2.0, field.to(torch.float32)))
+    want = QuantWeight(codes.view(torch.int8), scales, "fp4").dequantize(torch.float32)
+    c8, s8 = codes.to(DEV), scales.view(torch.uint8).to(DEV)
+    lo = torch.full((N, K // 2), float("nan"), device=DEV)
+    hi = torch.full((N, K // 2), float("nan"), device=DEV)
+    _pair_tiles_kernel[(triton.cdiv(K, BK),)](
+        c8, s8, lo, hi, c8.stride(0), s8.stride(0), K=K, BN=N, BK=BK, ASM=asm
+    )
+    assert torch.equal(lo.cpu(), want[:, 0::2]) and torch.equal(hi.cpu(), want[:, 1::2])
+    x = torch.randn(5, K, generator=g) * torch.logspace(-3, 3, K)
+    xq, xs = act_quant_fp8(x.to(DEV))
+    xb = deinterleave_fp8(xq, xs).cpu().float()
+    ref = fake_fp8(x, 32)
+    assert torch.equal(xb, torch.cat([ref[:, 0::2], ref[:, 1::2]], dim=1))
+
+
+def test_pairs_mode_matches_the_torch_moe_and_its_prefetch_gives_the_same_bits(tiny):
+    """``MoEConfig.pairs`` (each K step as its even and odd lanes' dots) against the torch
+    grouped MoE (float32 summation order only) and the forced-decision check; with
+    ``prefetch`` too, the same bits."""
+    from tests.runtime.moe_forced import forced_decision_report
+    from v41plan.runtime.kernels.triton_moe import (
+        MoEConfig,
+        grouped_moe_w4a8_stages,
+        moe_combine,
+    )
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    cfg, _w64, res = tiny
+    w1, w3, w2 = (res[f"{LAYER}.ffn.experts.{n}"].to(DEV) for n in ("w1", "w3", "w2"))
+    n, k = 11, cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(37)
+    x = torch.randn(n, cfg.hidden_size, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(w1.shape[0], generator=g)[:k] for _ in range(n)]).to(DEV)
+    wts = torch.rand(n, k, generator=g).to(DEV)
+    xq, xs = act_quant_fp8(x)
+    pairs = MoEConfig(16, 32, 32, 32, num_warps=1, num_stages=1, pairs=True)
+    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, "fp32")
+    st = grouped_moe_w4a8_stages(*args, config=pairs)
+    out = moe_combine(st.y_rows, st.rows.pos, k)
+    r = forced_decision_report(
+        xq, xs, ids, wts, w1, w3, w2, 10.0, st, out, cfg.hidden_size * 2.0**-24
+    )
+    assert (r["bad_lanes"], r["bad_scales"]) == (0, 0), r
+    assert r["y_rows error/bound"] <= 1.0 and r["combined error/bound"] <= 1.0, r
+    plain = grouped_moe_w4a8_stages(*args, config=dataclasses.replace(pairs, pairs=False))
+    assert _rel(out, moe_combine(plain.y_rows, plain.rows.pos, k)) <= 1e-5
+    ahead = grouped_moe_w4a8_stages(*args, config=dataclasses.replace(pairs, prefetch=True))
+    live = st.rows.row_ids >= 0
+    assert torch.equal(st.act[live], ahead.act[live])
+    assert torch.equal(st.y_rows[live], ahead.y_rows[live])
+    with pytest.raises(ValueError, match="pairs"):
+        grouped_moe_w4a8_stages(*args[:-1], "fp8", config=pairs)

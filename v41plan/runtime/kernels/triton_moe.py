@@ -65,6 +65,13 @@ class MoEConfig:
     are loaded one step ahead, into registers, so their latency overlaps the step before
     (Triton pipelines only loads that feed a dot directly; these feed the decode first). The
     same arithmetic."""
+    pairs: bool = False
+    """Each K step as two dots, over its even and its odd lanes: the weight operands are the
+    packed bytes' low and high nibbles, decoded in place (on CUDA in the bf16 mode two codes
+    per 32-bit instruction, ``E2M1_PAIRS_ASM``), and the activations are bf16 rows stored
+    deinterleaved (``deinterleave_fp8`` before the launch; the gate/up epilogue writes the
+    intermediate so too), so nothing is interleaved or decoded twice. The same products; the
+    float32 sums in another order."""
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -93,6 +100,10 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         return MoEConfig(128, 128, 128, 64, num_warps=8, num_stages=3)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
+
+PAIRS_ASM = True
+"""``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
+``E4M3_PAIRS_ASM``; False: by Triton's operations (the same values; a test compares them)."""
 
 ALIGN_MAX_ROWS = 4096
 """Routed rows (``N * k``) up to which ``align_rows_fused`` permutes in one Triton program;
@@ -223,6 +234,129 @@ def fp8_rows_bf16(bits, fld, BM: tl.constexpr, BK: tl.constexpr):
     )
 
 
+E2M1_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, u, c, n;
+mov.b32 c, 0x7E807E80;
+mov.b32 n, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 u, t0, 0x000F000F;
+mul.lo.u32 u, u, 0x1040;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 u, u, c, n;
+fma.rn.bf16x2 $0, u, $5, n;
+and.b32 u, t1, 0x000F000F;
+mul.lo.u32 u, u, 0x1040;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 u, u, c, n;
+fma.rn.bf16x2 $1, u, $6, n;
+and.b32 u, t0, 0x00F000F0;
+mul.lo.u32 u, u, 0x0104;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 u, u, c, n;
+fma.rn.bf16x2 $2, u, $5, n;
+and.b32 u, t1, 0x00F000F0;
+mul.lo.u32 u, u, 0x0104;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 u, u, c, n;
+fma.rn.bf16x2 $3, u, $6, n;
+}
+""")
+"""Four packed E2M1 bytes ($4) and their bf16 block scales ($5, $6) -> the low nibbles' values
+($0, $1) and the high nibbles' ($2, $3), bf16 pairs. ``prmt`` puts two bytes in the two 16-bit
+halves; one multiply by ``2**6 + 2**12`` (``2**2 + 2**8`` for the high nibble) of the masked
+nibble copies it to two places that cannot carry into each other, and a mask keeps the sign at
+bit 15 and the exponent and mantissa bits at bf16's lowest exponent bits and top mantissa bit:
+the code's value times ``2**-126`` (the subnormal 0.5 as bf16's subnormal ``2**-127``). Two exact
+multiplies (``fma`` with -0) by ``2**126`` and by the scale follow: three integer and two float
+instructions per pair of codes."""
+
+
+@triton.jit
+def e8m0_bf16(field):
+    """E8M0 bytes -> their bf16 powers of two (0 for byte 0, as ``e8m0_value``)."""
+    return (field.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def lane_scales(fld, R: tl.constexpr, BK: tl.constexpr):
+    """E8M0 bytes ``[R, BK/32]`` -> each lane pair's bf16 scale ``[R, BK/2]``."""
+    sc = e8m0_bf16(fld)
+    return tl.reshape(tl.broadcast_to(sc[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
+
+
+@triton.jit
+def fp4_pairs(p, fld, ASM: tl.constexpr, OPND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``fp4_raw``'s tile as two operands ``[BN, BK/2]``: the even lanes' values (low nibbles)
+    and the odd lanes' (high nibbles), times their block scales (exact)."""
+    sc = lane_scales(fld, BN, BK)
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [p, sc], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        lo8, hi8 = e2m1_pair_bytes(p)
+        s = sc.to(tl.float32) * 64.0
+        lo = (lo8.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(OPND)
+        hi = (hi8.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(OPND)
+    return lo, hi
+
+
+@triton.jit
+def deinterleaved_rows(xb_ptr, rows, k0, rmask, sxm, K: tl.constexpr, BK: tl.constexpr):
+    """Lanes ``k0 .. k0 + BK`` of bf16 rows stored deinterleaved (``deinterleave_fp8``: the
+    even lanes, then the odd ones): (even lanes ``[BM, BK/2]``, odd lanes); zeros past ``K``."""
+    rp = k0 // 2 + tl.arange(0, BK // 2)
+    m = rmask[:, None] & (rp < K // 2)[None, :]
+    at = xb_ptr + rows[:, None] * sxm + rp[None, :]
+    return tl.load(at, mask=m, other=0.0), tl.load(at + K // 2, mask=m, other=0.0)
+
+
+@triton.jit
+def _deinterleave_kernel(xq_ptr, xs_ptr, out_ptr, sxm, sxsm, som, D: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    """One row's ``BLOCK`` lane pairs of FP8 activations (E4M3 bytes, E8M0 per 32) as their
+    bf16 values, the even lanes to ``out[:, :D/2]`` and the odd ones to ``out[:, D/2:]``."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < D // 2
+    ev = tl.load(xq_ptr + row * sxm + 2 * j, mask=m, other=0)
+    od = tl.load(xq_ptr + row * sxm + 2 * j + 1, mask=m, other=0)
+    sc = e8m0_value(tl.load(xs_ptr + row * sxsm + j // 16, mask=m, other=0))
+    ev = ev.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
+    od = od.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
+    tl.store(out_ptr + row * som + j, ev.to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + row * som + D // 2 + j, od.to(tl.bfloat16), mask=m)
+
+
+def deinterleave_fp8(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    """FP8 activations ``[N, D]`` (E4M3, E8M0 ``[N, D/32]``) as bf16 ``[N, D]`` with the even
+    lanes first and the odd ones after (exact values): ``MoEConfig.pairs``' operand rows."""
+    n, d = xq.shape
+    out = torch.empty((n, d), dtype=torch.bfloat16, device=xq.device)
+    if n:
+        xq8, xs8 = _bytes(xq), _bytes(xs)
+        block = min(1024, triton.next_power_of_2(d // 2))
+        _deinterleave_kernel[(n, triton.cdiv(d // 2, block))](
+            xq8, xs8, out, xq8.stride(0), xs8.stride(0), out.stride(0), D=d, BLOCK=block
+        )
+    return out
+
+
+@triton.jit
+def pair_dot(acc, ev, od, lo, hi, DOT: tl.constexpr):
+    """``acc + ev @ lo^T + od @ hi^T``: a K step as its even and odd lanes' dots."""
+    if DOT == 1:
+        acc = tl.dot(ev, tl.trans(lo), acc)
+        acc = tl.dot(od, tl.trans(hi), acc)
+    else:
+        acc = tl.dot(ev, tl.trans(lo), acc, input_precision="ieee")
+        acc = tl.dot(od, tl.trans(hi), acc, input_precision="ieee")
+    return acc
+
+
 @triton.jit
 def load_fp4_tile(
     w_ptr,
@@ -284,6 +418,8 @@ def _gate_up_kernel(
     rw_ptr,
     act_ptr,
     acts_ptr,
+    xb_ptr,
+    actb_ptr,
     limit,
     sx,
     sxs,
@@ -293,6 +429,8 @@ def _gate_up_kernel(
     ssn,
     sa,
     sas,
+    sxb,
+    sab,
     D: tl.constexpr,
     I: tl.constexpr,
     TOPK: tl.constexpr,
@@ -302,6 +440,8 @@ def _gate_up_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
     weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32)."""
@@ -322,7 +462,31 @@ def _gate_up_kernel(
     s3 = s3_ptr + g.to(tl.int64) * sse
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    if PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
+    if PAIRS:  # even and odd lanes apart (MoEConfig.pairs)
+        OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
+        if PREFETCH:
+            ev, od = deinterleaved_rows(xb_ptr, tok, 0, valid, sxb, D, BK)
+            p1, f1 = fp4_raw(w1, s1, rn, 0, nmask, swn, ssn, D, BK)
+            p3, f3 = fp4_raw(w3, s3, rn, 0, nmask, swn, ssn, D, BK)
+            for k0 in range(0, D, BK):
+                nev, nod = deinterleaved_rows(xb_ptr, tok, k0 + BK, valid, sxb, D, BK)
+                np1, nf1 = fp4_raw(w1, s1, rn, k0 + BK, nmask, swn, ssn, D, BK)
+                np3, nf3 = fp4_raw(w3, s3, rn, k0 + BK, nmask, swn, ssn, D, BK)
+                lo, hi = fp4_pairs(p1, f1, ASM, OPND, BN, BK)
+                acc1 = pair_dot(acc1, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+                lo, hi = fp4_pairs(p3, f3, ASM, OPND, BN, BK)
+                acc3 = pair_dot(acc3, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+                ev, od, p1, f1, p3, f3 = nev, nod, np1, nf1, np3, nf3
+        else:
+            for k0 in range(0, D, BK):
+                ev, od = deinterleaved_rows(xb_ptr, tok, k0, valid, sxb, D, BK)
+                p1, f1 = fp4_raw(w1, s1, rn, k0, nmask, swn, ssn, D, BK)
+                lo, hi = fp4_pairs(p1, f1, ASM, OPND, BN, BK)
+                acc1 = pair_dot(acc1, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+                p3, f3 = fp4_raw(w3, s3, rn, k0, nmask, swn, ssn, D, BK)
+                lo, hi = fp4_pairs(p3, f3, ASM, OPND, BN, BK)
+                acc3 = pair_dot(acc3, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+    elif PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
         OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
         none = tl.zeros([BM], dtype=tl.float32)
         ab, af = fp8_rows_raw(xq_ptr, xs_ptr, tok, 0, valid, sx, sxs, D, BK)
@@ -356,6 +520,15 @@ def _gate_up_kernel(
     rb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
     bmask = (rb < I // 32)[None, :]
     tl.store(acts_ptr + rr[:, None] * sas + rb[None, :], field.to(tl.uint8), mask=bmask)
+    if PAIRS:  # the down GEMM's operand: these codes' values, even lanes then odd ones
+        v = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v = tl.reshape(tl.reshape(v, [BM, BN // 32, 32]) * e8m0_value(field)[:, :, None], [BM, BN])
+        ev, od = tl.split(tl.reshape(v.to(tl.bfloat16), [BM, BN // 2, 2]))
+        rh = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        at = actb_ptr + rr[:, None] * sab + rh[None, :]
+        hmask = (rh < I // 2)[None, :]
+        tl.store(at, ev, mask=hmask)
+        tl.store(at + I // 2, od, mask=hmask)
 
 
 @triton.jit
@@ -366,6 +539,7 @@ def _down_kernel(
     s2_ptr,
     bexp_ptr,
     y_ptr,
+    actb_ptr,
     sa,
     sas,
     swe,
@@ -373,6 +547,7 @@ def _down_kernel(
     sse,
     ssn,
     sy,
+    sab,
     D: tl.constexpr,
     I: tl.constexpr,
     ROUND_BF16: tl.constexpr,
@@ -381,6 +556,8 @@ def _down_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
     stored in ``y``'s dtype (the compute dtype's rounding of a linear output)."""
@@ -396,7 +573,24 @@ def _down_kernel(
     w2 = w2_ptr + g.to(tl.int64) * swe
     s2 = s2_ptr + g.to(tl.int64) * sse
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
+    if PAIRS:  # even and odd lanes apart (MoEConfig.pairs)
+        OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
+        if PREFETCH:
+            ev, od = deinterleaved_rows(actb_ptr, rr, 0, rmask, sab, I, BK)
+            p2, f2 = fp4_raw(w2, s2, rn, 0, nmask, swn, ssn, I, BK)
+            for k0 in range(0, I, BK):
+                nev, nod = deinterleaved_rows(actb_ptr, rr, k0 + BK, rmask, sab, I, BK)
+                np2, nf2 = fp4_raw(w2, s2, rn, k0 + BK, nmask, swn, ssn, I, BK)
+                lo, hi = fp4_pairs(p2, f2, ASM, OPND, BN, BK)
+                acc = pair_dot(acc, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+                ev, od, p2, f2 = nev, nod, np2, nf2
+        else:
+            for k0 in range(0, I, BK):
+                ev, od = deinterleaved_rows(actb_ptr, rr, k0, rmask, sab, I, BK)
+                p2, f2 = fp4_raw(w2, s2, rn, k0, nmask, swn, ssn, I, BK)
+                lo, hi = fp4_pairs(p2, f2, ASM, OPND, BN, BK)
+                acc = pair_dot(acc, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+    elif PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
         OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
         none = tl.zeros([BM], dtype=tl.float32)
         ab, af = fp8_rows_raw(act_ptr, acts_ptr, rr, 0, rmask, sa, sas, I, BK)
@@ -544,8 +738,8 @@ def grouped_moe_w4a8_stages(
     cfg = config or default_moe_config(n * k, dot, D, I)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
-    if cfg.prefetch and dot == "fp8":
-        raise ValueError("MoEConfig.prefetch runs the bf16 and fp32 dot modes, not fp8")
+    if (cfg.prefetch or cfg.pairs) and dot == "fp8":
+        raise ValueError("MoEConfig.prefetch and .pairs run the bf16 and fp32 dot modes, not fp8")
     rows: MoERows = align_rows_fused(ids, expert_first, El, cfg.block_m)
     R = rows.rows
     dev = xq.device
@@ -553,10 +747,18 @@ def grouped_moe_w4a8_stages(
     acts = torch.empty((R, I // QUANT_BLOCK), dtype=torch.uint8, device=dev)
     y_rows = torch.empty((R, D), dtype=dtype, device=dev)
     xq8, xs8 = _bytes(xq), _bytes(xs)
+    if cfg.pairs:
+        xb = deinterleave_fp8(xq, xs)
+        actb = torch.empty((R, I), dtype=torch.bfloat16, device=dev)
+    else:  # not read
+        xb, actb = y_rows, y_rows
     c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
     g1, g3, g2 = _bytes(w1.scales), _bytes(w3.scales), _bytes(w2.scales)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "PREFETCH": cfg.prefetch}
+    common.update(
+        PAIRS=cfg.pairs, ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM
+    )
     if R:
         nb = R // cfg.block_m
         _gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n))](
@@ -571,6 +773,8 @@ def grouped_moe_w4a8_stages(
             rw,
             act,
             acts,
+            xb,
+            actb,
             float(limit),
             xq8.stride(0),
             xs8.stride(0),
@@ -580,6 +784,8 @@ def grouped_moe_w4a8_stages(
             g1.stride(1),
             act.stride(0),
             acts.stride(0),
+            xb.stride(0),
+            actb.stride(0),
             D=D,
             I=I,
             TOPK=k,
@@ -597,6 +803,7 @@ def grouped_moe_w4a8_stages(
             g2,
             rows.block_expert,
             y_rows,
+            actb,
             act.stride(0),
             acts.stride(0),
             c2.stride(0),
@@ -604,6 +811,7 @@ def grouped_moe_w4a8_stages(
             g2.stride(0),
             g2.stride(1),
             y_rows.stride(0),
+            actb.stride(0),
             D=D,
             I=I,
             ROUND_BF16=dtype == torch.bfloat16,
