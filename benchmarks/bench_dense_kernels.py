@@ -2,7 +2,7 @@
 
     python benchmarks/bench_dense_kernels.py [--tokens 1,64,2048] [--budget-s 90] [--out F]
 
-At the MEDIUM widths (hidden, hc, Sinkhorn iterations and eps from ``specs/medium.yaml``;
+At the MEDIUM widths (``--spec`` picks others: hidden, hc, Sinkhorn iterations and eps from ``specs/medium.yaml``;
 streams in bf16, mHC parameters in float32, random values) each op runs three ways: the eager
 torch composition (``v41plan.runtime.kernels.dense_ref``), ``torch.compile`` of that
 composition (Inductor, ``fullgraph=True``) and the Triton kernel
@@ -236,6 +236,7 @@ def _ops(cfg, ref, td, Q, HcParams, dev: str = "cuda"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="medium", help="the widths: medium, flash_slice or a YAML")
     ap.add_argument("--tokens", default="1,64,2048", help="token counts (decode batches, prefill)")
     ap.add_argument("--ops", default=None, help="comma list of ops (default: all)")
     ap.add_argument("--budget-s", type=float, default=90.0, help="wall-clock bound of the run")
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
     from v41plan.runtime.kernels import triton_dense as td
 
     torch._dynamo.config.cache_size_limit = 64
-    cfg = config_from_cache_spec(load_spec())
+    cfg = config_from_cache_spec(load_spec(args.spec))
     bw = copy_bandwidth_bytes_per_s()
     ops = _ops(cfg, ref, td, Q, HcParams)
     names = args.ops.split(",") if args.ops else list(ops)
@@ -324,6 +325,7 @@ def main(argv=None) -> int:
         "triton": triton.__version__,
         "commit": _commit(args.commit),
         "provenance": provenance(),
+        "spec": args.spec,
         "copy_bytes_per_s": bw,
         "dtype": "bfloat16 streams, float32 mHC parameters",
         "hidden": cfg.hidden_size,
