@@ -3,8 +3,8 @@
     python benchmarks/bench_dense_kernels.py [--tokens 1,64,2048] [--budget-s 90] [--out F]
 
 At the MEDIUM widths (hidden, hc, Sinkhorn iterations and eps from ``specs/medium.yaml``, or
-``--spec``'s; streams in bf16, mHC parameters in float32, random values) each op runs three ways: the eager
-torch composition (``v41plan.runtime.kernels.dense_ref``), ``torch.compile`` of that
+``--spec``'s; streams in bf16, mHC parameters in float32, random values) each op runs three
+ways: the eager torch composition (``v41plan.runtime.kernels.dense_ref``), ``torch.compile`` of that
 composition (Inductor, ``fullgraph=True``) and the Triton kernel
 (``v41plan.runtime.kernels.triton_dense``), at decode batch 1 and 64 and a 2048-token prefill:
 
