@@ -360,7 +360,9 @@ def _sweep_row(rows: list, name: str, fn, floor_ms: float, config, deadline: flo
         traceback.print_exc()
 
 
-def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) -> None:
+def sweep_rows(
+    cfg, ceil, rows: list, deadline: float, parts=("w8a8", "w8a8_decode", "moe")
+) -> None:
     """Tiles and splits against the defaults (``--sweep``): the W8A8 linear at prefill shapes
     (pre-quantized input) over tiles, at decode shapes with the default split-K against none,
     and the routed experts (``grouped_moe_w4a8``) at decode 1 / 64 and an 8K prefill over
@@ -383,18 +385,16 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
     tiles = [
         None,
         GemmConfig(128, 128, 64, 8, 4),
-        GemmConfig(128, 128, 128, 8, 3),
-        GemmConfig(128, 256, 64, 8, 3),
-        GemmConfig(128, 256, 128, 4, 3),
-        GemmConfig(256, 128, 64, 8, 3),
-        GemmConfig(64, 128, 128, 4, 4),
+        # operand tiles by TMA descriptors (one 32-lane block a step)
+        GemmConfig(128, 128, 32, 8, 4, tma=True),
+        GemmConfig(128, 128, 32, 8, 6, tma=True),
+        GemmConfig(128, 64, 32, 4, 4, tma=True),
+        GemmConfig(64, 128, 32, 4, 4, tma=True),
+        GemmConfig(128, 64, 32, 4, 6, tma=True),
+        GemmConfig(64, 64, 32, 4, 4, tma=True),
     ]
     # bf16 operands: the block scales applied to the decoded tiles, one dot per K step
-    bf16_tiles = [
-        None,
-        GemmConfig(128, 128, 128, 8, 3),
-        GemmConfig(128, 128, 32, 8, 3),
-    ]
+    bf16_tiles = [None]
 
     def moe_sweep() -> None:
         res, _ = _moe_layer(cfg)
@@ -402,13 +402,8 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
         E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
         moe_tiles = {  # (dot mode, decode or prefill): tiles
-            ("fp8", "decode"): [
-                None,
-                MoEConfig(16, 64, 64, 128, 4, 3),
-                MoEConfig(16, 32, 64, 256, 4, 3),
-                MoEConfig(16, 32, 32, 128, 2, 4),
-            ],
-            ("fp8", "prefill"): [None, MoEConfig(64, 256, 128, 64, 8, 3)],
+            ("fp8", "decode"): [None],
+            ("fp8", "prefill"): [None],
             # bf16 operands: the scales applied to the decoded tiles, one dot per K step
             ("bf16", "decode"): [
                 None,
@@ -419,8 +414,6 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                 # raw tiles loaded a K step ahead (the decode's loads feed the FP4 decode, not
                 # the dot, so the pipeliner leaves them alone)
                 MoEConfig(16, 32, 64, 256, 4, 3, prefetch=True),
-                MoEConfig(16, 32, 64, 128, 4, 3, prefetch=True),
-                MoEConfig(16, 64, 64, 256, 4, 1, prefetch=True),
                 # even and odd lanes apart: two codes decoded per instruction, bf16 activations
                 MoEConfig(16, 32, 64, 256, 4, 3, pairs=True),
                 MoEConfig(16, 32, 64, 128, 4, 3, pairs=True),
@@ -479,11 +472,12 @@ def sweep_rows(cfg, ceil, rows: list, deadline: float, parts=("w8a8", "moe")) ->
                     "{}"
                     if c is None
                     else f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                    + (" tma" if c.tma else "")
                 )
                 fn = lambda a=(xq, wc, ws, torch.bfloat16, xs, dot), c=c: w8a8_linear(*a, config=c)
                 name_ = f"sweep w8a8 {name} M={M} prequant {dot} {tag}"
                 _sweep_row(rows, name_, fn, floor_ms, c, deadline)
-    for name, (N, K) in shapes.items() if "w8a8" in parts else ():
+    for name, (N, K) in shapes.items() if "w8a8_decode" in parts else ():
         wc, ws = _fp8_weight(N, K)
         wbytes = wc.numel() + ws.numel()
         for Md in (1, 64):
@@ -504,7 +498,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sweep", action="store_true", help="also tiles and splits against the defaults"
     )
-    ap.add_argument("--sweep-parts", default="w8a8,moe", help="the sweep's parts: w8a8, moe")
+    ap.add_argument(
+        "--sweep-parts",
+        default="w8a8,w8a8_decode,moe",
+        help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), moe",
+    )
     ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

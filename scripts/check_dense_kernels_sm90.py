@@ -104,10 +104,11 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
 
 
 def _gemm_variants(hidden: int) -> list:
-    """The W8A8 linear (decode tiles, split-K and the prefill tile) and the shared expert's
-    gate/up with their split sums, the grouped MoE's two GEMMs in the fp8 and bf16 modes at
-    wide K steps (the fp8 mode's 32-lane blocks unrolled) and with the raw tiles loaded a step
-    ahead and with even and odd lanes apart (the packed decode), and the one-program permutation."""
+    """The W8A8 linear (decode tiles, split-K, the prefill tile by pointers and by TMA) and the
+    shared expert's gate/up with their split sums, the grouped MoE's two GEMMs in the fp8 and
+    bf16 modes at wide K steps (the fp8 mode's 32-lane blocks unrolled) and with the raw tiles
+    loaded a step ahead and with even and odd lanes apart (the packed decode), and the
+    one-program permutation."""
     from v41plan.runtime.kernels import triton_gemm as tg
     from v41plan.runtime.kernels import triton_moe as tm
 
@@ -138,6 +139,17 @@ def _gemm_variants(hidden: int) -> list:
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // bk) * bk})
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 bk={bk}{name}", tg._w8a8_kernel, sig, cx, warps))
+    for rope in (False, True):  # the prefill tile by TMA descriptors, plain and with RoPE
+        sig = {"x_desc": "tensordesc<fp8e4nv[128, 32]>", "xs_ptr": "*u8"}
+        sig.update({"w_desc": "tensordesc<fp8e4nv[128, 32]>", "ws_ptr": "*u8"})
+        sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+        sig.update({"M": i32, "N": i32, "K": "constexpr"})
+        sig.update(dict.fromkeys(("sxsm", "swsn", "sym", "scm"), i32))
+        cx = {"K": hidden, "DOT": 2, "OUT_BF16": True, "HEAD_D": 512 if rope else 0}
+        cx.update({"ROPE_D": 64 if rope else 0, "BM": 128, "BN": 128, "GROUP_M": 8})
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        name = f"w8a8 tma 128x128{' rope' if rope else ''}"
+        out.append((name, tg._w8a8_tma_kernel, sig, cx, 8))
     sig = {"part_ptr": "*fp32", "y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     sig.update(dict.fromkeys(("M", "N", "sym", "scm"), i32))
     cx = {"S": 4, "OUT_BF16": True, "HEAD_D": 512, "ROPE_D": 64, "BM": 16, "BN": 128}

@@ -5,7 +5,7 @@
 # Triton kernels, compiled dense pieces), an 8K prefill with decoder replay on and off, and the
 # W8A8 linear / grouped W4A8 MoE benchmark; optional steps: "kernels" (the GPU tests of the
 # quantized GEMMs, the grouped MoE and the mHC sites), "sweep" (the grouped MoE's tile and mode
-# sweep alone, $OUT/bench_gemm_moe_sweep.json) and "sites" (the mHC site forms at flash widths,
+# sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json) and "sites" (the mHC site forms at flash widths,
 # $OUT/bench_dense_flash_sites.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
@@ -33,12 +33,12 @@ run() {  # name, time limit in seconds, command...
 echo "provenance: $(python3 -m v41plan.validation.provenance)"
 if has kernels; then
     run kernels-resident 200 python3 -m pytest -q tests/gpu/test_resident_gpu.py -k "grouped or w8a8"
-    run kernels-moe 150 python3 -m pytest -q tests/runtime/test_grouped_moe.py
+    run kernels-moe 150 python3 -m pytest -q tests/runtime/test_grouped_moe.py tests/runtime/test_triton_gemm.py
     run kernels-sites 150 python3 -m pytest -q tests/gpu/test_triton_dense_gpu.py -k "split or site"
 fi
 if has sweep; then
     run sweep 300 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --sweep --no-main \
-        --sweep-parts moe --budget-s 250 --out "$OUT/bench_gemm_moe_sweep.json"
+        --sweep-parts moe,w8a8 --budget-s 250 --out "$OUT/bench_gemm_moe_sweep.json"
 fi
 if has sites; then
     run sites 120 python3 benchmarks/bench_dense_kernels.py --spec flash_slice --tokens 1,16,32,64 \

@@ -90,6 +90,33 @@ def test_w8a8_within_the_bound(dot, M):
     assert ratio <= 1.0
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_w8a8_tma_prefill_tile_is_the_pointer_kernel_bit_for_bit(monkeypatch, rope):
+    """The prefill dispatch to ``GemmConfig.tma`` (``PREFILL_TMA_TILE``) at a flash-width
+    shape: the pointer kernel's sums at ``block_k = 32``, bit for bit, in the FP8 mode."""
+    from v41plan.model.quant import quantize_fp8_weight
+    from v41plan.runtime.kernels import triton_gemm as tg
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    g = torch.Generator().manual_seed(7)
+    M, N, K, d = 1000, 2560, 1280, 512  # partial row and lane tiles
+    xq, xs = act_quant_fp8((torch.randn(M, K, generator=g) * 3).cuda())
+    wc, ws = (t.cuda() for t in quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.02))
+    kw = {"x_scales": xs, "dot": "fp8"}
+    if rope:
+        ang = torch.rand(M, 32, generator=g).cuda() * 6.3
+        kw["rope"] = (torch.cos(ang), torch.sin(ang), d)
+    want = tg.w8a8_linear(
+        xq, wc, ws, torch.bfloat16, config=tg.GemmConfig(128, 128, 32, 8, 4), **kw
+    )
+    for tile in (
+        tg.GemmConfig(128, 128, 32, 8, 4, tma=True),
+        tg.GemmConfig(128, 64, 32, 4, 4, tma=True),
+    ):
+        monkeypatch.setattr(tg, "PREFILL_TMA_TILE", tile)
+        assert torch.equal(tg.w8a8_linear(xq, wc, ws, torch.bfloat16, **kw), want)
+
+
 def _fp4_experts(E: int, out: int, inp: int, seed: int):
     """Random FP4 experts drawn in their storage format: uniform codes, per-32 scales within
     two binades of the power of two that gives RMS ``inp**-0.5``."""

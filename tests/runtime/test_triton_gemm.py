@@ -138,6 +138,49 @@ def test_rope_epilogue_is_the_linear_then_rope_bit_for_bit(dtype):
     assert not lanes[: d - rd].any() and lanes[d - rd :].any()
 
 
+@pytest.mark.parametrize("dot", [d for d in DOTS if d != "bf16"])
+def test_tma_tiles_give_the_pointer_kernels_sums_bit_for_bit(dot):
+    """``GemmConfig.tma`` (operand tiles by TMA descriptors, scales a block ahead, the weight's
+    broadcast from one byte per 32 rows): the pointer kernel's result at ``block_k = 32``, bit
+    for bit, with partial row, lane and 32-row scale blocks, and with the RoPE epilogue."""
+    M, heads, d, rd, K = 70, 3, 64, 16, 160
+    N = heads * d - 16  # 176: a partial 32-row scale block and a partial lane tile
+    x = _activations(M, K, 21).to(DEV)
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(22)) * 0.05
+    w[:, 64:96] *= 300.0
+    wc, ws = quantize_fp8_weight(w)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    xq, xs = act_quant_fp8(x)
+    warps = 1 if DEV == "cpu" else 4
+    ptr = GemmConfig(64, 64, 32, num_warps=warps, num_stages=1)
+    tma = GemmConfig(64, 64, 32, num_warps=warps, num_stages=3, tma=True)
+    for out in (torch.float32, torch.bfloat16):
+        want = w8a8_linear(xq, wc, ws, out, x_scales=xs, dot=dot, config=ptr)
+        got = w8a8_linear(xq, wc, ws, out, x_scales=xs, dot=dot, config=tma)
+        assert torch.equal(got, want)
+    wr, wrs = quantize_fp8_weight(torch.randn(heads * d, K) * 0.05)
+    wr, wrs = wr.to(DEV), wrs.to(DEV)
+    cos, sin = _rope_tables(M, rd, 23)
+    kw = {"x_scales": xs, "dot": dot, "rope": (cos, sin, d)}
+    want = w8a8_linear(xq, wr, wrs, torch.bfloat16, config=ptr, **kw)
+    assert torch.equal(w8a8_linear(xq, wr, wrs, torch.bfloat16, config=tma, **kw), want)
+    assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), dot, 2.0**-8) <= 1.0
+
+
+def test_tma_tiles_refuse_what_they_do_not_read():
+    x = _activations(8, 64, 24).to(DEV)
+    wc, ws = quantize_fp8_weight(torch.randn(64, 64) * 0.05)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    xq, xs = act_quant_fp8(x)
+    tma = GemmConfig(64, 64, 32, num_warps=1, num_stages=1, tma=True)
+    with pytest.raises(ValueError, match="pre-quantized"):
+        w8a8_linear(x, wc, ws, config=tma)  # quantized in the prologue
+    with pytest.raises(ValueError, match="block_k"):
+        w8a8_linear(xq, wc, ws, x_scales=xs, config=GemmConfig(64, 64, 64, tma=True))
+    with pytest.raises(ValueError, match="block_n"):
+        w8a8_linear(xq, wc, ws, x_scales=xs, config=GemmConfig(64, 48, 32, tma=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_input_is_read_in_place(dtype):
     """``x [M, G, K/G]`` with any row and group strides (the transposed ``[G, M, K/G]`` product

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
@@ -66,6 +67,11 @@ class GemmConfig:
     ``block_k`` steps); a second launch sums their float32 partials in split order (no atomics,
     the same bits every run) and applies the epilogue. For few rows and a long K: a decode
     launch's output tiles alone are too few programs to stream the weight."""
+    tma: bool = False
+    """Read the operand tiles by tensor-memory (TMA) descriptors (``_w8a8_tma_kernel``): no
+    per-element address or mask arithmetic, tiles land in shared memory ready for the tensor
+    cores. Pre-quantized, ungrouped input, one K split, ``block_k`` 32, ``block_n`` a multiple
+    of 32, the ``"fp8"`` or ``"fp32"`` mode; the same sums as without it."""
 
 
 SPLIT_MIN_LANES = 512
@@ -251,9 +257,9 @@ def swiglu_fp8(acc1, acc3, limit, rw, ROUND_BF16: tl.constexpr, BM: tl.constexpr
 
 
 @triton.jit
-def tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row ids ``[BM]``, lane ids ``[BN]``) of this program's output tile, row tiles walked
-    ``GROUP_M`` at a time so that a weight tile is read from L2 while it is hot."""
+def tile_origin(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(first row, first lane) of this program's output tile, row tiles walked ``GROUP_M`` at
+    a time so that a weight tile is read from L2 while it is hot."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -262,7 +268,14 @@ def tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    return pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN)
+    return pid_m * BM, pid_n * BN
+
+
+@triton.jit
+def tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row ids ``[BM]``, lane ids ``[BN]``) of ``tile_origin``'s tile."""
+    m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
+    return m0 + tl.arange(0, BM), n0 + tl.arange(0, BN)
 
 
 @triton.jit
@@ -391,6 +404,50 @@ def _w8a8_kernel(
 
 
 @triton.jit
+def _w8a8_tma_kernel(
+    x_desc, xs_ptr, w_desc, ws_ptr, y_ptr, cos_ptr, sin_ptr, M, N, K: tl.constexpr, sxsm, swsn,
+    sym, scm, DOT: tl.constexpr, OUT_BF16: tl.constexpr, HEAD_D: tl.constexpr,
+    ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``_w8a8_kernel`` on pre-quantized codes with its operand tiles read by TMA descriptors
+    (``x_desc``: E4M3 ``[M, K]`` in ``[BM, 32]`` blocks, ``w_desc``: ``[N, K]`` in ``[BN, 32]``;
+    past the edges they read zeros). Each 32-lane block is one dot scaled as in the ``"fp8"``
+    mode, so the sums are ``_w8a8_kernel``'s at ``BK = 32`` bit for bit. The scale bytes of a
+    block are loaded one block ahead (their latency then overlaps the dot before), the weight's
+    as one byte per 32-row block (``BN`` a multiple of 32), broadcast to the lanes."""
+    m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rb = n0 // 32 + tl.arange(0, BN // 32)
+    mmask = rm < M
+    nmask = rn < N
+    bmask = rb * 32 < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    fx = tl.load(xs_ptr + rm * sxsm, mask=mmask, other=0)
+    fw = tl.load(ws_ptr + rb * swsn, mask=bmask, other=0)
+    for kb in range(0, K, 32):
+        sx = e8m0_value(fx)
+        sw = e8m0_value(fw)
+        # the next block's scales (none past K: a neighbour's byte or 0xFF is no scale)
+        live = kb + 32 < K
+        fx = tl.load(xs_ptr + rm * sxsm + kb // 32 + 1, mask=mmask & live, other=0)
+        fw = tl.load(ws_ptr + rb * swsn + kb // 32 + 1, mask=bmask & live, other=0)
+        a = x_desc.load([m0, kb])
+        b = w_desc.load([n0, kb])
+        s = sx[:, None] * sw[None, :]
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BN // 32, 32]), [BM, BN])
+        if DOT == 2:
+            acc += tl.dot(a, tl.trans(b)) * s
+        else:
+            sl = tl.reshape(tl.broadcast_to(sw[:, None], [BN // 32, 32]), [BN])
+            af = a.to(tl.float32) * sx[:, None]
+            bf = b.to(tl.float32) * sl[:, None]
+            acc += tl.dot(af, tl.trans(bf), input_precision="ieee")
+    store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
+                 HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+
+
+@triton.jit
 def _split_sum_kernel(
     part_ptr, y_ptr, cos_ptr, sin_ptr, M, N, sym, scm, S: tl.constexpr, OUT_BF16: tl.constexpr,
     HEAD_D: tl.constexpr, ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -505,6 +562,21 @@ PREQUANT_ROWS = 256
 """Rows from which ``w8a8_linear`` quantizes its input in a launch of its own rather than in
 the GEMM's prologue (bench_gemm_moe.py: prefill rows, 0.71 -> 0.42 ms at wq_a, 8K rows)."""
 
+PREFILL_TMA_TILE: GemmConfig | None = None
+"""The tile of a CUDA ``"fp8"`` launch on pre-quantized prefill rows (more than 64) when the
+device has TMA (sm_90+) and the operands are 16-byte aligned: ``GemmConfig.tma``'s kernel.
+None: the pointer kernel's ``default_config`` (until the benchmark's sweep has timed it)."""
+
+
+def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x``'s and ``w``'s codes can be read by TMA descriptors: a CUDA device of
+    compute capability 9 or more (or Triton's interpreter), 16-byte aligned rows and bases."""
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (x, w))  # fmt: skip
+
+
 SUM_TILE = (16, 128)
 """``[rows, lanes]`` of a split-K linear's sum program."""
 
@@ -577,6 +649,17 @@ def w8a8_linear(
         xq, xs = act_quant_fp8(x.reshape(M, K) if grouped else x)
         return w8a8_linear(xq, w_codes, w_scales, out_dtype, xs, dot, config, rope)
     cfg = config or default_config(M, N, K, dot)
+    if (
+        config is None
+        and PREFILL_TMA_TILE is not None
+        and M > 64
+        and dot == "fp8"
+        and not quant_x
+        and not grouped
+        and x.device.type == "cuda"
+        and tma_ready(x, w_codes)
+    ):
+        cfg = PREFILL_TMA_TILE
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
     if grouped:
@@ -599,8 +682,30 @@ def w8a8_linear(
             raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
         cos, sin = cos.contiguous(), sin.contiguous()
     split, k_split = _splits(K, cfg)
-    part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    if cfg.tma:
+        if quant_x or grouped or split > 1 or dot == "bf16" or cfg.block_k != QUANT_BLOCK:
+            raise ValueError(
+                "w8a8_linear: GemmConfig.tma takes pre-quantized, ungrouped input, one K split, "
+                f"block_k {QUANT_BLOCK} and the fp8 or fp32 mode (quantized input: "
+                f"{not quant_x}, grouped: {grouped}, splits: {split}, block_k: {cfg.block_k}, "
+                f"dot: {dot})"
+            )
+        if cfg.block_n % QUANT_BLOCK:
+            raise ValueError(
+                f"w8a8_linear: GemmConfig.tma's block_n is a multiple of {QUANT_BLOCK}"
+            )
+        e4m3 = torch.float8_e4m3fn
+        xd = TensorDescriptor.from_tensor(xk.view(e4m3), [cfg.block_m, QUANT_BLOCK])
+        wd = TensorDescriptor.from_tensor(w.view(e4m3), [cfg.block_n, QUANT_BLOCK])
+        _w8a8_tma_kernel[grid[:1]](
+            xd, xs, wd, ws, y, cos, sin, M, N, K, xs.stride(0), ws.stride(0), y.stride(0),
+            cos.stride(0), DOT=DOT_MODES[dot], OUT_BF16=out_dtype == torch.bfloat16, HEAD_D=head_d,
+            ROPE_D=rope_d, BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=rope is None,
+        )  # fmt: skip
+        return y
+    part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _w8a8_kernel[grid](
         xk,
         xs,
