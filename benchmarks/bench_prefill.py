@@ -1,6 +1,7 @@
 """One 8K-token prefill on the MEDIUM model (bf16): decoder SWA bounded replay on vs off.
 
-    python3 benchmarks/bench_prefill.py [--checkpoint DIR] [--tokens 8192] [--out report.json]
+    python3 benchmarks/bench_prefill.py [--checkpoint DIR] [--tokens 8192] [--kernel-table N]
+        [--out report.json]
 
 A fresh request's whole prompt in one forward (prefill is always eager). With decoder replay
 on, the stage table runs the decoder layers on the tail (the last ``W`` rows) only; off, every
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode_paths import VARIANTS
+from bench_decode_paths import VARIANTS, _kernel_table
 from ceilings import ceilings_line, measure_ceilings
 from medium_model import (
     load_spec,
@@ -53,6 +54,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--index-cache-dtype", default="fp8")
+    ap.add_argument(
+        "--kernel-table",
+        type=int,
+        default=0,
+        help="also profile one forward each way and record its N largest kernels by device time",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -126,6 +133,10 @@ def main(argv=None) -> int:
         layer_rows = [
             len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers
         ]
+        extra = {}
+        if args.kernel_table:
+            table, busy_ms = _kernel_table(run, 1, args.kernel_table)
+            extra = {"kernel_table": table, "kernel_busy_ms": busy_ms}
         rows.append(
             {
                 "decoder_replay": replay,
@@ -138,6 +149,7 @@ def main(argv=None) -> int:
                 "floor_bf16_ms": fl["floor_bf16_s"] * 1e3,
                 "of_floor": fl["floor_s"] / t,
                 "of_floor_bf16": fl["floor_bf16_s"] / t,
+                **extra,
             }
         )
     same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
@@ -160,6 +172,10 @@ def main(argv=None) -> int:
             f"{r['fp8_flops'] / 1e12:>7.2f} {r['floor_ms']:>9.2f} {r['floor_bf16_ms']:>8.2f} "
             f"{r['bound']:>6} {r['of_floor']:>8.4f} {r['of_floor_bf16']:>8.4f}"
         )
+    for r in rows:
+        for k in r.get("kernel_table", ()):
+            print(f"  {'on' if r['decoder_replay'] else 'off':>3} {k['us'] / 1e3:9.2f} ms "
+                  f"{k['calls']:6.0f} x {k['kernel'][:90]}")  # fmt: skip
     print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
     write_report(report, args.out, "bench_prefill.json")
     return 0

@@ -5,8 +5,8 @@
 # Triton kernels, compiled dense pieces), an 8K prefill with decoder replay on and off, and the
 # W8A8 linear / grouped W4A8 MoE benchmark; optional steps: "kernels" (the GPU tests of the
 # quantized GEMMs, the grouped MoE and the mHC sites), "sweep" (the grouped MoE's tile and mode
-# sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json) and "sites" (the mHC site forms at flash widths,
-# $OUT/bench_dense_flash_sites.json). STEPS picks a subset:
+# sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json) and "sites" (the mHC
+# site forms at flash widths, $OUT/bench_dense_flash_sites.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
@@ -62,7 +62,8 @@ if has decode; then
 fi
 if has prefill; then
     run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
-        --variant resident --tokens 8192 --out "$OUT/bench_prefill_flash_slice.json"
+        --variant resident --tokens 8192 --kernel-table 25 \
+        --out "$OUT/bench_prefill_flash_slice.json"
 fi
 if has gemm; then
     run gemm 240 python3 benchmarks/bench_gemm_moe.py --spec flash_slice \
