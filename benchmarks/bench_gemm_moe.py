@@ -420,6 +420,13 @@ def sweep_rows(
                 MoEConfig(16, 64, 64, 256, 4, 3, pairs=True),
                 MoEConfig(16, 32, 64, 256, 2, 3, pairs=True),
                 MoEConfig(16, 32, 64, 128, 4, 3, prefetch=True, pairs=True),
+                # pairs with the tiles by TMA descriptors
+                MoEConfig(16, 32, 64, 256, 4, 3, pairs=True, tma=True),
+                MoEConfig(16, 32, 64, 256, 4, 4, pairs=True, tma=True),
+                MoEConfig(16, 32, 64, 128, 4, 4, pairs=True, tma=True),
+                MoEConfig(16, 32, 128, 256, 4, 3, pairs=True, tma=True),
+                MoEConfig(16, 64, 64, 256, 4, 3, pairs=True, tma=True),
+                MoEConfig(16, 32, 64, 512, 4, 3, pairs=True, tma=True),
             ],
             ("bf16", "prefill"): [
                 None,
@@ -431,6 +438,10 @@ def sweep_rows(
                 MoEConfig(128, 128, 128, 64, 8, 3, pairs=True),
                 MoEConfig(128, 128, 128, 128, 8, 3, pairs=True),
                 MoEConfig(64, 128, 128, 128, 8, 3, pairs=True),
+                MoEConfig(128, 128, 128, 64, 8, 3, pairs=True, tma=True),
+                MoEConfig(128, 128, 128, 128, 8, 3, pairs=True, tma=True),
+                MoEConfig(64, 128, 128, 128, 8, 3, pairs=True, tma=True),
+                MoEConfig(128, 128, 128, 64, 8, 4, pairs=True, tma=True),
             ],
         }
         for label, n in (("decode1", 1), ("decode64", 64), ("prefill8k", 8192)):
@@ -449,7 +460,7 @@ def sweep_rows(
                         else (
                             f"{c.block_m}x{c.block_n}/{c.block_n_down}x{c.block_k} "
                             f"w{c.num_warps} s{c.num_stages}{' prefetch' if c.prefetch else ''}"
-                            f"{' pairs' if c.pairs else ''}"
+                            f"{' pairs' if c.pairs else ''}{' tma' if c.tma else ''}"
                         )
                     )
                     fn = lambda c=c, a=(xq, xs, ids, wts), dot=dot: grouped_moe_w4a8(

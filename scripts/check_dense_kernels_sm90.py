@@ -107,8 +107,8 @@ def _gemm_variants(hidden: int) -> list:
     """The W8A8 linear (decode tiles, split-K, the prefill tile by pointers and by TMA) and the
     shared expert's gate/up with their split sums, the grouped MoE's two GEMMs in the fp8 and
     bf16 modes at wide K steps (the fp8 mode's 32-lane blocks unrolled) and with the raw tiles
-    loaded a step ahead and with even and odd lanes apart (the packed decode), and the
-    one-program permutation."""
+    loaded a step ahead and with even and odd lanes apart (the packed decode, also with its tiles
+    by TMA descriptors and the permuted rows it reads), and the one-program permutation."""
     from v41plan.runtime.kernels import triton_gemm as tg
     from v41plan.runtime.kernels import triton_moe as tm
 
@@ -169,16 +169,21 @@ def _gemm_variants(hidden: int) -> list:
     cx = {"S": 4, "ROUND_BF16": True, "BM": 16, "BN": 64}
     sig.update(dict.fromkeys(cx, "constexpr"))
     out.append(("w8a8 swiglu split sum", tg._swiglu_split_sum_kernel, sig, cx, 4))
-    moe_forms = [(2, 128, False, False), (1, 128, False, False), (1, 256, False, False)]
-    moe_forms += [(1, 128, True, False), (1, 256, False, True), (1, 128, True, True)]
-    for dot, bk, prefetch, pairs in moe_forms:
+    moe_forms = [(2, 128, False, False, False), (1, 128, False, False, False)]
+    moe_forms += [(1, 256, False, False, False), (1, 128, True, False, False)]
+    moe_forms += [(1, 256, False, True, False), (1, 128, True, True, False)]
+    moe_forms += [(1, 512, False, True, True)]
+    for dot, bk, prefetch, pairs, tma in moe_forms:
         mode = ("fp8" if dot == 2 else "bf16") + (" prefetch" if prefetch else "")
-        mode += " pairs" if pairs else ""
-        flags = {"PREFETCH": prefetch, "PAIRS": pairs, "ASM": pairs}
+        mode += (" pairs" if pairs else "") + (" tma" if tma else "")
+        flags = {"PREFETCH": prefetch, "PAIRS": pairs, "ASM": pairs, "TMA": tma}
         ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8"}
         ptrs.update({"w3_ptr": "*u8", "s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32"})
         ptrs.update({"rw_ptr": "*fp32", "act_ptr": "*u8", "acts_ptr": "*u8"})
-        ptrs.update({"xb_ptr": "*bf16", "actb_ptr": "*bf16", "limit": "fp32"})
+        ptrs.update({"xb_ptr": "*bf16", "actb_ptr": "*bf16"})
+        codes = f"tensordesc<u8[32, {bk // 2}]>" if tma else "*u8"
+        ptrs.update({"xd": f"tensordesc<bf16[16, {bk // 2}]>" if tma else "*u8"})
+        ptrs.update({"w1d": codes, "w3d": codes, "limit": "fp32"})
         strides = ("sx", "sxs", "swe", "swn", "sse", "ssn", "sa", "sas", "sxb", "sab")
         ptrs.update(dict.fromkeys(strides, i32))
         cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": dot, "BM": 16}
@@ -187,11 +192,18 @@ def _gemm_variants(hidden: int) -> list:
         out.append((f"moe gate_up {mode} bk={bk}", tm._gate_up_kernel, ptrs, cx, 4))
         ptrs = {"act_ptr": "*u8", "acts_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8"}
         ptrs.update({"bexp_ptr": "*i32", "y_ptr": "*bf16", "actb_ptr": "*bf16"})
+        ptrs.update({"ad": f"tensordesc<bf16[16, {bk // 2}]>" if tma else "*u8"})
+        ptrs.update({"w2d": f"tensordesc<u8[64, {bk // 2}]>" if tma else "*u8"})
         ptrs.update(dict.fromkeys(("sa", "sas", "swe", "swn", "sse", "ssn", "sy", "sab"), i32))
         cx = {"D": hidden, "I": 256, "ROUND_BF16": True, "DOT": dot, "BM": 16, "BN": 64}
         cx.update({"BK": bk, **flags})
         ptrs.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"moe down {mode} bk={bk}", tm._down_kernel, ptrs, cx, 4))
+    sig = {"xq_ptr": "*u8", "xs_ptr": "*u8", "row_ptr": "*i64", "out_ptr": "*bf16"}
+    sig.update({"sxm": i32, "sxsm": i32, "som": i32})
+    cx = {"D": hidden, "TOPK": 6, "BLOCK": 512}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("moe deinterleave_rows", tm._deinterleave_rows_kernel, sig, cx, 4))
     sig = {"ids_ptr": "*i64", "row_ids_ptr": "*i64", "pos_ptr": "*i64", "ends_ptr": "*i32"}
     sig.update({"be_ptr": "*i32", "nk": i32, "R": i32, "expert_first": i32})
     cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}

@@ -477,3 +477,56 @@ def test_pairs_mode_matches_the_torch_moe_and_its_prefetch_gives_the_same_bits(t
     assert torch.equal(st.y_rows[live], ahead.y_rows[live])
     with pytest.raises(ValueError, match="pairs"):
         grouped_moe_w4a8_stages(*args[:-1], "fp8", config=pairs)
+
+
+def test_tma_mode_gives_the_pairs_modes_bits(tiny):
+    """``MoEConfig.tma`` (activation rows written in the kernels' order, code tiles by TMA
+    descriptors, scale bytes a step ahead) runs the pairs mode's arithmetic: the intermediate's
+    codes, scales and the rows equal the pairs mode's bit for bit, over several K steps with a
+    partial last one; the permuted rows are the tokens' deinterleaved values (zeros for
+    padding); without pairs it is refused."""
+    from v41plan.model.quant import QuantWeight
+    from v41plan.runtime.kernels.triton_moe import (
+        MoEConfig,
+        deinterleave_fp8,
+        deinterleave_rows,
+        grouped_moe_w4a8_stages,
+    )
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    cfg, _w64, res = tiny
+    g = torch.Generator().manual_seed(41)
+
+    def varied(w: QuantWeight) -> QuantWeight:
+        # every 32-lane block its own scale (the random checkpoint's are all alike)
+        fld = torch.randint(118, 127, w.scales.shape, generator=g, dtype=torch.int32)
+        return QuantWeight(w.codes, fld.to(torch.uint8).view(w.scales.dtype), "fp4")
+
+    w1, w3, w2 = (varied(res[f"{LAYER}.ffn.experts.{n}"]).to(DEV) for n in ("w1", "w3", "w2"))
+    n, k = 13, cfg.num_experts_per_tok
+    D, I = cfg.hidden_size, w1.shape[1]
+    bk = 96 if D % 96 and D > 96 else 32  # a partial last K step
+    assert D > bk and I > bk, (D, I, bk)
+    x = torch.randn(n, D, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(w1.shape[0], generator=g)[:k] for _ in range(n)]).to(DEV)
+    wts = torch.rand(n, k, generator=g).to(DEV)
+    xq, xs = act_quant_fp8(x)
+    warps = 1 if DEV == "cpu" else 4
+    pairs = MoEConfig(16, 32, 32, bk, num_warps=warps, num_stages=1, pairs=True)
+    tma = dataclasses.replace(pairs, tma=True, num_stages=1 if DEV == "cpu" else 3)
+    dot = "fp32" if DEV == "cpu" else "bf16"
+    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, dot)
+    a = grouped_moe_w4a8_stages(*args, config=pairs)
+    b = grouped_moe_w4a8_stages(*args, config=tma)
+    live = a.rows.row_ids >= 0
+    assert torch.equal(a.rows.row_ids, b.rows.row_ids) and int(live.sum()) == n * k
+    assert torch.equal(a.act[live], b.act[live])
+    assert torch.equal(a.act_scales[live], b.act_scales[live])
+    assert torch.equal(a.y_rows[live], b.y_rows[live])
+    assert a.y_rows[live].abs().amax() > 0
+    rows = deinterleave_rows(xq, xs, a.rows.row_ids, k)
+    tok = a.rows.row_ids.clamp_min(0) // k
+    want = torch.where(live[:, None], deinterleave_fp8(xq, xs)[tok], torch.zeros_like(rows))
+    assert torch.equal(rows, want)
+    with pytest.raises(ValueError, match="tma"):
+        grouped_moe_w4a8_stages(*args, config=dataclasses.replace(tma, pairs=False))

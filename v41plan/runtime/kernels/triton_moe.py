@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from v41plan.model.quant import QuantWeight
 from v41plan.runtime.kernels.moe_torch import MoERows, align_rows, padded_rows
@@ -72,6 +73,13 @@ class MoEConfig:
     deinterleaved (``deinterleave_fp8`` before the launch; the gate/up epilogue writes the
     intermediate so too), so nothing is interleaved or decoded twice. The same products; the
     float32 sums in another order."""
+    tma: bool = False
+    """With ``pairs``: the activation and FP4 code tiles read by TMA descriptors (no
+    per-element address or mask arithmetic, vectorized copies to shared memory). The input rows
+    are first written in the kernels' row order (``deinterleave_rows``: the permuted, padded
+    rows, zeros for padding), so a row block is contiguous; the scale bytes are loaded one K
+    step ahead. CUDA sm_90+ (or Triton's interpreter), 16-byte aligned code rows. The pairs
+    mode's sums, bit for bit."""
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -346,6 +354,55 @@ def deinterleave_fp8(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _deinterleave_rows_kernel(
+    xq_ptr, xs_ptr, row_ptr, out_ptr, sxm, sxsm, som, D: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``_deinterleave_kernel`` for permuted row ``program_id(0)``: the token of its flat id
+    ``row_ptr[r]`` (``flat // TOPK``), or zeros for a padding row (-1)."""
+    r = tl.program_id(0).to(tl.int64)
+    flat = tl.load(row_ptr + r)
+    valid = flat >= 0
+    row = tl.where(valid, flat // TOPK, 0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < D // 2
+    lm = m & valid
+    ev = tl.load(xq_ptr + row * sxm + 2 * j, mask=lm, other=0)
+    od = tl.load(xq_ptr + row * sxm + 2 * j + 1, mask=lm, other=0)
+    sc = e8m0_value(tl.load(xs_ptr + row * sxsm + j // 16, mask=lm, other=0))
+    ev = ev.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
+    od = od.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
+    tl.store(out_ptr + r * som + j, ev.to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + r * som + D // 2 + j, od.to(tl.bfloat16), mask=m)
+
+
+def deinterleave_rows(
+    xq: torch.Tensor, xs: torch.Tensor, row_ids: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """``deinterleave_fp8``'s rows in the grouped kernels' order: ``[R, D]`` bf16, row ``r`` the
+    token ``row_ids[r] // topk`` (its even lanes, then its odd ones), zeros where
+    ``row_ids[r] < 0`` (padding). ``MoEConfig.tma``'s contiguous operand rows."""
+    R, d = row_ids.shape[0], xq.shape[1]
+    out = torch.empty((R, d), dtype=torch.bfloat16, device=xq.device)
+    if R:
+        xq8, xs8 = _bytes(xq), _bytes(xs)
+        block = min(1024, triton.next_power_of_2(d // 2))
+        _deinterleave_rows_kernel[(R, triton.cdiv(d // 2, block))](
+            xq8, xs8, row_ids, out, xq8.stride(0), xs8.stride(0), out.stride(0), D=d, TOPK=topk,
+            BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def fp4_scales_raw(s_ptr, rn, k0, nmask, ssn, K: tl.constexpr, BK: tl.constexpr):
+    """The E8M0 bytes ``[BN, BK/32]`` of ``fp4_raw``'s tile (zeros past ``K``)."""
+    kbi = k0 // 32 + tl.arange(0, BK // 32)
+    fmask = nmask[:, None] & (kbi < K // 32)[None, :]
+    return tl.load(s_ptr + rn[:, None] * ssn + kbi[None, :], mask=fmask, other=0)
+
+
+@triton.jit
 def pair_dot(acc, ev, od, lo, hi, DOT: tl.constexpr):
     """``acc + ev @ lo^T + od @ hi^T``: a K step as its even and odd lanes' dots."""
     if DOT == 1:
@@ -420,6 +477,9 @@ def _gate_up_kernel(
     acts_ptr,
     xb_ptr,
     actb_ptr,
+    xd,
+    w1d,
+    w3d,
     limit,
     sx,
     sxs,
@@ -442,9 +502,12 @@ def _gate_up_kernel(
     PREFETCH: tl.constexpr,
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
-    weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32)."""
+    weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32). ``TMA``
+    (``MoEConfig.tma``): ``xd`` the permuted deinterleaved rows ``[R, D]`` in ``[BM, BK/2]``
+    blocks, ``w1d``/``w3d`` the codes as ``[El * I, D/2]`` in ``[BN, BK/2]`` blocks."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
@@ -464,7 +527,26 @@ def _gate_up_kernel(
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     if PAIRS:  # even and odd lanes apart (MoEConfig.pairs)
         OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
-        if PREFETCH:
+        if TMA:
+            # rows of a flattened [El * I, D/2]: past this expert's last lane a program reads
+            # the next expert's rows, which its store masks off
+            m0 = pid_m * BM
+            r0 = g * I + pid_n * BN
+            f1 = fp4_scales_raw(s1, rn, 0, nmask, ssn, D, BK)
+            f3 = fp4_scales_raw(s3, rn, 0, nmask, ssn, D, BK)
+            for k0 in range(0, D, BK):
+                nf1 = fp4_scales_raw(s1, rn, k0 + BK, nmask, ssn, D, BK)
+                nf3 = fp4_scales_raw(s3, rn, k0 + BK, nmask, ssn, D, BK)
+                # lanes past D read the odd half or zeros: their codes are zeros (the weight
+                # descriptor ends at D/2), so the products are 0
+                ev = xd.load([m0, k0 // 2]).to(OPND)
+                od = xd.load([m0, D // 2 + k0 // 2]).to(OPND)
+                lo, hi = fp4_pairs(w1d.load([r0, k0 // 2]), f1, ASM, OPND, BN, BK)
+                acc1 = pair_dot(acc1, ev, od, lo, hi, DOT)
+                lo, hi = fp4_pairs(w3d.load([r0, k0 // 2]), f3, ASM, OPND, BN, BK)
+                acc3 = pair_dot(acc3, ev, od, lo, hi, DOT)
+                f1, f3 = nf1, nf3
+        elif PREFETCH:
             ev, od = deinterleaved_rows(xb_ptr, tok, 0, valid, sxb, D, BK)
             p1, f1 = fp4_raw(w1, s1, rn, 0, nmask, swn, ssn, D, BK)
             p3, f3 = fp4_raw(w3, s3, rn, 0, nmask, swn, ssn, D, BK)
@@ -540,6 +622,8 @@ def _down_kernel(
     bexp_ptr,
     y_ptr,
     actb_ptr,
+    ad,
+    w2d,
     sa,
     sas,
     swe,
@@ -558,9 +642,12 @@ def _down_kernel(
     PREFETCH: tl.constexpr,
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
-    stored in ``y``'s dtype (the compute dtype's rounding of a linear output)."""
+    stored in ``y``'s dtype (the compute dtype's rounding of a linear output). ``TMA``: ``ad``
+    the deinterleaved intermediate ``[R, I]`` in ``[BM, BK/2]`` blocks, ``w2d`` the codes as
+    ``[El * D, I/2]`` in ``[BN, BK/2]`` blocks."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
@@ -575,7 +662,18 @@ def _down_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if PAIRS:  # even and odd lanes apart (MoEConfig.pairs)
         OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
-        if PREFETCH:
+        if TMA:  # as in _gate_up_kernel
+            m0 = pid_m * BM
+            r0 = g * D + pid_n * BN
+            f2 = fp4_scales_raw(s2, rn, 0, nmask, ssn, I, BK)
+            for k0 in range(0, I, BK):
+                nf2 = fp4_scales_raw(s2, rn, k0 + BK, nmask, ssn, I, BK)
+                ev = ad.load([m0, k0 // 2]).to(OPND)
+                od = ad.load([m0, I // 2 + k0 // 2]).to(OPND)
+                lo, hi = fp4_pairs(w2d.load([r0, k0 // 2]), f2, ASM, OPND, BN, BK)
+                acc = pair_dot(acc, ev, od, lo, hi, DOT)
+                f2 = nf2
+        elif PREFETCH:
             ev, od = deinterleaved_rows(actb_ptr, rr, 0, rmask, sab, I, BK)
             p2, f2 = fp4_raw(w2, s2, rn, 0, nmask, swn, ssn, I, BK)
             for k0 in range(0, I, BK):
@@ -685,6 +783,19 @@ class MoEStages:
     """``[R, D]`` in the compute dtype: each row's ``w2`` output."""
 
 
+def tma_moe_ready(w1: QuantWeight, w3: QuantWeight, w2: QuantWeight, cfg: MoEConfig) -> bool:
+    """Whether ``MoEConfig.tma`` can read these experts: a CUDA device of compute capability 9
+    or more (or Triton's interpreter), contiguous code tensors with 16-byte aligned bases and
+    rows (``D/2`` and ``I/2`` bytes a row), ``block_k`` a multiple of 32."""
+    dev = w1.codes.device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    codes = (w1.codes, w3.codes, w2.codes)
+    return cfg.block_k % 32 == 0 and all(
+        c.is_contiguous() and c.shape[-1] % 16 == 0 and c.data_ptr() % 16 == 0 for c in codes
+    )
+
+
 def grouped_moe_w4a8(
     xq: torch.Tensor,
     xs: torch.Tensor,
@@ -740,6 +851,11 @@ def grouped_moe_w4a8_stages(
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
     if (cfg.prefetch or cfg.pairs) and dot == "fp8":
         raise ValueError("MoEConfig.prefetch and .pairs run the bf16 and fp32 dot modes, not fp8")
+    if cfg.tma and not (cfg.pairs and tma_moe_ready(w1, w3, w2, cfg)):
+        raise ValueError(
+            "MoEConfig.tma reads the pairs mode's tiles (pairs=True) on a device with TMA "
+            "(sm_90+), with 16-byte aligned code rows and block_k a multiple of 32"
+        )
     rows: MoERows = align_rows_fused(ids, expert_first, El, cfg.block_m)
     R = rows.rows
     dev = xq.device
@@ -747,17 +863,28 @@ def grouped_moe_w4a8_stages(
     acts = torch.empty((R, I // QUANT_BLOCK), dtype=torch.uint8, device=dev)
     y_rows = torch.empty((R, D), dtype=dtype, device=dev)
     xq8, xs8 = _bytes(xq), _bytes(xs)
+    c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
+    g1, g3, g2 = _bytes(w1.scales), _bytes(w3.scales), _bytes(w2.scales)
     if cfg.pairs:
-        xb = deinterleave_fp8(xq, xs)
+        xb = deinterleave_rows(xq, xs, rows.row_ids, k) if cfg.tma else deinterleave_fp8(xq, xs)
         actb = torch.empty((R, I), dtype=torch.bfloat16, device=dev)
     else:  # not read
         xb, actb = y_rows, y_rows
-    c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
-    g1, g3, g2 = _bytes(w1.scales), _bytes(w3.scales), _bytes(w2.scales)
+    # the descriptors' slots take the code tensors when unused
+    xd, w1d, w3d, ad, w2d = c1, c1, c3, c2, c2
+    if cfg.tma and R:
+        half = cfg.block_k // 2
+        xd = TensorDescriptor.from_tensor(xb, [cfg.block_m, half])
+        ad = TensorDescriptor.from_tensor(actb, [cfg.block_m, half])
+        w1d = TensorDescriptor.from_tensor(c1.view(El * I, D // 2), [cfg.block_n, half])
+        w3d = TensorDescriptor.from_tensor(c3.view(El * I, D // 2), [cfg.block_n, half])
+        w2d = TensorDescriptor.from_tensor(c2.view(El * D, I // 2), [cfg.block_n_down, half])
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "PREFETCH": cfg.prefetch}
     common.update(
-        PAIRS=cfg.pairs, ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM
+        PAIRS=cfg.pairs,
+        ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM,
+        TMA=cfg.tma,
     )
     if R:
         nb = R // cfg.block_m
@@ -775,6 +902,9 @@ def grouped_moe_w4a8_stages(
             acts,
             xb,
             actb,
+            xd,
+            w1d,
+            w3d,
             float(limit),
             xq8.stride(0),
             xs8.stride(0),
@@ -804,6 +934,8 @@ def grouped_moe_w4a8_stages(
             rows.block_expert,
             y_rows,
             actb,
+            ad,
+            w2d,
             act.stride(0),
             acts.stride(0),
             c2.stride(0),
