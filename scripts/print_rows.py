@@ -13,7 +13,8 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__.splitlines()[0])
         return 2
-    rows = json.load(open(argv[0])).get("rows", [])
+    with open(argv[0]) as f:
+        rows = json.load(f).get("rows", [])
     for r in rows:
         name = r.get("name") or " ".join(str(r.get(k)) for k in ("kernel", "variant") if k in r)
         if "error" in r:
