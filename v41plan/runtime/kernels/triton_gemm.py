@@ -562,10 +562,11 @@ PREQUANT_ROWS = 256
 """Rows from which ``w8a8_linear`` quantizes its input in a launch of its own rather than in
 the GEMM's prologue (bench_gemm_moe.py: prefill rows, 0.71 -> 0.42 ms at wq_a, 8K rows)."""
 
-PREFILL_TMA_TILE: GemmConfig | None = None
+PREFILL_TMA_TILE: GemmConfig | None = GemmConfig(128, 128, 32, num_warps=8, num_stages=4, tma=True)
 """The tile of a CUDA ``"fp8"`` launch on pre-quantized prefill rows (more than 64) when the
-device has TMA (sm_90+) and the operands are 16-byte aligned: ``GemmConfig.tma``'s kernel.
-None: the pointer kernel's ``default_config`` (until the benchmark's sweep has timed it)."""
+device has TMA (sm_90+) and the operands are 16-byte aligned: ``GemmConfig.tma``'s kernel (its
+sm_90 loop 202 instructions a 32-lane block against the pointer kernel's 659, no spills;
+scripts/check_dense_kernels_sm90.py). None: the pointer kernel's ``default_config``."""
 
 
 def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
