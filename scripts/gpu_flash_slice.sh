@@ -32,13 +32,15 @@ run() {  # name, time limit in seconds, command...
 }
 echo "provenance: $(python3 -m v41plan.validation.provenance)"
 if has kernels; then
-    run kernels-resident 200 python3 -m pytest -q tests/gpu/test_resident_gpu.py -k "grouped or w8a8"
+    run kernels-resident 200 python3 -m pytest -q -x tests/gpu/test_resident_gpu.py -k "grouped or w8a8"
     run kernels-moe 150 python3 -m pytest -q tests/runtime/test_grouped_moe.py tests/runtime/test_triton_gemm.py
     run kernels-sites 150 python3 -m pytest -q tests/gpu/test_triton_dense_gpu.py -k "split or site"
 fi
 if has sweep; then
-    run sweep 300 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --sweep --no-main \
-        --sweep-parts moe,w8a8 --budget-s 250 --out "$OUT/bench_gemm_moe_sweep.json"
+    run sweep 360 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --sweep --no-main \
+        --sweep-parts "${SWEEP_PARTS:-moe,w8a8,w8a8_decode}" --budget-s "${SWEEP_S:-300}" \
+        --out "$OUT/bench_gemm_moe_sweep.json"
+    python3 scripts/print_rows.py "$OUT/bench_gemm_moe_sweep.json"
 fi
 if has sites; then
     run sites 120 python3 benchmarks/bench_dense_kernels.py --spec flash_slice --tokens 1,16,32,64 \
