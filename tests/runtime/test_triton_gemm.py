@@ -167,12 +167,18 @@ def test_tma_tiles_give_the_pointer_kernels_sums_bit_for_bit(dot):
     assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), dot, 2.0**-8) <= 1.0
 
 
-def test_tma_tiles_refuse_what_they_do_not_read():
+def test_tma_tiles_refuse_what_they_do_not_read(monkeypatch):
+    from v41plan.runtime.kernels import triton_gemm
+
     x = _activations(8, 64, 24).to(DEV)
     wc, ws = quantize_fp8_weight(torch.randn(64, 64) * 0.05)
     wc, ws = wc.to(DEV), ws.to(DEV)
     xq, xs = act_quant_fp8(x)
     tma = GemmConfig(64, 64, 32, num_warps=1, num_stages=1, tma=True)
+    # float input is quantized by its own launch first (PREQUANT_ROWS), then read by TMA
+    want = w8a8_linear(xq, wc, ws, torch.float32, x_scales=xs, config=tma)
+    assert torch.equal(w8a8_linear(x, wc, ws, torch.float32, config=tma), want)
+    monkeypatch.setattr(triton_gemm, "PREQUANT_ROWS", 1 << 30)
     with pytest.raises(ValueError, match="pre-quantized"):
         w8a8_linear(x, wc, ws, config=tma)  # quantized in the prologue
     with pytest.raises(ValueError, match="block_k"):

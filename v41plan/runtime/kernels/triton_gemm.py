@@ -558,15 +558,20 @@ def _swiglu_split_sum_kernel(
                  ROUND_BF16, BM, BN)  # fmt: skip
 
 
-PREQUANT_ROWS = 256
+PREQUANT_ROWS = 1
 """Rows from which ``w8a8_linear`` quantizes its input in a launch of its own rather than in
-the GEMM's prologue (bench_gemm_moe.py: prefill rows, 0.71 -> 0.42 ms at wq_a, 8K rows)."""
+the GEMM's prologue (the same codes): every row count. Prefill rows 0.71 -> 0.42 ms at ``wq_a``,
+8K rows (bench_gemm_moe.py); decode, quantizer launch included (flash_slice widths, one row /
+64 rows, reports/gpu/bench_gemm_moe_sweep3.json): ``wq_b`` 27.2 -> 19.1 / 53.2 -> 34.4 us,
+``wo_b`` 36.6 -> 26.3 / 70.4 -> 49.1, ``wq_a`` 15.0 -> 13.0, ``wkv`` even; each output tile's
+prologue otherwise quantizes the same row again."""
 
-PREFILL_TMA_TILE: GemmConfig | None = GemmConfig(128, 128, 32, num_warps=8, num_stages=4, tma=True)
+PREFILL_TMA_TILE: GemmConfig | None = GemmConfig(128, 64, 32, num_warps=4, num_stages=4, tma=True)
 """The tile of a CUDA ``"fp8"`` launch on pre-quantized prefill rows (more than 64) when the
 device has TMA (sm_90+) and the operands are 16-byte aligned: ``GemmConfig.tma``'s kernel (its
 sm_90 loop 202 instructions a 32-lane block against the pointer kernel's 659, no spills;
-scripts/check_dense_kernels_sm90.py). None: the pointer kernel's ``default_config``."""
+scripts/check_dense_kernels_sm90.py; 8K rows of ``wq_b`` 2.47 -> 1.67 ms, of ``wo_b`` 2.65 ->
+1.77, reports/gpu/bench_gemm_moe_sweep3.json). None: the pointer kernel's ``default_config``."""
 
 
 def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -98,20 +98,21 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         bd = max(32, min(128, triton.next_power_of_2(hidden)))
         return MoEConfig(16, bi, bd, max(bi, bd), num_warps=1, num_stages=1)
     bk = 32 if dot == "fp8" else 64
-    # bf16 on CUDA: even and odd lanes apart with the tiles by TMA (pairs + tma; the sm_90 loop
-    # of a 256-lane decode step 2718 -> 811 instructions, of a 64-lane prefill step 1003 ->
-    # 367, scripts/check_dense_kernels_sm90.py); grouped_moe_w4a8 drops tma where the device
-    # or the weights cannot take it
-    fast = {"pairs": True, "tma": True} if dot == "bf16" and torch.cuda.is_available() else {}
-    if rows <= 1024:  # decode: narrow gate/up tiles (reports/gpu/bench_gemm_moe_sweep2.json:
-        # bf16 256-lane K steps 0.177 / 0.851 ms at batch 1 / 64, fp8 128-lane 0.189 / 0.872)
+    # bf16 on CUDA: even and odd lanes apart (pairs; reports/gpu/bench_gemm_moe_sweep3.json,
+    # flash_slice widths: decode 1 / 64 0.177 / 0.851 -> 0.110 / 0.365 ms; the tiles by TMA
+    # lose there, 0.113 / 0.463) and, at 8K routed rows, with the tiles by TMA too (17.0 ->
+    # 9.75 ms); grouped_moe_w4a8 drops tma where the device or the weights cannot take it
+    cuda_bf16 = dot == "bf16" and torch.cuda.is_available()
+    if rows <= 1024:  # decode: narrow gate/up tiles
         if dot == "bf16":
-            return MoEConfig(16, 32, 64, 256, num_warps=4, num_stages=3, **fast)
+            return MoEConfig(16, 64, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
     if dot == "bf16" and rows >= 8192:
-        # 128-row blocks: 17.0 ms against 24.9 with 64 at an 8K prefill (the sweep); below
-        # 8K routed rows the padding of every expert's group to 128 would weigh (not measured)
-        return MoEConfig(128, 128, 128, 64, num_warps=8, num_stages=3, **fast)
+        # 128-row blocks (17.0 ms against 24.9 with 64 at an 8K prefill, bench_gemm_moe_sweep2);
+        # below 8K routed rows the padding of every expert's group to 128 would weigh (not
+        # measured)
+        fast = {"pairs": True, "tma": True} if cuda_bf16 else {}
+        return MoEConfig(128, 128, 128, 128 if fast else 64, num_warps=8, num_stages=3, **fast)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
 
