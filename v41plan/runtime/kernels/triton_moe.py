@@ -99,13 +99,15 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         return MoEConfig(16, bi, bd, max(bi, bd), num_warps=1, num_stages=1)
     bk = 32 if dot == "fp8" else 64
     # bf16 on CUDA: even and odd lanes apart (pairs; reports/gpu/bench_gemm_moe_sweep3.json,
-    # flash_slice widths: decode 1 / 64 0.177 / 0.851 -> 0.110 / 0.365 ms; the tiles by TMA
-    # lose there, 0.113 / 0.463) and, at 8K routed rows, with the tiles by TMA too (17.0 ->
-    # 9.75 ms); grouped_moe_w4a8 drops tma where the device or the weights cannot take it
+    # flash_slice widths: decode 1 / 64 0.177 / 0.851 -> 0.100 / 0.365 ms with 32 / 64
+    # gate/up lanes a program; the tiles by TMA lose there, 0.111 / 0.463) and, at 8K routed
+    # rows, with the tiles by TMA too (17.0 -> 9.75 ms); grouped_moe_w4a8 drops tma where the
+    # device or the weights cannot take it. A program's lanes do not change any sum.
     cuda_bf16 = dot == "bf16" and torch.cuda.is_available()
     if rows <= 1024:  # decode: narrow gate/up tiles
         if dot == "bf16":
-            return MoEConfig(16, 64, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
+            bn = 32 if rows <= 16 else 64
+            return MoEConfig(16, bn, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
     if dot == "bf16" and rows >= 8192:
         # 128-row blocks (17.0 ms against 24.9 with 64 at an 8K prefill, bench_gemm_moe_sweep2);
