@@ -469,8 +469,44 @@ def sweep_rows(
                     name = f"sweep moe routed {label} {dot} {tag}"
                     _sweep_row(rows, name, fn, floor_ms, c, deadline)
 
+    def moe_kernels() -> None:
+        """Per-kernel device time of the routed experts (one profiled graph replay) at decode
+        1 / 64 with the pairs tiles and with pairs + tma: where the TMA form's time goes."""
+        from bench_decode_paths import _kernel_table
+
+        res, _ = _moe_layer(cfg)
+        moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
+        for label, n, bn in (("decode1", 1, 32), ("decode64", 64, 64)):
+            x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+            ids, wts = moe.route(x)
+            xq, xs = act_quant_fp8(x)
+            for tma in (False, True):
+                c = MoEConfig(16, bn, 64, 256, 4, 3, pairs=True, tma=tma)
+                name = f"kernels moe routed {label} pairs{' tma' if tma else ''}"
+                if time.monotonic() > deadline:
+                    rows.append({"name": name, "error": "skipped: time budget"})
+                    continue
+                try:
+                    fn = lambda c=c, a=(xq, xs, ids, wts): grouped_moe_w4a8(
+                        *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot="bf16",
+                        config=c,
+                    )  # fmt: skip
+                    g = torch.cuda.CUDAGraph()
+                    fn()
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(g):
+                        fn()
+                    table, busy = _kernel_table(g.replay, 5, 8)
+                    rows.append({"name": name, "kernel_table": table, "kernel_busy_ms": busy,
+                                 "config": c.__dict__})  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                    traceback.print_exc()
+
     if "moe" in parts:  # first: the rows the kernels' next step depends on
         moe_sweep()
+    if "moe_kernels" in parts:
+        moe_kernels()
     M = 8192
     for name in ("wq_b", "wo_b") if "w8a8" in parts else ():
         N, K = shapes[name]
@@ -521,7 +557,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sweep-parts",
         default="w8a8,w8a8_decode,moe",
-        help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), moe",
+        help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), moe, moe_kernels "
+        "(the routed experts' kernels one by one)",
     )
     ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
     ap.add_argument("--out", default=None)

@@ -20,6 +20,8 @@ def main(argv: list[str]) -> int:
         if "error" in r:
             print(f"{name[:88]:88s} ERROR {r['error'][:60]}")
             continue
+        for k in r.get("kernel_table", ()):
+            print(f"    {k['us']:9.1f} us {k['calls']:5.1f} x {k['kernel'][:70]}")
         extra = " ".join(f"{k}={r.get(k)}" for k in argv[1:])
         ms, fl = r.get("ms"), r.get("of_floor")
         ms_s = f"{ms:9.4f}" if isinstance(ms, (int, float)) else f"{'-':>9}"
