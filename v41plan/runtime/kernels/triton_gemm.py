@@ -1,5 +1,6 @@
-"""W8A8 linear in Triton: the published FP8 activation quantizer fused into the GEMM's
-prologue, E4M3 weights with E8M0 32 x 32 block scales, float32 accumulation.
+"""W8A8 linear in Triton: the published FP8 activation quantizer (by its own launch before the
+GEMM, ``PREQUANT_ROWS``, or in the GEMM's prologue: the same codes), E4M3 weights with E8M0
+32 x 32 block scales, float32 accumulation; prefill tiles on sm_90 by TMA (``GemmConfig.tma``).
 
 ``y[m, n] = sum_kb dot(xq[m, kb], wq[n, kb]) * sx[m, kb] * sw[n // 32, kb]``, ``kb`` the
 32-lane blocks along K. Every product ``xq * sx * wq * sw`` is exact in float32 (two 4-bit
@@ -623,10 +624,11 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """``y [M, N] = fake_fp8(x, 32) @ dequant(w)^T`` with FP8 operands, one kernel.
 
-    ``x [M, K]``: bf16/fp32/fp16 activations, quantized in the GEMM's prologue; or, with
-    ``x_scales`` (E8M0 ``[M, K/32]``), E4M3 codes already quantized (``act_quant_fp8``).
-    ``x`` may also be ``[M, G, K/G]`` with any row and group strides (read as its flattening,
-    with no copy; ``K/G % 32 == 0``, quantized in the prologue only): the grouped output
+    ``x [M, K]``: bf16/fp32/fp16 activations, quantized first (``act_quant_fp8``, from
+    ``PREQUANT_ROWS`` rows: every row count) or in the GEMM's prologue; or, with ``x_scales``
+    (E8M0 ``[M, K/32]``), E4M3 codes already quantized. ``x`` may also be ``[M, G, K/G]``
+    with any row and group strides (read as its flattening, with no copy in the prologue, or
+    flattened for the quantizer; ``K/G % 32 == 0``, not pre-quantized): the grouped output
     projection's ``wo_a`` result, ``[G, M, K/G]`` transposed.
     ``w_codes`` ``float8_e4m3fn [N, K]``, ``w_scales`` E8M0 (``float8_e8m0fnu`` or uint8)
     ``[ceil(N/32), K/32]``. ``K % 32 == 0``. ``out_dtype`` defaults to ``x``'s float dtype (bf16
