@@ -265,3 +265,26 @@ def test_resident_load_on_the_device():
     assert all(v.device.type == "cuda" for v in w.values())
     assert isinstance(w["layers.5.ffn.experts.w2"], QuantWeight)
     MEASURED["tiny40 resident bytes"] = ckpt.report
+
+
+def test_bf16_head_is_the_float32_head_up_to_summation_order():
+    """The LM head over the published bf16 weight and bf16 rows (``ops.head_logits``: ``mm``
+    with a float32 result) against float64: every product is exact in float32, so the error is
+    float32 summation's, within ``K * 2**-24 * sum |x_k w_k|`` of each logit, as the float32
+    head (``F.linear`` over the widened weight) is."""
+    from v41plan.runtime.kernels import ops
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, k, v = 33, 4096, 12288
+    x = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    got = ops.head_logits(x, w)
+    ref = x.double() @ w.double().t()
+    bound = k * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    err = (got.double() - ref).abs()
+    f32 = (torch.nn.functional.linear(x.float(), w.float()).double() - ref).abs()
+    MEASURED["head_bf16"] = {"max_err_over_bound": float((err / bound).max())}
+    assert got.dtype == torch.float32 and got.shape == (n, v)
+    assert bool((err <= bound).all()) and bool((f32 <= bound).all())
+    one = (ops.head_logits(x[:1], w)[0].double() - ref[0]).abs()  # a lone row: its own path
+    assert bool((one <= bound[0]).all())

@@ -121,3 +121,35 @@ def test_inductor_rounds_where_the_arithmetic_rounds():
     _, args, want = next(c for c in rec.calls if c[0] == "window_kv")
     got = compiled.DensePieces("inductor").window_kv(*args)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want[0])
+
+
+def test_head_keeps_the_published_bf16_weight_in_float32_arithmetic():
+    """Under bf16 compute the LM head stays as published (bf16, half the bytes): bf16 rows times
+    bf16 weights are exact float32 products, so the logits are the float32 head's. On the CPU
+    they equal ``F.linear`` over the float32 head bit for bit, eagerly and through the compiled
+    region (the custom op's fake gives ``[N, V]`` float32); other compute dtypes keep the
+    head in theirs."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from v41plan.runtime.kernels import ops
+
+    m = runtime("tiny", "bf16", "fp8", dtype=torch.bfloat16)
+    assert m.head.dtype == torch.bfloat16
+    assert runtime("tiny", "bf16", "fp8").head.dtype == torch.float64  # float64 compute
+    D, V = m.head.shape[1], m.head.shape[0]
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(5, m.cfg.hc_mult, D, generator=g).to(torch.bfloat16)
+    pre = torch.rand(5, m.cfg.hc_mult, generator=g)
+    eps = m.cfg.rms_norm_eps
+    x = compiled.rms_norm(compiled.hc_collapse(X, pre), m.norm, eps)
+    want = F.linear(x.float(), m.head.float())
+    got = compiled.head(X, pre, m.norm, m.head, eps)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(ops.head_logits(x[None], m.head)[0], want)  # leading dims kept
+    traced = compiled.DensePieces("aot_eager").head(X, pre, m.norm, m.head, eps)
+    assert torch.equal(traced, want)
+    with FakeTensorMode():
+        w = torch.empty(V, D, dtype=torch.bfloat16)
+        y = torch.ops.v41plan.head_logits(torch.empty(7, D, dtype=torch.bfloat16), w)
+    assert tuple(y.shape) == (7, V) and y.dtype == torch.float32

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from v41plan.model.layers import MoE, acc_dtype, apply_rope, hc_collapse, rms_norm
 from v41plan.model.quant import dequant_fp8_blocks
 from v41plan.runtime.kernels.backend import BACKEND_RANGE
+from v41plan.runtime.kernels.ops import head_logits
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """``torch.compile`` backends level 3 takes: ``inductor`` (generated Triton / C++ kernels, the
@@ -129,10 +130,9 @@ def embed(table, ids, hc: int, hidden: int, dtype: torch.dtype):
 
 
 def head(X, pre, norm, head_w, eps: float):
-    """Logits of the rows' streams: mHC collapse, final RMSNorm, the LM head (in ``head_w``'s
-    dtype)."""
-    x = rms_norm(hc_collapse(X, pre), norm, eps)
-    return F.linear(x.to(head_w.dtype), head_w)
+    """float32 logits of the rows' streams: mHC collapse, final RMSNorm, the LM head
+    (``ops.head_logits``)."""
+    return head_logits(rms_norm(hc_collapse(X, pre), norm, eps), head_w)
 
 
 _PIECES = (

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from v41plan.geometry.runtime import LayerInfo
 from v41plan.model.dspark import draft_config
@@ -45,6 +44,7 @@ from v41plan.model.layers import (
     rms_norm,
     sparse_attention,
 )
+from v41plan.runtime.kernels.ops import head_logits
 from v41plan.runtime.sampler import counter_gumbel
 
 DRAFT_SALT = 0x0D5A_12C0_FFEE_D00D
@@ -188,7 +188,7 @@ class PagedDraft:
             X = hc_expand(y, X, f_post, f_C)
             pre_in = f_pre
         x = hc_collapse(X, pre_in).reshape(b, B, D)
-        logits = F.linear(rms_norm(x, self.norm, eps).to(self.acc), self.head)  # [b, B, V]
+        logits = head_logits(rms_norm(x, self.norm, eps), self.head)  # [b, B, V]
         V = logits.shape[-1]
         temp = temperature.to(torch.float32)
         hot = (temp > 0) & torch.isfinite(temp)

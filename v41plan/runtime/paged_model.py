@@ -490,7 +490,12 @@ class RuntimeModel:
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]
-        self.head = w["head.weight"].to(self.acc)
+        head = w["head.weight"]
+        # bf16 rows against the published bf16 head: float32 products are exact, so it stays
+        # bf16 (half the bytes; ``ops.head_logits`` accumulates in float32)
+        keep = dtype == torch.bfloat16 and head.dtype == torch.bfloat16
+        self.head = head if keep else head.to(self.acc)
+        """The LM head ``[V, D]``: published bf16 under bf16 compute, else in ``acc``."""
         self.attn: list[Attention] = []
         self.moe: list = []
         """Per layer ``MoE`` (dense over experts, the reference) or ``GroupedMoE`` (the

@@ -7,12 +7,16 @@ so a region that calls it traces whole and stays capturable. Registered once, on
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _REGISTERED = False
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+"""Whether this torch has ``mm(..., out_dtype=)`` (bf16 operands, fp32 result, on CUDA)."""
 
 
 def register() -> None:
-    """Register ``v41plan::w8a8_linear`` and ``v41plan::moe_router`` (idempotent)."""
+    """Register ``v41plan::w8a8_linear``, ``v41plan::moe_router`` and ``v41plan::head_logits``
+    (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -45,6 +49,20 @@ def register() -> None:
         n = x.shape[0]
         return x.new_empty((n, k), dtype=torch.int64), x.new_empty((n, k), dtype=torch.float32)
 
+    @torch.library.custom_op("v41plan::head_logits", mutates_args=())
+    def head_logits_op(x: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+        global _MM_OUT_DTYPE
+        if x.is_cuda and _MM_OUT_DTYPE:
+            try:
+                return torch.mm(x, head_w.t(), out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError):  # a build without it: once, eagerly
+                _MM_OUT_DTYPE = False
+        return F.linear(x.float(), head_w.float())
+
+    @head_logits_op.register_fake
+    def _(x, head_w):
+        return x.new_empty((x.shape[0], head_w.shape[0]), dtype=torch.float32)
+
     _REGISTERED = True
 
 
@@ -70,3 +88,20 @@ def moe_router(
     """``triton_router.moe_router`` through the custom op (what a compiled region calls)."""
     register()
     return torch.ops.v41plan.moe_router(x, gate_w, gate_bias, k, norm, scale)
+
+
+def head_logits(x: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+    """Logits ``x @ head_w^T`` over the last dim of ``x`` (float32 from a bf16 head).
+
+    The published head runs in float32; with bf16 rows and the head's published bf16 weight
+    every product is exact in float32, so one bf16 GEMM accumulating in float32 (``mm`` with
+    ``out_dtype``, through a custom op) is that head up to summation order, reading half the
+    bytes. A head held in the accumulation dtype (the reference; float64 in the parity tests)
+    is ``F.linear`` in it."""
+    if head_w.dtype != torch.bfloat16:
+        return F.linear(x.to(head_w.dtype), head_w)
+    if x.dtype != torch.bfloat16:
+        return F.linear(x, head_w.to(x.dtype))
+    register()
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.ops.v41plan.head_logits(rows, head_w).reshape(*x.shape[:-1], head_w.shape[0])
