@@ -143,12 +143,12 @@ def _with_site_config(td, form, fn):
     """``fn`` with the site kernel forced to one form ``(mix, tokens, lanes, warps)``."""
 
     def run(*args):
-        saved = list(td.SITE_CONFIGS)
-        td.SITE_CONFIGS[:] = [(1 << 62, form)]
+        saved = list(td.SITE_CONFIGS), list(td.SITE_CONFIGS_WIDE)
+        td.SITE_CONFIGS[:] = td.SITE_CONFIGS_WIDE[:] = [(1 << 62, form)]
         try:
             return fn(*args)
         finally:
-            td.SITE_CONFIGS[:] = saved
+            td.SITE_CONFIGS[:], td.SITE_CONFIGS_WIDE[:] = saved
 
     return run
 

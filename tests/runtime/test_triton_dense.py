@@ -68,6 +68,18 @@ def test_shipped_site_configs():
     assert SHIPPED_SITE_CONFIGS[-1][1][0] == "tf32x3" and SHIPPED_SITE_CONFIGS[-1][0] >= 1 << 40
 
 
+def test_wide_sites_split_at_every_decode_batch():
+    """From ``WIDE_SITE_D`` (V4.1-Flash's 5120 lanes) the split form runs up to 1024 tokens (a
+    token's mix is read over ``D / 128`` programs, and its sums do not change with the batch);
+    narrower hidden sizes keep ``SITE_CONFIGS``."""
+    assert td.WIDE_SITE_D <= 5120 < 4 * td.WIDE_SITE_D and td.WIDE_SITE_D > 1024  # medium: 1024
+    for n in (1, 16, 17, 64, 1024):
+        assert td.site_config(n, 5120) == ("split", 1, 128, 4), n
+    assert td.site_config(1025, 5120)[0] == "tf32x3"
+    assert td.mix_error_terms(64, 4 * 5120) == 4 * 5120
+    assert td.site_config(64, 1024) == td.site_config(64) == SMALL_SITE_CONFIGS[-1][1]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bit patterns (so -0.0 differs from 0.0)."""
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -8,7 +8,8 @@ Each function here has the call shape of the torch composition it replaces
   every Sinkhorn iteration (a 4x4 matrix per token, in registers), the collapse with the
   previous site's pre-mix and the RMSNorm; ``mhc_site_fp8`` also quantizes the normed ``x`` in
   its epilogue to the W8A8 activation format (E4M3 codes + pow2 scale per 32 lanes). Three
-  forms (``SITE_CONFIGS``): the split form (small decode batches: the first pass over 128-lane
+  forms (``SITE_CONFIGS``; ``SITE_CONFIGS_WIDE`` at V4.1-Flash widths): the split form (small
+  decode batches, every decode batch at wide hidden sizes: the first pass over 128-lane
   slices in parallel, the last of them finishing the token in the same launch), one token per
   program with the mix as per-lane products (up to 1024 tokens), or 16 tokens per program with
   the mix as a ``tl.dot`` (longer prefill chunks).
@@ -72,6 +73,7 @@ from v41plan.runtime.kernels import dense_ref
 __all__ = [
     "INTERPRETED",
     "SITE_CONFIGS",
+    "SITE_CONFIGS_WIDE",
     "TritonDense",
     "fake_fp8",
     "fp8_act_quant",
@@ -109,6 +111,17 @@ wasted rows; lanes per chunk = 32 * warps keeps every tile in one layout). ``tf3
 ``ieee``: ``tl.dot`` over ``tokens per program`` rows (prefill: every program reads all of
 ``fn``, so fewer programs mean less L2 traffic). Lanes per chunk stay a multiple of the
 quantizer block (32)."""
+WIDE_SITE_D = 4096
+"""Hidden widths from which ``SITE_CONFIGS_WIDE`` applies instead of ``SITE_CONFIGS``."""
+SITE_CONFIGS_WIDE: list[tuple[int, tuple[str, int, int, int]]] = [
+    (1024, ("split", 1, 128, 4)),
+    (1 << 62, ("tf32x3", 16, 32, 4)),
+]
+"""The site kernel by token count at hidden ``>= WIDE_SITE_D`` (V4.1-Flash's 5120): the split
+form for every decode batch. One program a token (``products``) streams all of ``fn``
+(``4 * D * 24`` float32, 2 MB at 5120) through one SM; split, a program reads a
+``SPLIT_LANES`` slice of it (49 KB) and a token's slices load on ``D / 128`` SMs at once. One
+form up to 1024 tokens also gives a token the same sums at every decode batch size."""
 _QUANT_TILE = 2048  # elements per quantizer program (about 16 per thread)
 
 
@@ -934,13 +947,15 @@ def _launch_quant(x: torch.Tensor, block: int, dequant: bool):
 def mix_error_terms(N: int, K: int) -> int:
     """``c`` of the site's mix error bound (module docstring) for ``N`` tokens, ``K = hc * D``:
     ``K`` for float32 products or FMAs, ``6K + 16`` for the ``tf32x3`` GEMM."""
-    return 6 * K + 16 if site_config(N)[0] == "tf32x3" else K
+    return 6 * K + 16 if site_config(N, K // _HC)[0] == "tf32x3" else K
 
 
-def site_config(N: int) -> tuple[str, int, int, int]:
+def site_config(N: int, D: int = 0) -> tuple[str, int, int, int]:
     """``(mix, tokens per program, lanes per chunk, warps)`` of the site kernel for ``N``
-    tokens (``SITE_CONFIGS``)."""
-    return next(cfg for bound, cfg in SITE_CONFIGS if N <= bound)
+    tokens of hidden width ``D`` (``SITE_CONFIGS``, or ``SITE_CONFIGS_WIDE`` from
+    ``WIDE_SITE_D``)."""
+    table = SITE_CONFIGS_WIDE if D >= WIDE_SITE_D else SITE_CONFIGS
+    return next(cfg for bound, cfg in table if N <= bound)
 
 
 SPLIT_LANES = 128
@@ -1025,7 +1040,7 @@ def _launch_site(
         X_out = torch.empty_like(X)
     else:
         y, post_prev, C_prev, X_out = X, pre_in, pre_in, X  # unused by the kernel
-    mix, block_n, block_d, warps = site_config(N)
+    mix, block_n, block_d, warps = site_config(N, D)
     bf16 = X.dtype == torch.bfloat16
     if N and mix == "split":
         lanes, split = split_lanes(D, block_d)
