@@ -393,8 +393,15 @@ def sweep_rows(
         GemmConfig(128, 64, 32, 4, 6, tma=True),
         GemmConfig(64, 64, 32, 4, 4, tma=True),
     ]
-    # bf16 operands: the block scales applied to the decoded tiles, one dot per K step
-    bf16_tiles = [None]
+    # bf16 operands: the block scales applied to the decoded tiles, one dot per K step (by
+    # pointers, and by TMA descriptors at 64 and 128 lanes a step)
+    bf16_tiles = [
+        None,
+        GemmConfig(128, 128, 64, 8, 4, tma=True),
+        GemmConfig(128, 128, 128, 8, 3, tma=True),
+        GemmConfig(128, 64, 128, 4, 4, tma=True),
+        GemmConfig(128, 256, 64, 8, 3, tma=True),
+    ]
 
     def moe_sweep() -> None:
         res, _ = _moe_layer(cfg)

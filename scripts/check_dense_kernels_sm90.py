@@ -139,16 +139,17 @@ def _gemm_variants(hidden: int) -> list:
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // bk) * bk})
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 bk={bk}{name}", tg._w8a8_kernel, sig, cx, warps))
-    for rope in (False, True):  # the prefill tile by TMA descriptors, plain and with RoPE
-        sig = {"x_desc": "tensordesc<fp8e4nv[128, 32]>", "xs_ptr": "*u8"}
-        sig.update({"w_desc": "tensordesc<fp8e4nv[128, 32]>", "ws_ptr": "*u8"})
+    # the prefill tile by TMA descriptors, plain and with RoPE, and the bf16 mode's 64 lanes
+    for rope, dot, bk in ((False, 2, 32), (True, 2, 32), (False, 1, 64)):
+        sig = {"x_desc": f"tensordesc<fp8e4nv[128, {bk}]>", "xs_ptr": "*u8"}
+        sig.update({"w_desc": f"tensordesc<fp8e4nv[128, {bk}]>", "ws_ptr": "*u8"})
         sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
         sig.update({"M": i32, "N": i32, "K": "constexpr"})
         sig.update(dict.fromkeys(("sxsm", "swsn", "sym", "scm"), i32))
-        cx = {"K": hidden, "DOT": 2, "OUT_BF16": True, "HEAD_D": 512 if rope else 0}
-        cx.update({"ROPE_D": 64 if rope else 0, "BM": 128, "BN": 128, "GROUP_M": 8})
+        cx = {"K": hidden, "DOT": dot, "OUT_BF16": True, "HEAD_D": 512 if rope else 0}
+        cx.update({"ROPE_D": 64 if rope else 0, "BM": 128, "BN": 128, "GROUP_M": 8, "BK": bk})
         sig.update(dict.fromkeys(cx, "constexpr"))
-        name = f"w8a8 tma 128x128{' rope' if rope else ''}"
+        name = f"w8a8 tma 128x128x{bk}{' rope' if rope else ''}{' bf16' if dot == 1 else ''}"
         out.append((name, tg._w8a8_tma_kernel, sig, cx, 8))
     sig = {"part_ptr": "*fp32", "y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     sig.update(dict.fromkeys(("M", "N", "sym", "scm"), i32))

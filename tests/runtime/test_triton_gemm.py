@@ -167,6 +167,33 @@ def test_tma_tiles_give_the_pointer_kernels_sums_bit_for_bit(dot):
     assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), dot, 2.0**-8) <= 1.0
 
 
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_tma_bf16_mode_scales_the_operands_not_the_products(block_k):
+    """``GemmConfig.tma`` in the ``"bf16"`` mode: each K step's codes times their block scales
+    (exact in bf16), one dot a step. Its sums are those of the pointer kernel's exact operands
+    at the same ``block_k`` (``"fp32"`` on the CPU, ``"bf16"`` on the device), bit for bit,
+    with partial row, lane, 32-row scale and K-step tiles (K = 160 is not a multiple of
+    ``block_k``), and within the bound of the exact product."""
+    M, K = 70, 160
+    N = 176
+    x = _activations(M, K, 25).to(DEV)
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(26)) * 0.05
+    w[:, 64:96] *= 300.0
+    w[96:128] *= 1e-3
+    wc, ws = quantize_fp8_weight(w)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    xq, xs = act_quant_fp8(x)
+    warps = 1 if DEV == "cpu" else 4
+    ptr = GemmConfig(64, 64, block_k, num_warps=warps, num_stages=1)
+    tma = GemmConfig(64, 64, block_k, num_warps=warps, num_stages=3, tma=True)
+    ref_dot = "fp32" if DEV == "cpu" else "bf16"
+    for out in (torch.float32, torch.bfloat16):
+        want = w8a8_linear(xq, wc, ws, out, x_scales=xs, dot=ref_dot, config=ptr)
+        got = w8a8_linear(xq, wc, ws, out, x_scales=xs, dot="bf16", config=tma)
+        assert torch.equal(got, want), out
+    assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), "bf16", 2.0**-8) <= 1.0
+
+
 def test_tma_tiles_refuse_what_they_do_not_read(monkeypatch):
     from v41plan.runtime.kernels import triton_gemm
 

@@ -71,8 +71,9 @@ class GemmConfig:
     tma: bool = False
     """Read the operand tiles by tensor-memory (TMA) descriptors (``_w8a8_tma_kernel``): no
     per-element address or mask arithmetic, tiles land in shared memory ready for the tensor
-    cores. Pre-quantized, ungrouped input, one K split, ``block_k`` 32, ``block_n`` a multiple
-    of 32, the ``"fp8"`` or ``"fp32"`` mode; the same sums as without it."""
+    cores. Pre-quantized, ungrouped input, one K split, ``block_n`` a multiple of 32; the
+    ``"fp8"`` or ``"fp32"`` mode at ``block_k`` 32 (the same sums as without it), or the
+    ``"bf16"`` mode at any multiple of 32."""
 
 
 SPLIT_MIN_LANES = 512
@@ -405,17 +406,57 @@ def _w8a8_kernel(
 
 
 @triton.jit
+def _tma_bf16_steps(
+    x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K: tl.constexpr, sxsm, swsn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """The ``"bf16"`` mode's K loop over TMA tiles: each ``BK``-lane step's E4M3 codes times
+    their block scales (one byte a row and 32-lane block for the activations, one a 32 x 32
+    block for the weight), exact in bf16 (a 4-bit significand times a power of two), then one
+    bf16 dot into the float32 accumulator, which stays in the tensor cores between steps (no
+    per-block scaling of partial products: the dots need no wait). ``F32_DOT``: the same
+    operands widened to float32 (the interpreter, whose bf16 dot is not exact)."""
+    nb: tl.constexpr = BK // 32
+    mb: tl.constexpr = BN // 32
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        kbi = kb // 32 + tl.arange(0, nb)
+        klive = kbi * 32 < K  # a block past K has no scale byte (its codes read as zeros)
+        fx = tl.load(
+            xs_ptr + rm[:, None] * sxsm + kbi[None, :],
+            mask=mmask[:, None] & klive[None, :],
+            other=0,
+        )
+        fw = tl.load(
+            ws_ptr + rb[:, None] * swsn + kbi[None, :],
+            mask=bmask[:, None] & klive[None, :],
+            other=0,
+        )
+        a = tl.reshape(x_desc.load([m0, kb]).to(tl.float32), [BM, nb, 32])
+        b = tl.reshape(w_desc.load([n0, kb]).to(tl.float32), [mb, 32, nb, 32])
+        a = tl.reshape(a * e8m0_value(fx)[:, :, None], [BM, BK])
+        b = tl.reshape(b * e8m0_value(fw)[:, None, :, None], [BN, BK])
+        if F32_DOT:
+            acc += tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(b), input_precision="ieee")
+        else:
+            acc += tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+    return acc
+
+
+@triton.jit
 def _w8a8_tma_kernel(
     x_desc, xs_ptr, w_desc, ws_ptr, y_ptr, cos_ptr, sin_ptr, M, N, K: tl.constexpr, sxsm, swsn,
     sym, scm, DOT: tl.constexpr, OUT_BF16: tl.constexpr, HEAD_D: tl.constexpr,
     ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+    BK: tl.constexpr = 32, F32_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """``_w8a8_kernel`` on pre-quantized codes with its operand tiles read by TMA descriptors
-    (``x_desc``: E4M3 ``[M, K]`` in ``[BM, 32]`` blocks, ``w_desc``: ``[N, K]`` in ``[BN, 32]``;
-    past the edges they read zeros). Each 32-lane block is one dot scaled as in the ``"fp8"``
-    mode, so the sums are ``_w8a8_kernel``'s at ``BK = 32`` bit for bit. The scale bytes of a
-    block are loaded one block ahead (their latency then overlaps the dot before), the weight's
-    as one byte per 32-row block (``BN`` a multiple of 32), broadcast to the lanes."""
+    (``x_desc``: E4M3 ``[M, K]`` in ``[BM, BK]`` blocks, ``w_desc``: ``[N, K]`` in ``[BN, BK]``;
+    past the edges they read zeros). ``"fp8"`` / ``"fp32"`` (``BK = 32``): each 32-lane block is
+    one dot scaled as in the ``"fp8"`` mode, so the sums are ``_w8a8_kernel``'s at ``BK = 32``
+    bit for bit; the scale bytes of a block are loaded one block ahead (their latency then
+    overlaps the dot before), the weight's as one byte per 32-row block (``BN`` a multiple of
+    32), broadcast to the lanes. ``"bf16"`` (``_tma_bf16_steps``): ``BK`` lanes a dot."""
     m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
@@ -423,6 +464,14 @@ def _w8a8_tma_kernel(
     mmask = rm < M
     nmask = rn < N
     bmask = rb * 32 < N
+    if DOT == 1:
+        acc = _tma_bf16_steps(
+            x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K, sxsm, swsn, BM, BN,
+            BK, F32_DOT,
+        )  # fmt: skip
+        store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
+                     HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+        return
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     fx = tl.load(xs_ptr + rm * sxsm, mask=mmask, other=0)
     fw = tl.load(ws_ptr + rb * swsn, mask=bmask, other=0)
@@ -692,10 +741,11 @@ def w8a8_linear(
     split, k_split = _splits(K, cfg)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     if cfg.tma:
-        if quant_x or grouped or split > 1 or dot == "bf16" or cfg.block_k != QUANT_BLOCK:
+        bk_ok = cfg.block_k == QUANT_BLOCK or dot == "bf16"
+        if quant_x or grouped or split > 1 or not bk_ok:
             raise ValueError(
-                "w8a8_linear: GemmConfig.tma takes pre-quantized, ungrouped input, one K split, "
-                f"block_k {QUANT_BLOCK} and the fp8 or fp32 mode (quantized input: "
+                "w8a8_linear: GemmConfig.tma takes pre-quantized, ungrouped input, one K split "
+                f"and block_k {QUANT_BLOCK} outside the bf16 mode (quantized input: "
                 f"{not quant_x}, grouped: {grouped}, splits: {split}, block_k: {cfg.block_k}, "
                 f"dot: {dot})"
             )
@@ -704,13 +754,14 @@ def w8a8_linear(
                 f"w8a8_linear: GemmConfig.tma's block_n is a multiple of {QUANT_BLOCK}"
             )
         e4m3 = torch.float8_e4m3fn
-        xd = TensorDescriptor.from_tensor(xk.view(e4m3), [cfg.block_m, QUANT_BLOCK])
-        wd = TensorDescriptor.from_tensor(w.view(e4m3), [cfg.block_n, QUANT_BLOCK])
+        xd = TensorDescriptor.from_tensor(xk.view(e4m3), [cfg.block_m, cfg.block_k])
+        wd = TensorDescriptor.from_tensor(w.view(e4m3), [cfg.block_n, cfg.block_k])
         _w8a8_tma_kernel[grid[:1]](
             xd, xs, wd, ws, y, cos, sin, M, N, K, xs.stride(0), ws.stride(0), y.stride(0),
             cos.stride(0), DOT=DOT_MODES[dot], OUT_BF16=out_dtype == torch.bfloat16, HEAD_D=head_d,
-            ROPE_D=rope_d, BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=rope is None,
+            ROPE_D=rope_d, BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m, BK=cfg.block_k,
+            F32_DOT=x.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=rope is None,
         )  # fmt: skip
         return y
     part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
