@@ -967,17 +967,29 @@ SPLIT_ONE_LAUNCH = True
 """Whether the split site runs as one launch (the last program of a token block finishes it,
 ``_mhc_site_part_kernel``) instead of a first pass and a finishing launch."""
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_blocks_max() -> int:
+    """The most token blocks a split launch of the shipped tables has (1024 at wide widths)."""
+    return max(
+        triton.cdiv(bound, cfg[1])
+        for table in (SITE_CONFIGS, SITE_CONFIGS_WIDE)
+        for bound, cfg in table
+        if cfg[0] == "split"
+    )
 
 
 def _arrival_counters(dev: torch.device, blocks: int) -> torch.Tensor:
-    """The split site's zeroed arrival counters on ``dev``: one int32 per token block, allocated
-    once (before any capture: the warm-up runs every shape first) and left zero by every launch."""
-    have = _COUNTERS.get(dev)
-    if have is None or have.numel() < blocks:
-        have = torch.zeros(max(64, blocks), dtype=torch.int32, device=dev)
-        _COUNTERS[dev] = have
-    return have
+    """The split site's zeroed arrival counters on ``dev``: one int32 per token block, left zero
+    by every launch. Allocated on first use for the widest split launch of the tables, so one
+    tensor serves every later launch: a captured graph keeps the address it was captured with,
+    and a replaced tensor is kept alive, never freed under a graph that reads it."""
+    have = _COUNTERS.setdefault(dev, [])
+    if not have or have[-1].numel() < blocks:
+        size = max(64, blocks, _split_blocks_max())
+        have.append(torch.zeros(size, dtype=torch.int32, device=dev))
+    return have[-1]
 
 
 def split_lanes(D: int, block_d: int) -> tuple[int, int]:
