@@ -257,9 +257,9 @@ def _attention_cost(pools, args, sel, prefill) -> tuple[int, int]:
     return key_bytes + io, 4 * heads * D * keys
 
 
-def _attention_setup(width, prefill, kv):
+def _attention_setup(width, prefill, kv, rows=None):
     heads, _ = WIDTHS[width]
-    rows = SIZES["prefill_rows"] if prefill else SIZES["decode_rows"]
+    rows = rows or (SIZES["prefill_rows"] if prefill else SIZES["decode_rows"])
     context = SIZES["prefill_rows"] if prefill else SIZES["context"]
     pools = Pools(1 if prefill else rows, context // PAGE, kv, "fp8")
     args, sel = _attention_inputs(pools, heads, rows, context, prefill)
@@ -305,10 +305,11 @@ def attention_rows(width, prefill, kv, peers, ceil, kb, ref):
     return out_rows
 
 
-def attention_sweep(width, configs, ceil, kb, ref, prefill=False):
+def attention_sweep(width, configs, ceil, kb, ref, prefill=False, rows=None):
     """Decode (or prefill) attention under other launch settings (head block, key splits,
-    tile, warps, output columns), so the defaults can follow the measurements."""
-    pools, args, sel, shape = _attention_setup(width, prefill, "bf16")
+    tile, warps, output columns), so the defaults can follow the measurements; ``rows`` query
+    rows (default: the decode or prefill size)."""
+    pools, args, sel, shape = _attention_setup(width, prefill, "bf16", rows)
     want = torch.empty_like(args[0])
     ref.sparse_attention(*args, *sel, want)
     nbytes, flops = _attention_cost(pools, args, sel, prefill)
@@ -830,6 +831,26 @@ def main(argv=None) -> int:
                 ceil,
                 kb,
                 ref,
+            ),
+        ),
+        (
+            "attention decode sweep flash T=1",  # batch 1: a program a head block and split
+            lambda: attention_sweep(
+                "flash",
+                [
+                    {},  # the default, in the same run
+                    {"HB": 64, "SPLITS": 8},
+                    {"HB": 32, "SPLITS": 16, "num_warps": 8},
+                    {"HB": 32, "SPLITS": 8, "num_warps": 8},
+                    {"HB": 16, "SPLITS": 16, "num_warps": 4},
+                    {"HB": 16, "SPLITS": 8, "num_warps": 4},
+                    {"HB": 16, "SPLITS": 20, "num_warps": 4},
+                    {"HB": 16, "SPLITS": 10, "BN": 16, "num_warps": 4},
+                ],
+                ceil,
+                kb,
+                ref,
+                rows=1,
             ),
         ),
         ("scorer prefill split sweep", lambda: scorer_prefill_split(pre, ceil, kb, ref)),
