@@ -256,12 +256,13 @@ def test_custom_ops_compile_with_inductor_and_capture_in_a_graph():
 
 
 @pytest.mark.parametrize(
-    ("n", "e", "d", "k"), [(1, 48, 1024, 6), (64, 48, 1024, 6), (8, 384, 4096, 6)]
+    ("n", "e", "d", "k"),
+    [(1, 48, 1024, 6), (64, 48, 1024, 6), (8, 384, 4096, 6), (1, 32, 5120, 6), (64, 32, 5120, 6)],
 )
 def test_router_kernel_matches_moe_route_on_cuda(n, e, d, k):
     """The one-kernel router against ``layers.moe_route`` (cuBLAS float32 GEMV, sort, gathers):
     the same ids wherever the top-k has no near tie, weights within a few float32 ulps (the
-    scores' sum order differs). The third shape takes the split GEMV."""
+    scores' sum order differs). The last three shapes take the GEMV split over ``D``."""
     from types import SimpleNamespace
 
     from v41plan.model.layers import moe_route

@@ -494,16 +494,35 @@ def test_router_kernel_matches_moe_route(n, e, d, k, norm, dtype):
     torch.testing.assert_close(wts, rwts, rtol=4e-6, atol=0)
 
 
-def test_router_split_gemv_matches_the_one_kernel_form(monkeypatch):
+@pytest.mark.parametrize("d", [64, 72])
+def test_router_split_gemv_matches_the_one_kernel_form(monkeypatch, d):
+    """The GEMV split over ``D`` slices (a partial last step at 72 lanes), its partials summed
+    in split order by the select launch: moe_route's ids and weights, and each row's result
+    the same alone as in a batch (the split count follows ``E`` and ``D`` only)."""
     from v41plan.runtime.kernels import triton_router as tr
 
-    x, w, bias = _router_case(3, 40, 64, torch.float32, seed=7)
+    x, w, bias = _router_case(3, 40, d, torch.float32, seed=7)
     whole = tr.moe_router(x, w, bias, 6, True, 1.0)
     monkeypatch.setattr(tr, "SPLIT_GATE_ELEMS", 0)
+    monkeypatch.setattr(tr, "ROUTER_TILE_ELEMS", 1024)  # 16 lanes a step: several splits
+    assert tr.gate_splits(40, d)[0] == -(-d // 16)
     split = tr.moe_router(x, w, bias, 6, True, 1.0)
     rids, rwts = _route_ref(x, w, bias, 6, True, 1.0)
     assert torch.equal(split[0], rids) and torch.equal(whole[0], rids)
     torch.testing.assert_close(split[1], rwts, rtol=4e-6, atol=0)
+    alone = tr.moe_router(x[1:2], w, bias, 6, True, 1.0)
+    assert torch.equal(alone[0], split[0][1:2]) and torch.equal(alone[1], split[1][1:2])
+
+
+def test_router_split_counts():
+    """The shipped thresholds: medium's gate (48 x 1024) is one kernel, V4.1-Flash widths
+    split (32 x 5120: ten 16K-element slices; 384 x 7168: at most ``MAX_GATE_SPLITS``)."""
+    from v41plan.runtime.kernels import triton_router as tr
+
+    assert 48 * 1024 <= tr.SPLIT_GATE_ELEMS < 32 * 5120
+    assert tr.gate_splits(32, 5120) == (10, 512, 512)
+    splits, lanes, block_d = tr.gate_splits(384, 7168)
+    assert splits <= tr.MAX_GATE_SPLITS and splits * lanes >= 7168 and lanes % block_d == 0
 
 
 def test_router_ties_go_to_the_smaller_expert_and_softplus_keeps_its_tails():

@@ -13,8 +13,12 @@ gathers (three more). One program per row keeps the ``E`` scores in registers:
   max then min-index: ``stable_topk_desc``), weights from the unbiased ones, normalised when
   ``norm`` (``norm_topk_prob`` with ``k > 1``) and scaled.
 
-Larger gates (``E * D`` over ``SPLIT_GATE_ELEMS``) split the GEMV over expert blocks first (one
-more launch, the scores through global memory) so no single program streams the whole gate.
+Larger gates (``E * D`` over ``SPLIT_GATE_ELEMS``) split the GEMV over ``D`` first: ``S``
+programs a row each stream a ``D / S`` slice of the gate (one ``ROUTER_TILE_ELEMS`` tile a step)
+and store their partial scores; a second launch sums a row's ``S`` partials in split order and
+selects. One program streaming a 640 KB gate (V4.1-Flash widths at 32 experts) is bound by one
+SM's load latency, about 17 us a call. ``S`` depends on ``E`` and ``D`` only, so a row's scores
+are the same at every batch size and chunking.
 """
 
 from __future__ import annotations
@@ -25,10 +29,22 @@ import triton.language as tl
 
 from v41plan.runtime.kernels.triton_common import next_pow2
 
-SPLIT_GATE_ELEMS = 1 << 20
-"""Gate elements above which the GEMV runs as its own launch over expert blocks."""
+SPLIT_GATE_ELEMS = 1 << 16
+"""Gate elements above which the GEMV runs as its own launch over ``D`` slices (medium's 48 x
+1024 gate stays one kernel; V4.1-Flash's splits)."""
 ROUTER_TILE_ELEMS = 1 << 14
-"""Gate elements one step of the one-kernel router loads."""
+"""Gate elements one step of a router program loads."""
+MAX_GATE_SPLITS = 16
+"""Most ``D`` slices of a row's split GEMV (bounds the partials: ``[N, S, E]`` float32)."""
+
+
+def gate_splits(e: int, d: int) -> tuple[int, int, int]:
+    """``(splits, lanes a split covers, lanes a step)`` of the split GEMV over ``e`` experts
+    and ``d`` lanes: one ``ROUTER_TILE_ELEMS`` tile a step, a step or more a split."""
+    block_d = max(16, min(next_pow2(d), ROUTER_TILE_ELEMS // next_pow2(e)))
+    steps = triton.cdiv(d, block_d)
+    per = triton.cdiv(steps, min(MAX_GATE_SPLITS, steps))
+    return triton.cdiv(steps, per), per * block_d, block_d
 
 
 @triton.jit
@@ -42,12 +58,14 @@ def _log1p(x):
 @triton.jit
 def _scores_row(
     x_ptr, w_ptr, row, offs_e, mask_e, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, LO=0, HI: tl.constexpr = -1,
 ):  # fmt: skip
-    """Float32 scores ``x[row] @ w[offs_e]^T`` of one row over the experts ``offs_e``."""
+    """Float32 scores ``x[row] @ w[offs_e]^T`` of one row over the experts ``offs_e`` (lanes
+    ``[LO, LO + HI)`` when ``HI`` is given, else all ``D``)."""
     acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
+    SPAN: tl.constexpr = D if HI < 0 else HI
+    for d0 in range(0, SPAN, BLOCK_D):
+        offs_d = LO + d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         xv = tl.load(x_ptr + row * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         wv = tl.load(
@@ -100,26 +118,37 @@ def _router_kernel(
 
 
 @triton.jit
-def _gate_kernel(
-    x_ptr, w_ptr, s_ptr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def _gate_part_kernel(
+    x_ptr, w_ptr, part_ptr, E: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+    LANES: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """Partial scores of row ``program_id(0)`` over lanes ``[s * LANES, (s + 1) * LANES)``,
+    ``s = program_id(1)``, into ``part [N, S, BLOCK_E]``."""
     row = tl.program_id(0)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    sp = tl.program_id(1)
+    offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
-    s = _scores_row(x_ptr, w_ptr, row, offs_e, mask_e, D, BLOCK_E, BLOCK_D)
-    tl.store(s_ptr + row * E + offs_e, s, mask=mask_e)
+    s = _scores_row(x_ptr, w_ptr, row, offs_e, mask_e, D, BLOCK_E, BLOCK_D, sp * LANES, LANES)
+    tl.store(part_ptr + (row * S + sp) * BLOCK_E + offs_e, s)
 
 
 @triton.jit
 def _select_kernel(
-    s_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+    part_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, S: tl.constexpr,
+    S_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
+    """A row's ``S`` partial scores summed (one fixed tree), then ``_select``."""
     row = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
-    s = tl.load(s_ptr + row * E + offs_e, mask=mask_e, other=0.0)
+    sp = tl.arange(0, S_PAD)
+    parts = tl.load(
+        part_ptr + (row * S + sp[:, None]) * BLOCK_E + offs_e[None, :],
+        mask=(sp < S)[:, None],
+        other=0.0,
+    )
+    s = tl.sum(parts, axis=0)
     _select(s, bias_ptr, ids_ptr, wts_ptr, row, offs_e, mask_e, scale, K, K_PAD, NORM)
 
 
@@ -156,11 +185,14 @@ def moe_router(
             K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e, BLOCK_D=block_d, num_warps=8,
         )  # fmt: skip
         return ids, wts
-    scores = torch.empty(n, e, dtype=torch.float32, device=x.device)
-    be = min(block_e, 32)
-    _gate_kernel[(n, triton.cdiv(e, be))](x, gate_w, scores, E=e, D=d, BLOCK_E=be, BLOCK_D=128)
+    splits, lanes, block_d = gate_splits(e, d)
+    part = torch.empty(n, splits, block_e, dtype=torch.float32, device=x.device)
+    _gate_part_kernel[(n, splits)](
+        x, gate_w, part, E=e, D=d, S=splits, LANES=lanes, BLOCK_E=block_e, BLOCK_D=block_d,
+        num_warps=8,
+    )  # fmt: skip
     _select_kernel[(n,)](
-        scores, gate_bias, ids, wts, float(scale), E=e,
+        part, gate_bias, ids, wts, float(scale), E=e, S=splits, S_PAD=next_pow2(splits),
         K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e,
     )  # fmt: skip
     return ids, wts
