@@ -210,6 +210,30 @@ def _gemm_variants(hidden: int) -> list:
     cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}
     sig.update(dict.fromkeys(cx, "constexpr"))
     out.append(("moe align_rows", tm._align_rows_kernel, sig, cx, 4))
+    return out + _router_variants()
+
+
+def _router_variants() -> list:
+    """The router: one kernel (medium's gate) and the GEMV split over ``D`` with its select
+    (V4.1-Flash widths: 32 x 5120)."""
+    from v41plan.runtime.kernels import triton_router as tr
+
+    out = []
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64"}
+    sig.update({"wts_ptr": "*fp32", "scale": "fp32"})
+    cx = {"E": 48, "D": 1024, "K": 6, "K_PAD": 8, "NORM": True, "BLOCK_E": 64, "BLOCK_D": 256}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("router one kernel 48x1024", tr._router_kernel, sig, cx, 8))
+    splits, lanes, block_d = tr.gate_splits(32, 5120)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32"}
+    cx = {"E": 32, "D": 5120, "S": splits, "LANES": lanes, "BLOCK_E": 32, "BLOCK_D": block_d}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("router gate split 32x5120", tr._gate_part_kernel, sig, cx, 8))
+    sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32"}
+    sig["scale"] = "fp32"
+    cx = {"E": 32, "S": splits, "S_PAD": 16, "K": 6, "K_PAD": 8, "NORM": True, "BLOCK_E": 32}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("router select of the split", tr._select_kernel, sig, cx, 4))
     return out
 
 
