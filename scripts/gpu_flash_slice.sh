@@ -6,7 +6,9 @@
 # W8A8 linear / grouped W4A8 MoE benchmark; optional steps: "kernels" (the GPU tests of the
 # quantized GEMMs, the grouped MoE and the mHC sites), "sweep" (the grouped MoE's tile and mode
 # sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json) and "sites" (the mHC
-# site forms at flash widths, $OUT/bench_dense_flash_sites.json). STEPS picks a subset:
+# site forms at flash widths, $OUT/bench_dense_flash_sites.json), "checks" (the GPU tests of the
+# LM head, the router and the split site) and "attn1" (the batch-1 flash decode attention's head
+# blocks and key splits, $OUT/bench_kernels_attn_t1.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
@@ -36,6 +38,10 @@ if has kernels; then
     run kernels-moe 150 python3 -m pytest -q tests/runtime/test_grouped_moe.py tests/runtime/test_triton_gemm.py
     run kernels-sites 150 python3 -m pytest -q tests/gpu/test_triton_dense_gpu.py -k "split or site"
 fi
+if has checks; then  # the GPU tests of the LM head, the router and the split site
+    run checks 150 python3 -m pytest -q tests/gpu/test_resident_gpu.py \
+        tests/gpu/test_triton_dense_gpu.py -k "head or router or split"
+fi
 if has sweep; then
     run sweep 360 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --sweep --no-main \
         --sweep-parts "${SWEEP_PARTS:-moe,w8a8,w8a8_decode}" --budget-s "${SWEEP_S:-300}" \
@@ -61,6 +67,10 @@ if has decode; then
     run decode 420 python3 benchmarks/bench_decode_paths.py --spec flash_slice \
         --checkpoint "$CKPT" --variants compiled --batch-sizes 1,64 --kernel-table 12 \
         --out "$OUT/bench_decode_flash_slice.json"
+fi
+if has attn1; then  # batch-1 flash decode attention: head blocks and key splits
+    run attn1 90 python3 benchmarks/bench_kernels.py --only "sweep flash T=1" \
+        --out "$OUT/bench_kernels_attn_t1.json"
 fi
 if has prefill; then
     run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
