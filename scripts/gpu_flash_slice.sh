@@ -5,7 +5,7 @@
 # Triton kernels, compiled dense pieces), an 8K prefill with decoder replay on and off, and the
 # W8A8 linear / grouped W4A8 MoE benchmark; optional steps: "kernels" (the GPU tests of the
 # quantized GEMMs, the grouped MoE and the mHC sites), "sweep" (the grouped MoE's tile and mode
-# sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json) and "sites" (the mHC
+# sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json), "sites" (the mHC
 # site forms at flash widths, $OUT/bench_dense_flash_sites.json), "checks" (the GPU tests of the
 # LM head, the router and the split site) and "attn1" (the batch-1 flash decode attention's head
 # blocks and key splits, $OUT/bench_kernels_attn_t1.json). STEPS picks a subset:
