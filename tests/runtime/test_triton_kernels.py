@@ -484,6 +484,26 @@ def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num
     assert not kb.fallbacks
 
 
+def test_attention_splits_leave_no_split_without_keys(tiny):
+    """Key splits are as many as ``cdiv(blocks, splits)`` blocks a split fills: V4.1-Flash's
+    batch-1 decode (20 blocks of 32 keys) takes 10 splits of two, not 16 with 6 empty. An
+    empty split's partial adds exact zeros to the merge: 4 splits of 5 blocks (one empty) and
+    3 give the same bits."""
+    kb = TritonBackend(num_sms=132)
+    cfg = kb.attention_config(1, 64, 512, 128, 512, torch.device("cpu"), torch.bfloat16)
+    assert cfg["BN"] == 32 and cfg["SPLITS"] == 10
+    assert kb.attention_config(64, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 3
+    args, sel = _attention_case(tiny, "bf16", False, seed=12)
+    outs = []
+    for splits in (4, 3):
+        kb = TritonBackend(num_sms=64)
+        kb.attention_override = {"BN": 4, "SPLITS": splits}  # 2 window + 3 selected blocks
+        out = torch.full_like(args[0], float("nan"))
+        kb.sparse_attention(*args, *sel, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_the_default_backend_is_the_reference_off_cuda():
     from v41plan.runtime.kernels import default_backend
 

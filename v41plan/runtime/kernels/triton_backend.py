@@ -535,6 +535,10 @@ class TritonBackend(TorchBackend):
         splits = 1
         if programs < sms:
             splits = max(1, min(self.max_splits, n_blocks, triton_cdiv(sms, programs)))
+            # each split takes cdiv(n_blocks, splits) key blocks: as many splits as that fills
+            # (20 blocks over 16 splits is 10 of two blocks, not 6 empty partials to write and
+            # merge; the merge's sums are the same, an empty split adding exact zeros)
+            splits = triton_cdiv(n_blocks, triton_cdiv(n_blocks, splits))
         cfg = {
             "BN": bn,
             "HB": hb,
