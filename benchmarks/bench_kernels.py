@@ -873,7 +873,7 @@ def main(argv=None) -> int:
             "attention prefill sweep flash",
             lambda: attention_sweep(
                 "flash",
-                [{}, {"DV": 256}, {"HB": 32}, {"DV": 256, "HB": 32}, {"BN": 16}],
+                [{}, {"PREFETCH": 1}, {"PREFETCH": 2}, {"HB": 32}, {"BN": 16}, {"DV": 256}],
                 ceil,
                 kb,
                 ref,
