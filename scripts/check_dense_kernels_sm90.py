@@ -9,7 +9,10 @@ Triton's whole pipeline down to a cubin (Triton's bundled ``ptxas``). Prints reg
 bytes and the layout conversions left inside the main loop of each, and exits 1 if any variant
 fails to compile: the interpreter runs the kernels' arithmetic, not the GPU compiler, so this is
 the check that catches what only the compiler refuses. ``--quick``: one variant of each kernel.
-Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled).
+Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled). Pointer arguments
+are compiled as 16-byte aligned, as Triton specializes a launch's tensors; integer arguments
+stay general (a launch whose strides are multiples of 16 gets wider loads than shown here),
+except where a variant marks them so (the attention's strides).
 """
 
 from __future__ import annotations
@@ -210,7 +213,40 @@ def _gemm_variants(hidden: int) -> list:
     cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}
     sig.update(dict.fromkeys(cx, "constexpr"))
     out.append(("moe align_rows", tm._align_rows_kernel, sig, cx, 4))
-    return out + _router_variants()
+    return out + _router_variants() + _attention_variants()
+
+
+def _attention_variants() -> list:
+    """The sparse attention at V4.1-Flash widths (64 heads, 512 lanes, window 128, top-512,
+    bf16 planes): one 64-head block of 32 keys (the default, 8 warps) and 32 heads; strides
+    multiples of 16 as every pool's are."""
+    from v41plan.runtime.kernels import triton_attention as ta
+
+    ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
+    ptrs.update({"kv_ptr": "*bf16", "plane_ptr": "*bf16", "part_o_ptr": "*fp32"})
+    ptrs.update({"part_ml_ptr": "*fp32"})
+    ptrs.update({n: "*i64" for n in ("rows_ptr", "slot_ptr", "pos_ptr", "window_lo_ptr")})
+    ptrs.update({n: "*i64" for n in ("ring_until_ptr", "ids_ptr", "pages_ptr")})
+    out = []
+    for hb, warps in ((64, 8), (32, 4)):
+        sig = {}
+        for n in ta.sparse_attention_kernel.arg_names:
+            if n in ptrs:
+                sig[n] = ptrs[n]
+            elif n == "qk_scale":
+                sig[n] = "fp32"
+            elif n.startswith("s_") or n in ("H", "ring_rows", "RPP"):
+                sig[n] = "i32:16"
+            elif n in ("n_kv_rows", "P"):
+                sig[n] = "i32"
+        cx = {"KSEL": 512, "KSEL_P2": 512, "D": 512, "HB": hb, "BN": 32, "W": 128}
+        cx.update({"RING_FP8": False, "PLANE_FP4": False, "HAS_PLANE": True, "SPLITS": 1})
+        cx.update({"OUT_BF16": True, "DOT_BF16": True, "F32_DOT": "ieee", "PREFETCH": 0})
+        cx["DV"] = 512
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        name = f"sparse attention flash HB={hb}"
+        out.append((name, ta.sparse_attention_kernel, sig, cx, warps))
+    return out
 
 
 def _router_variants() -> list:
@@ -297,7 +333,16 @@ def main(argv=None) -> int:
     failed = 0
     for name, kernel, sig, cx, warps in _variants(td, args.hidden, args.quick):
         try:
-            src = ASTSource(fn=kernel, signature=sig, constexprs=cx)
+            # a launch's tensors are 16-byte aligned (Triton specializes that, as it does
+            # integers divisible by 16, which are left general here: strides vary by shape)
+            # (an integer typed "i32:16" is one a variant knows to be: the attention's strides)
+            attrs = {
+                (kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+                for n, t in sig.items()
+                if isinstance(t, str) and (t.startswith("*") or t == "i32:16")
+            }
+            sig = {n: "i32" if t == "i32:16" else t for n, t in sig.items()}
+            src = ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
             k = triton.compile(src, target=target, options={"num_warps": warps})
         except Exception as exc:  # noqa: BLE001 - every variant is reported, the others still build
             failed += 1
