@@ -625,10 +625,16 @@ def main(argv=None) -> int:
         f"{ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, fp8 rowwise "
         f"{ceil['fp8_flop_per_s'] / 1e12:.0f} TFLOP/s"
     )
+    write_report(report, args.out, "bench_gemm_moe.json")  # first: a printing slip loses nothing
     print(f"{'row':44} {'ms':>9} {'floor ms':>9} {'of_floor':>8} {'peer ms':>9}  timing")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:44} ERROR {r['error']}")
+            continue
+        if "kernel_table" in r:  # the moe_kernels part: device time by kernel
+            print(f"{r['name']:44} kernels busy {r['kernel_busy_ms']:.4f} ms")
+            for k in r["kernel_table"]:
+                print(f"{'':8}{k['us']:9.1f} us {k['calls']:5.1f} x {k['kernel'][:70]}")
             continue
         pm = r.get("peer_ms")
         pm_s = f"{pm:9.3f}" if isinstance(pm, float) else f"{'-':>9}"
@@ -639,7 +645,6 @@ def main(argv=None) -> int:
         if "peers_ms" in r:
             print(f"{'':44} peers: {r['peers_ms']}")
     print(f"wall {report['wall_s']:.0f} s")
-    write_report(report, args.out, "bench_gemm_moe.json")
     return 0
 
 
