@@ -50,7 +50,7 @@ if has sweep; then
 fi
 if has sites; then
     run sites 120 python3 benchmarks/bench_dense_kernels.py --spec flash_slice --tokens 1,16,32,64 \
-        --ops site_fp8,expand_site --no-compile --budget-s 90 \
+        --ops site,site_fp8,expand_site --no-compile --budget-s 90 \
         --site-configs "split,1,128,4;products,1,128,4" --out "$OUT/bench_dense_flash_sites.json"
 fi
 if has ckpt; then
