@@ -133,10 +133,12 @@ def _gemm_variants(hidden: int) -> list:
         xdt = "*bf16" if quant_x else "*u8"
         sig = {"x_ptr": xdt, "xs_ptr": xdt, "w_ptr": "*u8", "ws_ptr": "*u8"}
         sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "part_ptr": "*fp32"})
+        sig["count_ptr"] = "*i32"
         sig.update(dict.fromkeys(("M", "N"), i32))
         sig["K"] = "constexpr"
         sig.update(dict.fromkeys(("sxm", "sxg", "sxsm", "swn", "swsn", "sym", "scm"), i32))
         cx = {"K": hidden, "QUANT_X": quant_x, "DOT": 1 if "bf16" in name else 2}
+        cx["ONE_LAUNCH"] = split > 1  # the split's last program sums the partials
         cx["OUT_BF16"] = True
         cx.update({"KG": kg, "HEAD_D": head_d, "ROPE_D": rope_d, "BM": bm, "BN": bn, "BK": bk})
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // bk) * bk})

@@ -315,6 +315,32 @@ def test_split_k_is_the_linear_within_the_bound(dtype):
     assert torch.equal(w8a8_linear(zt, dwc, dws, dtype, config=split), plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_ends_in_its_own_launch_with_the_second_launchs_bits(dtype, monkeypatch):
+    """``SPLIT_ONE_LAUNCH``: a tile's last split to arrive sums the partials in split order
+    and writes the epilogue (plain, RoPE, several row tiles), the bits of the second launch
+    (``_split_sum_kernel``), and leaves every arrival counter at zero for the next launch."""
+    from v41plan.runtime.kernels import triton_gemm
+
+    M, heads, d, rd, K = 21, 3, 32, 16, 352  # two row tiles of 16; 3 splits: 4 + 4 + 3 steps
+    split = GemmConfig(16, 32, 32, num_warps=1 if DEV == "cpu" else 4, num_stages=1, split_k=3)
+    x = _activations(M, K, 14).to(DEV).to(dtype)
+    wc, ws = quantize_fp8_weight(torch.randn(heads * d, K) * 0.05)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    cos, sin = _rope_tables(M, rd, 15)
+    outs = {}
+    for one in (False, True):
+        monkeypatch.setattr(triton_gemm, "SPLIT_ONE_LAUNCH", one)
+        outs[one] = [
+            w8a8_linear(x, wc, ws, dtype, config=split),
+            w8a8_linear(x, wc, ws, torch.float32, rope=(cos, sin, d), config=split),
+        ]
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
+    counters = triton_gemm._SPLIT_COUNTERS[x.device][-1]
+    assert counters.numel() >= triton_gemm.SPLIT_COUNTERS_MIN and int(counters.abs().sum()) == 0
+
+
 def test_split_k_swiglu_is_the_composition_of_split_linears():
     """The shared expert's split-K launch: each product's partials summed in split order, then
     the SwiGLU and its quantization: the codes of the same composition over split-K linears."""

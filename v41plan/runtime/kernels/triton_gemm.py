@@ -325,13 +325,18 @@ def store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N):
 
 @triton.jit
 def sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr):  # fmt: skip
-    """The ``S`` partials of the tile ``(rm, rn)`` summed in split order, float32."""
+                 BN: tl.constexpr, CG: tl.constexpr = False):  # fmt: skip
+    """The ``S`` partials of the tile ``(rm, rn)`` summed in split order, float32. ``CG``:
+    loaded past L1 (other programs of the launch wrote them)."""
     mask = mmask[:, None] & nmask[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for s in tl.static_range(S):
         row = s * M + rm
-        acc += tl.load(part_ptr + row[:, None].to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
+        at = part_ptr + row[:, None].to(tl.int64) * N + rn[None, :]
+        if CG:
+            acc += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(at, mask=mask, other=0.0)
     return acc
 
 
@@ -345,6 +350,7 @@ def _w8a8_kernel(
     cos_ptr,
     sin_ptr,
     part_ptr,
+    count_ptr,
     M,
     N,
     K: tl.constexpr,
@@ -367,14 +373,18 @@ def _w8a8_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_SPLIT: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr = False,
 ):
     """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
     constant: a weight's width, and the interpreter needs Python loop bounds. ``KG > 0``: ``x``
     is ``[M, K / KG, KG]`` with group stride ``sxg`` (lane ``k`` at group ``k // KG``).
     ``ROPE_D > 0``: RoPE on the last ``ROPE_D`` lanes of every ``HEAD_D``-lane head of the
     output, after its bf16 rounding, then rounded again. ``SPLIT_K > 1``: this program sums
-    the ``K_SPLIT`` lanes of split ``program_id(1)`` into ``part`` (``_split_sum_kernel`` ends
-    the product)."""
+    the ``K_SPLIT`` lanes of split ``program_id(1)`` into ``part``; ``_split_sum_kernel`` ends
+    the product, or with ``ONE_LAUNCH`` the tile's last split to finish: each counts itself in
+    ``count[program_id(0)]`` after a CTA barrier, and the one that sees ``SPLIT_K - 1``
+    acquires the others' partials, sets the count back to 0 (so replays need no reset) and
+    sums them in split order (``_split_sum_kernel``'s sums, bit for bit)."""
     rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
@@ -400,6 +410,14 @@ def _w8a8_kernel(
             )
     if SPLIT_K > 1:
         store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
+        if ONE_LAUNCH:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                tl.store(count_ptr + tl.program_id(0), 0)
+                acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
+                store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
+                             OUT_BF16, HEAD_D, ROPE_D, BM, BN)  # fmt: skip
     else:
         store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
                      HEAD_D, ROPE_D, BM, BN)  # fmt: skip
@@ -633,6 +651,30 @@ def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
                for t in (x, w))  # fmt: skip
 
 
+SPLIT_ONE_LAUNCH = True
+"""Whether a split-K linear ends in its own launch's last split (``_w8a8_kernel``'s
+``ONE_LAUNCH``; an arrival counter per output tile) instead of a second launch
+(``_split_sum_kernel``): the same sums, one launch fewer."""
+
+SPLIT_COUNTERS_MIN = 1 << 16
+"""Arrival counters allocated at first use (int32, one per output tile of a launch)."""
+
+_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(dev: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed arrival counters on ``dev`` for a launch of ``tiles`` output tiles, left zero by
+    every launch. Allocated once at first use (``SPLIT_COUNTERS_MIN``, more when a launch needs
+    it, before any capture: the warm-up runs every shape first); a replaced tensor is kept
+    alive, so a captured graph never reads a freed counter. One stream of launches at a time
+    (each leaves them zero before the next starts)."""
+    have = _SPLIT_COUNTERS.setdefault(dev, [])
+    if not have or have[-1].numel() < tiles:
+        size = max(SPLIT_COUNTERS_MIN, tiles)
+        have.append(torch.zeros(size, dtype=torch.int32, device=dev))
+    return have[-1]
+
+
 SUM_TILE = (16, 128)
 """``[rows, lanes]`` of a split-K linear's sum program."""
 
@@ -765,6 +807,8 @@ def w8a8_linear(
         )  # fmt: skip
         return y
     part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    one = split > 1 and SPLIT_ONE_LAUNCH
+    count = split_counters(x.device, grid[0]) if one else part
     _w8a8_kernel[grid](
         xk,
         xs,
@@ -774,6 +818,7 @@ def w8a8_linear(
         cos,
         sin,
         part,
+        count,
         M,
         N,
         K,
@@ -796,13 +841,14 @@ def w8a8_linear(
         GROUP_M=cfg.group_m,
         SPLIT_K=split,
         K_SPLIT=k_split,
+        ONE_LAUNCH=one,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # the RoPE's products and sums round apart, as apply_rope's (the scale products of the
         # K loop multiply by powers of two: exact either way)
         enable_fp_fusion=rope is None,
     )
-    if split > 1:
+    if split > 1 and not one:
         bm, bn = SUM_TILE
         _split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
             part, y, cos, sin, M, N, y.stride(0), cos.stride(0), S=split,
