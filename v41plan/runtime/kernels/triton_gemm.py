@@ -651,10 +651,12 @@ def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
                for t in (x, w))  # fmt: skip
 
 
-SPLIT_ONE_LAUNCH = True
+SPLIT_ONE_LAUNCH = False
 """Whether a split-K linear ends in its own launch's last split (``_w8a8_kernel``'s
 ``ONE_LAUNCH``; an arrival counter per output tile) instead of a second launch
-(``_split_sum_kernel``): the same sums, one launch fewer."""
+(``_split_sum_kernel``): the same sums (tested under the interpreter), one launch fewer (168
+a flash_slice decode step, 0.31 ms of kernel time at batch 1 in the second launch). Off until
+``benchmarks/probe_split_launch.py`` has timed it and compared its bits on the GPU."""
 
 SPLIT_COUNTERS_MIN = 1 << 16
 """Arrival counters allocated at first use (int32, one per output tile of a launch)."""
