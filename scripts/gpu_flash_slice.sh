@@ -7,8 +7,9 @@
 # quantized GEMMs, the grouped MoE and the mHC sites), "sweep" (the grouped MoE's tile and mode
 # sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json), "sites" (the mHC
 # site forms at flash widths, $OUT/bench_dense_flash_sites.json), "checks" (the GPU tests of the
-# LM head, the router and the split site) and "attn1" (the batch-1 flash decode attention's head
-# blocks and key splits, $OUT/bench_kernels_attn_t1.json). STEPS picks a subset:
+# LM head, the router and the split site), "attn1" (the batch-1 flash decode attention's head
+# blocks and key splits, $OUT/bench_kernels_attn_t1.json) and "split1" (a split-K linear ending
+# in one launch against two, $OUT/probe_split_launch.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
@@ -71,6 +72,9 @@ fi
 if has attn1; then  # batch-1 flash decode attention: head blocks and key splits
     run attn1 90 python3 benchmarks/bench_kernels.py --only "sweep flash T=1" \
         --out "$OUT/bench_kernels_attn_t1.json"
+fi
+if has split1; then  # the split-K linear's end in one launch against two (bits compared)
+    run split1 90 python3 benchmarks/probe_split_launch.py --out "$OUT/probe_split_launch.json"
 fi
 if has prefill; then
     run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
