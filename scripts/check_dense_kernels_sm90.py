@@ -12,7 +12,7 @@ the check that catches what only the compiler refuses. ``--quick``: one variant 
 Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled). Pointer arguments
 are compiled as 16-byte aligned, as Triton specializes a launch's tensors; integer arguments
 stay general (a launch whose strides are multiples of 16 gets wider loads than shown here),
-except where a variant marks them so (the attention's strides).
+except where a variant marks them so (the attention's strides) or with ``--strides16``.
 """
 
 from __future__ import annotations
@@ -320,6 +320,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one variant of each kernel")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (MEDIUM: 1024)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability")
+    ap.add_argument(
+        "--strides16",
+        action="store_true",
+        help="build integer stride arguments (names starting with 's') as multiples of 16, as "
+        "a launch specializes them when they are: the code such a launch runs",
+    )
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: the kernels must be built compiled")
@@ -341,7 +347,12 @@ def main(argv=None) -> int:
             attrs = {
                 (kernel.arg_names.index(n),): [["tt.divisibility", 16]]
                 for n, t in sig.items()
-                if isinstance(t, str) and (t.startswith("*") or t == "i32:16")
+                if isinstance(t, str)
+                and (
+                    t.startswith("*")
+                    or t == "i32:16"
+                    or (args.strides16 and t == "i32" and n.startswith("s"))
+                )
             }
             sig = {n: "i32" if t == "i32:16" else t for n, t in sig.items()}
             src = ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
