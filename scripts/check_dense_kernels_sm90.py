@@ -212,9 +212,16 @@ def _gemm_variants(hidden: int) -> list:
     out.append(("moe deinterleave_rows", tm._deinterleave_rows_kernel, sig, cx, 4))
     sig = {"ids_ptr": "*i64", "row_ids_ptr": "*i64", "pos_ptr": "*i64", "ends_ptr": "*i32"}
     sig.update({"be_ptr": "*i32", "nk": i32, "R": i32, "expert_first": i32})
-    cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}
-    sig.update(dict.fromkeys(cx, "constexpr"))
-    out.append(("moe align_rows", tm._align_rows_kernel, sig, cx, 4))
+    # the loop over experts (medium's 48); the one-hot prefix sums (flash_slice's 32 experts,
+    # 64 tokens x 6: 384 rows, 864 padded)
+    for one_hot in (False, True):
+        cx = {"E": 48, "BM": 16, "BLOCK": 512, "RBLOCK": 2048, "GBLOCKS": 32}
+        if one_hot:
+            cx = {"E": 32, "BM": 16, "BLOCK": 512, "RBLOCK": 1024, "GBLOCKS": 32}
+            cx.update({"ONE_HOT": True, "EP": 32, "RB": 64})
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        name = f"moe align_rows{' one-hot' if one_hot else ''}"
+        out.append((name, tm._align_rows_kernel, dict(sig), cx, 8 if one_hot else 4))
     return out + _router_variants() + _attention_variants()
 
 

@@ -105,9 +105,18 @@ def test_rows_are_sorted_by_local_expert_in_whole_blocks(block_m, first, count):
     [(23, 3, 8, 0, 8, 16), (23, 3, 8, 4, 4, 4), (1, 6, 48, 0, 48, 16), (40, 6, 48, 12, 24, 1),
      (300, 6, 48, 0, 48, 16)],
 )  # fmt: skip
-def test_fused_permutation_equals_the_torch_one(n, k, E, first, count, block_m):
+@pytest.mark.parametrize("one_hot", [True, False], ids=["one_hot", "expert_loop"])
+def test_fused_permutation_equals_the_torch_one(
+    n, k, E, first, count, block_m, one_hot, monkeypatch
+):
+    """Both forms of the one-program permutation (the ``[experts, rows]`` one-hot prefix sums
+    where they fit, else the loop over experts; 300 x 6 rows always loop) give the torch
+    permutation's integers, with experts of another rank and empty experts."""
+    from v41plan.runtime.kernels import triton_moe
     from v41plan.runtime.kernels.triton_moe import align_rows_fused
 
+    if not one_hot:
+        monkeypatch.setattr(triton_moe, "ALIGN_ONE_HOT_ELEMS", 0)
     g = torch.Generator().manual_seed(n + E)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]).to(DEV)
     if n == 40:  # skewed: most rows on a few experts, several experts empty

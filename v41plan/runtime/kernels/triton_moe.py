@@ -126,40 +126,67 @@ ALIGN_MAX_ROWS = 4096
 """Routed rows (``N * k``) up to which ``align_rows_fused`` permutes in one Triton program;
 above it (long prefill chunks) the torch permutation runs."""
 
+ALIGN_ONE_HOT_ELEMS = 1 << 15
+"""``experts x rows`` (powers of two) up to which the permutation ranks every row in one
+``[experts, rows]`` one-hot prefix sum instead of a loop over experts (decode: 32 or 48
+experts by 512 rows at batch 64)."""
+
 
 @triton.jit
 def _align_rows_kernel(
     ids_ptr, row_ids_ptr, pos_ptr, ends_ptr, be_ptr, nk, R, expert_first,
     E: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
-    GBLOCKS: tl.constexpr,
+    GBLOCKS: tl.constexpr, ONE_HOT: tl.constexpr = False, EP: tl.constexpr = 1,
+    RB: tl.constexpr = 1,
 ):  # fmt: skip
     """``moe_torch.align_rows`` in one program: the ``nk`` flat rows (``BLOCK`` lanes) ranked
     within their local expert by a prefix sum per expert (the stable sort's order: token, then
     slot), each expert's group padded to ``BM``; ``R`` padded positions (``RBLOCK`` lanes). No
-    loop bound is read from an argument, so the interpreter runs it as it is."""
+    loop bound is read from an argument, so the interpreter runs it as it is. ``ONE_HOT``: the
+    ``[EP, BLOCK]`` one-hot of the rows' experts (``EP`` a power of two >= ``E``) ranks every
+    row in one prefix sum along the rows, the experts' padded ends in one along the experts,
+    and each ``BM`` block's expert counts the ends at or below its start (``searchsorted``),
+    where the loop runs ``E`` dependent steps: the same integers."""
     i = tl.arange(0, BLOCK)
     imask = i < nk
     e = tl.load(ids_ptr + i, mask=imask, other=0).to(tl.int64) - expert_first
     local = imask & (e >= 0) & (e < E)
     r = tl.arange(0, RBLOCK)  # padding: no row, no expert
     tl.store(row_ids_ptr + r, tl.full([RBLOCK], -1, tl.int64), mask=r < R)
-    tl.store(be_ptr + r, tl.full([RBLOCK], -1, tl.int32), mask=r < R // BM)
-    tl.debug_barrier()  # the stores below land on the padding
-    ppos = tl.full([BLOCK], -1, tl.int64)
-    end = tl.zeros([1], dtype=tl.int64)
-    for g in range(E):
-        m = local & (e == g)
-        mi = m.to(tl.int64)
-        rank = tl.cumsum(mi, axis=0) - 1
-        ppos = tl.where(m, tl.sum(end, axis=0) + rank, ppos)
-        padded = (tl.sum(mi, axis=0) + BM - 1) // BM * BM
-        start = tl.sum(end, axis=0)
-        tl.store(ends_ptr + g + tl.zeros([1], dtype=tl.int32), (end + padded).to(tl.int32))
-        blk = tl.arange(0, GBLOCKS)  # an expert's blocks: at most cdiv(nk, BM)
-        tl.store(
-            be_ptr + start // BM + blk, tl.full([GBLOCKS], g, tl.int32), mask=blk < padded // BM
-        )
-        end += padded
+    if ONE_HOT:
+        gg = tl.arange(0, EP)
+        oh = (local[None, :] & (e[None, :] == gg[:, None])).to(tl.int16)  # [EP, BLOCK]
+        pad_e = (tl.sum(oh.to(tl.int32), axis=1) + BM - 1) // BM * BM
+        ends_e = tl.cumsum(pad_e, axis=0)  # experts past E count no row: their ends repeat
+        start_e = ends_e - pad_e
+        rank_e = tl.cumsum(oh, axis=1).to(tl.int32) - 1  # below 2**15: BLOCK <= 4096
+        pos_e = tl.sum(tl.where(oh != 0, start_e[:, None] + rank_e, 0), axis=0).to(tl.int64)
+        ppos = tl.where(local, pos_e, -1)
+        tl.store(ends_ptr + gg, ends_e, mask=gg < E)
+        bb = tl.arange(0, RB)  # the R // BM row blocks
+        g_of = tl.sum((ends_e[None, :] <= (bb * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(be_ptr + bb, tl.where(g_of < E, g_of, -1), mask=bb < R // BM)
+        tl.debug_barrier()  # the row stores below land on the padding
+    else:
+        tl.store(be_ptr + r, tl.full([RBLOCK], -1, tl.int32), mask=r < R // BM)
+        tl.debug_barrier()  # the stores below land on the padding
+        ppos = tl.full([BLOCK], -1, tl.int64)
+        end = tl.zeros([1], dtype=tl.int64)
+        for g in range(E):
+            m = local & (e == g)
+            mi = m.to(tl.int64)
+            rank = tl.cumsum(mi, axis=0) - 1
+            ppos = tl.where(m, tl.sum(end, axis=0) + rank, ppos)
+            padded = (tl.sum(mi, axis=0) + BM - 1) // BM * BM
+            start = tl.sum(end, axis=0)
+            tl.store(ends_ptr + g + tl.zeros([1], dtype=tl.int32), (end + padded).to(tl.int32))
+            blk = tl.arange(0, GBLOCKS)  # an expert's blocks: at most cdiv(nk, BM)
+            tl.store(
+                be_ptr + start // BM + blk,
+                tl.full([GBLOCKS], g, tl.int32),
+                mask=blk < padded // BM,
+            )
+            end += padded
     tl.store(pos_ptr + i, ppos, mask=imask)
     tl.store(row_ids_ptr + ppos, i.to(tl.int64), mask=imask & (ppos >= 0))
 
@@ -182,10 +209,15 @@ def align_rows_fused(
     ends = torch.empty(expert_count, dtype=torch.int32, device=dev)
     be = torch.empty(R // block_m, dtype=torch.int32, device=dev)
     block = max(16, triton.next_power_of_2(nk))
+    rblock = triton.next_power_of_2(R)
+    ep = max(2, triton.next_power_of_2(expert_count))
+    rb = max(2, triton.next_power_of_2(R // block_m))
+    one_hot = ep * block <= ALIGN_ONE_HOT_ELEMS and ep * rb <= ALIGN_ONE_HOT_ELEMS
     _align_rows_kernel[(1,)](
         ids.reshape(nk).contiguous(), row_ids, pos, ends, be, nk, R, int(expert_first),
-        E=expert_count, BM=block_m, BLOCK=block, RBLOCK=triton.next_power_of_2(R),
-        GBLOCKS=triton.next_power_of_2(-(-nk // block_m)), num_warps=4 if block <= 1024 else 8,
+        E=expert_count, BM=block_m, BLOCK=block, RBLOCK=rblock,
+        GBLOCKS=triton.next_power_of_2(-(-nk // block_m)), ONE_HOT=one_hot, EP=ep, RB=rb,
+        num_warps=8 if one_hot or block > 1024 else 4,
     )  # fmt: skip
     return MoERows(row_ids, pos, ends, be, block_m)
 
