@@ -36,6 +36,5 @@ def test_every_kernel_form_compiles_for_sm90():
     # split-K) and its split sum, the MoE's gate/up and down GEMMs (fp8, bf16 at two K steps,
     # prefetched, lanes in pairs with and without prefetch, pairs by TMA) and the permuted rows'
     # kernel, the permutation (expert loop and one-hot), the router (one kernel; the split GEMV
-    # and its select), the
-    # sparse attention at flash widths (64- and 32-head blocks)
+    # and its select), the sparse attention at flash widths (64- and 32-head blocks)
     assert "0 failed" in res.stdout and res.stdout.count("ok ") == 43
