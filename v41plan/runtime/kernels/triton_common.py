@@ -28,6 +28,19 @@ def interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
+def arrival_counters(pool: dict, dev, size: int):
+    """Zeroed int32 arrival counters on ``dev`` from ``pool`` (a kernel's own dict of lists),
+    at least ``size`` of them, for a launch whose programs count themselves in and leave them
+    zero. Allocated at first use and only grown after; a replaced tensor stays in ``pool``, so
+    a captured graph never reads a freed counter."""
+    import torch
+
+    have = pool.setdefault(dev, [])
+    if not have or have[-1].numel() < size:
+        have.append(torch.zeros(size, dtype=torch.int32, device=dev))
+    return have[-1]
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (at least 1)."""
     return triton.next_power_of_2(max(int(n), 1))

@@ -69,6 +69,7 @@ import triton.language as tl
 from v41plan.model import quant as Q
 from v41plan.model.layers import HcParams
 from v41plan.runtime.kernels import dense_ref
+from v41plan.runtime.kernels.triton_common import arrival_counters
 
 __all__ = [
     "INTERPRETED",
@@ -985,11 +986,10 @@ def _arrival_counters(dev: torch.device, blocks: int) -> torch.Tensor:
     by every launch. Allocated on first use for the widest split launch of the tables, so one
     tensor serves every later launch: a captured graph keeps the address it was captured with,
     and a replaced tensor is kept alive, never freed under a graph that reads it."""
-    have = _COUNTERS.setdefault(dev, [])
-    if not have or have[-1].numel() < blocks:
-        size = max(64, blocks, _split_blocks_max())
-        have.append(torch.zeros(size, dtype=torch.int32, device=dev))
-    return have[-1]
+    have = _COUNTERS.get(dev)
+    if have and have[-1].numel() >= blocks:
+        return have[-1]
+    return arrival_counters(_COUNTERS, dev, max(64, blocks, _split_blocks_max()))
 
 
 def split_lanes(D: int, block_d: int) -> tuple[int, int]:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from v41plan.runtime.kernels.triton_common import arrival_counters
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
     act_quant_fp8,
@@ -670,11 +671,7 @@ def split_counters(dev: torch.device, tiles: int) -> torch.Tensor:
     it, before any capture: the warm-up runs every shape first); a replaced tensor is kept
     alive, so a captured graph never reads a freed counter. One stream of launches at a time
     (each leaves them zero before the next starts)."""
-    have = _SPLIT_COUNTERS.setdefault(dev, [])
-    if not have or have[-1].numel() < tiles:
-        size = max(SPLIT_COUNTERS_MIN, tiles)
-        have.append(torch.zeros(size, dtype=torch.int32, device=dev))
-    return have[-1]
+    return arrival_counters(_SPLIT_COUNTERS, dev, max(SPLIT_COUNTERS_MIN, tiles))
 
 
 SUM_TILE = (16, 128)

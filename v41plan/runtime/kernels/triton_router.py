@@ -58,12 +58,12 @@ def _log1p(x):
 @triton.jit
 def _scores_row(
     x_ptr, w_ptr, row, offs_e, mask_e, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_D: tl.constexpr, LO=0, HI: tl.constexpr = -1,
+    BLOCK_D: tl.constexpr, LO=0, LANES: tl.constexpr = -1,
 ):  # fmt: skip
     """Float32 scores ``x[row] @ w[offs_e]^T`` of one row over the experts ``offs_e`` (lanes
-    ``[LO, LO + HI)`` when ``HI`` is given, else all ``D``)."""
+    ``[LO, LO + LANES)`` when ``LANES`` is given, else all ``D``)."""
     acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
-    SPAN: tl.constexpr = D if HI < 0 else HI
+    SPAN: tl.constexpr = D if LANES < 0 else LANES
     for d0 in range(0, SPAN, BLOCK_D):
         offs_d = LO + d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
