@@ -485,10 +485,16 @@ def sweep_rows(
 
         res, _ = _moe_layer(cfg)
         moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
+        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
         for label, n, bn in (("decode1", 1, 32), ("decode64", 64, 64)):
             x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
             ids, wts = moe.route(x)
             xq, xs = act_quant_fp8(x)
+            # moe_sweep's floor of the routed experts, against the kernels' busy time
+            nbytes = int(torch.unique(ids).numel()) * expert_bytes + n * D * 2 * 2
+            flops = 2 * n * k * 3 * D * I
+            floor_ms = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_flop_per_s"]) * 1e3
             for tma in (False, True):
                 c = MoEConfig(16, bn, 64, 256, 4, 3, pairs=True, tma=tma)
                 name = f"kernels moe routed {label} pairs{' tma' if tma else ''}"
@@ -507,6 +513,7 @@ def sweep_rows(
                         fn()
                     table, busy = _kernel_table(g.replay, 5, 8)
                     rows.append({"name": name, "kernel_table": table, "kernel_busy_ms": busy,
+                                 "ms": busy, "floor_ms": floor_ms, "of_floor": floor_ms / busy,
                                  "config": c.__dict__})  # fmt: skip
                 except Exception as exc:  # noqa: BLE001
                     rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
@@ -632,7 +639,10 @@ def main(argv=None) -> int:
             print(f"{r['name']:44} ERROR {r['error']}")
             continue
         if "kernel_table" in r:  # the moe_kernels part: device time by kernel
-            print(f"{r['name']:44} kernels busy {r['kernel_busy_ms']:.4f} ms")
+            print(
+                f"{r['name']:44} kernels busy {r['kernel_busy_ms']:.4f} ms  "
+                f"of_floor {r['of_floor']:.3f}"
+            )
             for k in r["kernel_table"]:
                 print(f"{'':8}{k['us']:9.1f} us {k['calls']:5.1f} x {k['kernel'][:70]}")
             continue

@@ -923,6 +923,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": _commit(),
+        "spec": "medium and V4.1-Flash attention widths (WIDTHS: H, index heads; D, W, top-k)",
         "provenance": provenance(),
         "ceilings": ceil,
         "rows": rows,
