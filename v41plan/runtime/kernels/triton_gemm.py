@@ -652,7 +652,7 @@ def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
                for t in (x, w))  # fmt: skip
 
 
-SPLIT_ONE_LAUNCH = False
+SPLIT_ONE_LAUNCH = True
 """Whether a split-K linear ends in its own launch's last split (``_w8a8_kernel``'s
 ``ONE_LAUNCH``; an arrival counter per output tile) instead of a second launch
 (``_split_sum_kernel``): the same sums (tested under the interpreter), one launch fewer (168
