@@ -65,7 +65,7 @@ def load_weights(spec, checkpoint: str | None, seed: int = 0, resident: bool = F
         cfg = config_from_cache_spec(spec)
         ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, seed))
     if resident:
-        w = ckpt.process(torch.bfloat16, "cuda", resident=True, dequantize=("attn.wo_a.weight",))
+        w = ckpt.process(torch.bfloat16, "cuda", resident=True)
     else:
         w = ckpt.process(torch.bfloat16, "cuda")
     return ckpt.config, w, ckpt.engram_host(), ckpt.report

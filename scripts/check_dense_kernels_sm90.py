@@ -127,17 +127,22 @@ def _gemm_variants(hidden: int) -> list:
         (" prefill 128x128x64", 0, 0, 0, 1, (128, 128, 64, 8)),
         (" bf16 prefill 128x128x64", 0, 0, 0, 1, (128, 128, 64, 8)),
         (" bf16 prefill 128x128x128", 0, 0, 0, 1, (128, 128, 128, 8)),
+        (" w8a16 grouped bf16", 0, 0, 0, 1, (16, 64, 128, 4)),
+        (" w8a16 grouped bf16 split 2", 0, 0, 0, 2, (16, 64, 128, 4)),
+        (" w8a16 grouped bf16 prefill 128x128x32", 0, 0, 0, 1, (128, 128, 32, 8)),
     )
     for name, kg, head_d, rope_d, split, (bm, bn, bk, warps) in forms:
-        quant_x = split == 1 and bm == 16  # the prologue quantizes; else E4M3 codes come in
-        xdt = "*bf16" if quant_x else "*u8"
+        a16 = "w8a16" in name  # the weight-only grouped product (wo_a): bf16 activations
+        quant_x = split == 1 and bm == 16 and not a16  # else E4M3 codes come in
+        xdt = "*bf16" if quant_x or a16 else "*u8"
         sig = {"x_ptr": xdt, "xs_ptr": xdt, "w_ptr": "*u8", "ws_ptr": "*u8"}
         sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "part_ptr": "*fp32"})
         sig["count_ptr"] = "*i32"
         sig.update(dict.fromkeys(("M", "N"), i32))
         sig["K"] = "constexpr"
-        sig.update(dict.fromkeys(("sxm", "sxg", "sxsm", "swn", "swsn", "sym", "scm"), i32))
+        sig.update(dict.fromkeys(("sxm", "sxg", "sxo", "sxsm", "swn", "swsn", "sym", "scm"), i32))
         cx = {"K": hidden, "QUANT_X": quant_x, "DOT": 1 if "bf16" in name else 2}
+        cx.update({"A16": a16, "XO": 1024 if a16 else 0})
         cx["ONE_LAUNCH"] = split > 1  # the split's last program sums the partials
         cx["OUT_BF16"] = True
         cx.update({"KG": kg, "HEAD_D": head_d, "ROPE_D": rope_d, "BM": bm, "BN": bn, "BK": bk})

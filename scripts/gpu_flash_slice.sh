@@ -8,8 +8,9 @@
 # sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json), "sites" (the mHC
 # site forms at flash widths, $OUT/bench_dense_flash_sites.json), "checks" (the GPU tests of the
 # LM head, the router and the split site), "attn1" (the batch-1 flash decode attention's head
-# blocks and key splits, $OUT/bench_kernels_attn_t1.json) and "split1" (a split-K linear ending
-# in one launch against two, $OUT/probe_split_launch.json). STEPS picks a subset:
+# blocks and key splits, $OUT/bench_kernels_attn_t1.json), "split1" (a split-K linear ending
+# in one launch against two, $OUT/probe_split_launch.json) and "woa" (the grouped wo_a on its
+# FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
@@ -72,6 +73,10 @@ fi
 if has attn1; then  # batch-1 flash decode attention: head blocks and key splits
     run attn1 90 python3 benchmarks/bench_kernels.py --only "sweep flash T=1" \
         --out "$OUT/bench_kernels_attn_t1.json"
+fi
+if has woa; then  # the grouped wo_a on its FP8 weight: GPU tests, then against the bf16 bmm
+    run woa-tests 150 python3 -m pytest -q tests/runtime/test_triton_gemm.py -k "w8a16 or split"
+    run woa 150 python3 benchmarks/probe_wo_a.py --out "$OUT/probe_wo_a.json"
 fi
 if has split1; then  # the split-K linear's end in one launch against two (bits compared)
     run split1 90 python3 benchmarks/probe_split_launch.py --out "$OUT/probe_split_launch.json"

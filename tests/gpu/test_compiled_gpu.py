@@ -83,7 +83,7 @@ def _fast_model(dtype, resident: bool, compile_backend=None):
     spec = resolve_spec("tiny40")
     cfg = config_from_cache_spec(spec)
     ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
-    kw = {"resident": True, "dequantize": ("attn.wo_a.weight",)} if resident else {}
+    kw = {"resident": True} if resident else {}
     m = RuntimeModel(
         spec, ckpt.process(dtype, "cuda", **kw), ckpt.engram_host(), num_pages=24, num_slots=4,
         max_tokens=96, max_bs=4, table_width=12, dtype=dtype, device="cuda", cfg=cfg,

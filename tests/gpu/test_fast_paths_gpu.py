@@ -49,7 +49,7 @@ def _model(spec_name: str, variant: str, dtype=torch.float32):
     spec = resolve_spec(spec_name)
     cfg = config_from_cache_spec(spec)
     ckpt = LoadedCheckpoint.from_state(cfg, _state(spec_name))
-    kw = {"resident": True, "dequantize": ("attn.wo_a.weight",)} if v["resident"] else {}
+    kw = {"resident": True} if v["resident"] else {}
     w = ckpt.process(dtype, "cuda", **kw)
     m = RuntimeModel(
         spec, w, ckpt.engram_host(), num_pages=24, num_slots=4, max_tokens=96, max_bs=4,

@@ -87,13 +87,14 @@ def test_runtime_refuses_bad_kernel_choices():
 
 def test_resident_weights_on_cpu_run_the_dequantised_arithmetic():
     """Weights kept as published run the same arithmetic on the CPU (the W8A8 kernels are
-    CUDA's; ``ResidentLinear`` dequantises once): logits equal the dequantised model's."""
+    CUDA's; ``ResidentLinear`` and the grouped ``wo_a`` dequantise once): logits equal the
+    dequantised model's."""
     spec, cfg, _w, eng = model("tiny")
     ids = token_ids(21, 5)
     out = []
     for resident in (False, True):
         ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0))
-        kw = {"resident": True, "dequantize": ("attn.wo_a.weight",)} if resident else {}
+        kw = {"resident": True} if resident else {}
         w = ckpt.process(torch.float64, **kw)
         m = RuntimeModel(
             spec, w, eng, cfg=cfg, dtype=torch.float64, moe="grouped", num_pages=24,

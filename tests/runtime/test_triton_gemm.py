@@ -29,7 +29,12 @@ from v41plan.model.quant import (
     quantize_fp8_blocks,
     quantize_fp8_weight,
 )
-from v41plan.runtime.kernels.triton_gemm import GemmConfig, fp8_weight_tile_bf16, w8a8_linear
+from v41plan.runtime.kernels.triton_gemm import (
+    GemmConfig,
+    fp8_weight_tile_bf16,
+    w8a8_linear,
+    w8a16_grouped,
+)
 from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -423,3 +428,52 @@ def test_bf16_mode_weight_tiles_are_the_dequantized_weight():
     grid = (triton.cdiv(N, BN), triton.cdiv(K, BK))
     _fp8_tile_kernel[grid](c8, s8, out, N, c8.stride(0), s8.stride(0), K=K, BN=BN, BK=BK)
     assert torch.equal(out.cpu(), dequant_fp8_weight(wc, ws, torch.float32))
+
+
+def _grouped_bound(y, x, wc, ws, u_out: float) -> float:
+    """Largest ``|y - y*|`` of ``w8a16_grouped`` over its bound (must be <= 1): ``y*`` the
+    float64 grouped product of ``x [G, M, K]`` and the dequantized weight."""
+    G, M, K = x.shape
+    wd = dequant_fp8_weight(wc.cpu(), ws.cpu(), torch.float64).view(G, -1, K)
+    xd = x.double().cpu()
+    exact = torch.bmm(xd, wd.transpose(1, 2)).transpose(0, 1).reshape(M, -1)
+    P = torch.bmm(xd.abs(), wd.abs().transpose(1, 2)).transpose(0, 1).reshape(M, -1)
+    bound = K * 2.0**-24 * P + u_out * exact.abs() + 1e-300
+    return float(((y.double().cpu() - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_grouped_is_the_grouped_product_within_the_bound(dtype):
+    """The output projection's ``wo_a`` on its FP8 weight: each group's lanes read only its own
+    input (strided groups read in place), unquantized activations, the bound of exact products
+    summed in float32; a K split gives the same bits in one launch or two; a group narrower
+    than the default tile narrows the tile; shapes are checked."""
+    from v41plan.runtime.kernels import triton_gemm
+
+    G, M, R, K = 3, 5, 64, 192
+    g = torch.Generator().manual_seed(21)
+    wc, ws = quantize_fp8_weight(torch.randn(G * R, K, generator=g) * 0.05)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    x = (torch.randn(M, G, K, generator=g) * 3).to(DEV).to(dtype).transpose(0, 1)  # strided
+    u_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    y = w8a16_grouped(x, wc, ws)
+    assert y.shape == (M, G * R) and y.dtype == dtype
+    assert _grouped_bound(y, x, wc, ws, u_out) <= 1.0
+    assert _grouped_bound(w8a16_grouped(x, wc, ws, torch.float32), x, wc, ws, 0.0) <= 1.0
+    assert torch.equal(w8a16_grouped(x.contiguous(), wc, ws), y)
+    split = GemmConfig(16, 32, 32, num_warps=1 if DEV == "cpu" else 4, num_stages=1, split_k=2)
+    outs = []
+    for one in (False, True):
+        triton_gemm.SPLIT_ONE_LAUNCH, shipped = one, triton_gemm.SPLIT_ONE_LAUNCH
+        try:
+            outs.append(w8a16_grouped(x, wc, ws, torch.float32, config=split))
+        finally:
+            triton_gemm.SPLIT_ONE_LAUNCH = shipped
+    assert torch.equal(outs[0], outs[1]) and _grouped_bound(outs[0], x, wc, ws, 0.0) <= 1.0
+    wide = GemmConfig(16, 128, 64, num_warps=1 if DEV == "cpu" else 4, num_stages=1)
+    assert _grouped_bound(w8a16_grouped(x, wc, ws, config=wide), x, wc, ws, u_out) <= 1.0
+    assert w8a16_grouped(x[:, :0], wc, ws).shape == (0, G * R)
+    with pytest.raises(ValueError, match="w8a16_grouped"):
+        w8a16_grouped(x[:, :, :160], wc, ws)
+    with pytest.raises(ValueError, match="w8a16_grouped"):
+        w8a16_grouped(x, wc, ws, dot="fp8")

@@ -556,8 +556,9 @@ class LoadedCheckpoint:
         ``resident=True`` keeps them as published: every FP8 linear a ``QuantWeight("fp8")``
         and the fused experts a ``QuantWeight("fp4")`` with codes ``[E, out, in/2]`` and
         scales ``[E, out, in/32]``; FP8 names ending with one of ``dequantize`` are dequantized
-        into ``dtype`` all the same (``("attn.wo_a.weight",)``: the grouped ``wo_a`` runs on
-        bf16 values in the published model; +3.5 to 4.8% of the bytes on the shipped specs).
+        into ``dtype`` all the same (``("attn.wo_a.weight",)``: the grouped ``wo_a`` as bf16
+        values, +3.5 to 4.8% of the bytes on the shipped specs; by default it stays FP8 and the
+        runtime's ``ResidentGroupedLinear`` reads it).
         bf16/fp32 tensors stay in their published dtype either way. ``report`` then holds the
         device weight bytes next to the checkpoint's (Engram tables apart).
         """

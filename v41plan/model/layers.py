@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from v41plan.model.quant import fake_fp4, fake_fp4_e4m3, fake_fp8, quant_fp8_rows
+from v41plan.model.quant import QuantWeight, fake_fp4, fake_fp4_e4m3, fake_fp8, quant_fp8_rows
 
 NEG_INF = float("-inf")
 
@@ -103,6 +103,19 @@ class LayerKernels:
     """``output_rope(o, cos, sin, groups)``: the output projection's inverse RoPE of ``o [N, H,
     d]`` laid out ``[groups, N, H * d / groups]`` for a ``torch.bmm`` with the grouped ``wo_a``
     (``dense_ref.inverse_rope_groups``); None: ``apply_rope`` and an einsum."""
+
+    grouped_linear: Any = None
+    """``grouped_linear(weight, dtype, groups) -> callable [G, N, in/G] -> [N, G * r]`` for a
+    ``wo_a`` kept as published (``QuantWeight``); None: its values in ``dtype``."""
+
+    def make_grouped(self, weight: Any, dtype: torch.dtype, groups: int):
+        """The grouped ``wo_a``: a tensor in ``dtype`` (the einsum / ``bmm`` reference), or the
+        runtime's product over a weight kept as published."""
+        if isinstance(weight, QuantWeight):
+            if self.grouped_linear is not None:
+                return self.grouped_linear(weight, dtype, groups)
+            return weight.dequantize(dtype)
+        return weight.to(dtype)
 
     def make_linear(self, weight: Any, dtype: torch.dtype, act_quant: bool = True):
         """A linear over ``weight`` computing in ``dtype``."""
@@ -360,7 +373,8 @@ class Attention:
         self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
         self.wkv = lin(w[p + "wkv.weight"], dtype)
         self.kv_norm = w[p + "kv_norm.weight"]
-        self.wo_a = w[p + "wo_a.weight"].to(dtype)
+        wo_a = w[p + "wo_a.weight"]
+        self.wo_a = self.kernels.make_grouped(wo_a, dtype, wo_a.shape[0] // cfg.o_lora_rank)
         self.wo_b = lin(w[p + "wo_b.weight"], dtype)
         self.sink = w[p + "attn_sink"].to(a)
         if info.role == "full":
@@ -497,6 +511,12 @@ class Attention:
     def output_local(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``output`` before its all-reduce: this rank's partial sum (all of it on one rank)."""
         n, G = o.shape[0], self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's groups
+        if not isinstance(self.wo_a, torch.Tensor):  # kept as published: the runtime's product
+            if self.kernels.output_rope is not None:
+                xg = self.kernels.output_rope(o, cos, sin, G)
+            else:
+                xg = apply_rope(o, cos, sin, inverse=True).reshape(n, G, -1).transpose(0, 1)
+            return self.wo_b(self.wo_a(xg))
         wo_a = self.wo_a.reshape(G, self.cfg.o_lora_rank, -1)
         if self.kernels.output_rope is not None:
             # [G, n, K] @ [G, K, r]: the product's [n, G, r] view is what wo_b reads

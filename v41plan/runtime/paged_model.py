@@ -486,7 +486,9 @@ class RuntimeModel:
         # the output projection's inverse RoPE as one kernel writing the grouped product's
         # operand (Inductor makes two to four kernels of it and a transposing copy)
         orope = self.dense.inverse_rope_groups if dense == "triton" else None
-        kernels = LayerKernels(q8, _linear_factory(q8), nrq, orope)
+        from v41plan.runtime.resident import grouped_linear
+
+        kernels = LayerKernels(q8, _linear_factory(q8), nrq, orope, grouped_linear)
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]

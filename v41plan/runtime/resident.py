@@ -41,6 +41,39 @@ def triton_ready(w: Any, device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+class ResidentGroupedLinear:
+    """The output projection's grouped ``wo_a`` on its FP8 weight as published (half the bytes
+    of the bf16 values it replaces): ``x [G, N, in/G]`` (each group's rows) -> ``[N, G * r]``
+    by ``triton_gemm.w8a16_grouped``, no activation quantizer. ``grouped_linear`` picks it
+    where the Triton kernels serve the weight; elsewhere ``wo_a`` is dequantized once."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+        if not (triton_ready(weight, weight.device, dtype) and weight.format == "fp8"):
+            raise ValueError("ResidentGroupedLinear takes an FP8 QuantWeight on CUDA")
+        self.weight, self.dtype = weight, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical weight shape ``[G * r, in/G]`` (this rank's groups)."""
+        return tuple(self.weight.shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, G * r]`` in ``dtype`` (its ``[N, G, r]`` view is what ``wo_b`` reads)."""
+        if torch.compiler.is_compiling():  # inside a compiled region: the opaque custom op
+            from v41plan.runtime.kernels.ops import w8a16_grouped
+        else:
+            from v41plan.runtime.kernels.triton_gemm import w8a16_grouped
+        return w8a16_grouped(x, self.weight.codes, self.weight.scales, self.dtype)
+
+
+def grouped_linear(weight: QuantWeight, dtype: torch.dtype, groups: int):
+    """``LayerKernels.grouped_linear``: ``ResidentGroupedLinear`` where the Triton kernels serve
+    the FP8 ``wo_a``, else its values in ``dtype`` (the reference's ``bmm`` / einsum)."""
+    if triton_ready(weight, weight.device, dtype) and weight.format == "fp8":
+        return ResidentGroupedLinear(weight, dtype)
+    return _dense(weight, dtype)
+
+
 class ResidentLinear:
     """``y = fake_fp8(x, 32) @ W^T`` (``act_quant``) or ``x @ W^T``, output in ``dtype``."""
 

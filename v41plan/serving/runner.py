@@ -73,8 +73,7 @@ class PagedRunner:
         if ckpt.weights is not None:
             weights = ckpt.weights
         elif self.kernels["resident_weights"]:
-            # the grouped wo_a runs on bf16 values in the published model
-            weights = ckpt.process(dtype, device, resident=True, dequantize=("attn.wo_a.weight",))
+            weights = ckpt.process(dtype, device, resident=True)
         else:
             weights = ckpt.process(dtype, device)
         self.engram = ckpt.engram_host()

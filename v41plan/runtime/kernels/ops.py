@@ -15,8 +15,8 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def register() -> None:
-    """Register ``v41plan::w8a8_linear``, ``v41plan::moe_router`` and ``v41plan::head_logits``
-    (idempotent)."""
+    """Register ``v41plan::w8a8_linear``, ``v41plan::w8a16_grouped``, ``v41plan::moe_router``
+    and ``v41plan::head_logits`` (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -34,6 +34,18 @@ def register() -> None:
     @w8a8_linear.register_fake
     def _(x, w_codes, w_scales, out_dtype, cos=None, sin=None, head_dim=0):
         return x.new_empty((x.shape[0], w_codes.shape[0]), dtype=out_dtype)
+
+    @torch.library.custom_op("v41plan::w8a16_grouped", mutates_args=())
+    def w8a16_grouped(
+        x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        from v41plan.runtime.kernels.triton_gemm import w8a16_grouped as kernel
+
+        return kernel(x, w_codes, w_scales, out_dtype)
+
+    @w8a16_grouped.register_fake
+    def _(x, w_codes, w_scales, out_dtype):
+        return x.new_empty((x.shape[1], w_codes.shape[0]), dtype=out_dtype)
 
     @torch.library.custom_op("v41plan::moe_router", mutates_args=())
     def moe_router(
@@ -79,6 +91,14 @@ def w8a8_linear(
     ``[M, K]`` or ``[M, G, K/G]``, with the RoPE epilogue when ``cos``/``sin`` are given."""
     register()
     return torch.ops.v41plan.w8a8_linear(x, w_codes, w_scales, out_dtype, cos, sin, head_dim)
+
+
+def w8a16_grouped(
+    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``triton_gemm.w8a16_grouped`` through the custom op (what a compiled region calls)."""
+    register()
+    return torch.ops.v41plan.w8a16_grouped(x, w_codes, w_scales, out_dtype)
 
 
 def moe_router(

@@ -357,6 +357,7 @@ def _w8a8_kernel(
     K: tl.constexpr,
     sxm,
     sxg,
+    sxo,
     sxsm,
     swn,
     swsn,
@@ -375,6 +376,8 @@ def _w8a8_kernel(
     SPLIT_K: tl.constexpr,
     K_SPLIT: tl.constexpr,
     ONE_LAUNCH: tl.constexpr = False,
+    A16: tl.constexpr = False,
+    XO: tl.constexpr = 0,
 ):
     """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
     constant: a weight's width, and the interpreter needs Python loop bounds. ``KG > 0``: ``x``
@@ -385,8 +388,16 @@ def _w8a8_kernel(
     the product, or with ``ONE_LAUNCH`` the tile's last split to finish: each counts itself in
     ``count[program_id(0)]`` after a CTA barrier, and the one that sees ``SPLIT_K - 1``
     acquires the others' partials, sets the count back to 0 (so replays need no reset) and
-    sums them in split order (``_split_sum_kernel``'s sums, bit for bit)."""
-    rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
+    sums them in split order (``_split_sum_kernel``'s sums, bit for bit). ``A16``: ``x`` holds
+    float activations taken as they are (no quantizer; ``"bf16"`` or ``"fp32"`` mode), the
+    weight-only product of ``w8a16_grouped``. ``XO > 0``: every ``XO`` output lanes read their
+    own input, ``x_ptr + (lane // XO) * sxo`` (a block-diagonal product: ``BN`` divides
+    ``XO``)."""
+    m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    if XO > 0:
+        x_ptr += (n0 // XO).to(tl.int64) * sxo
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -403,9 +414,18 @@ def _w8a8_kernel(
             rk = kb + tl.arange(0, SUB)
             kmask = rk < K
             rka = rk if KG == 0 else (rk // KG) * sxg + rk % KG
-            a, sx = load_a_tile(
-                x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
-            )
+            if A16:
+                a = tl.load(
+                    x_ptr + rm[:, None] * sxm + rka[None, :],
+                    mask=mmask[:, None] & kmask[None, :],
+                    other=0.0,
+                )
+                a = a.to(tl.bfloat16) if DOT == 1 else a.to(tl.float32)
+                sx = tl.zeros([BM], dtype=tl.float32)
+            else:
+                a, sx = load_a_tile(
+                    x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
+                )
             acc = w8a8_step(
                 acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
             )
@@ -779,7 +799,7 @@ def w8a8_linear(
         if cos.dtype != torch.float32 or N % head_d or cfg.block_n % 2 or head_d % 2:
             raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
         cos, sin = cos.contiguous(), sin.contiguous()
-    split, k_split = _splits(K, cfg)
+    split = _splits(K, cfg)[0]
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     if cfg.tma:
         bk_ok = cfg.block_k == QUANT_BLOCK or dot == "bf16"
@@ -805,56 +825,92 @@ def w8a8_linear(
             enable_fp_fusion=rope is None,
         )  # fmt: skip
         return y
-    part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    return _launch_pointer(
+        xk, xs, w, ws, y, cos, sin, cfg, (xk.stride(0), sxg, 0, xs.stride(0)), K, dot,
+        QUANT_X=quant_x, KG=kg, HEAD_D=head_d, ROPE_D=rope_d,
+    )  # fmt: skip
+
+
+def _launch_pointer(xk, xs, w, ws, y, cos, sin, cfg, x_strides, K, dot, **consts):
+    """Launch ``_w8a8_kernel`` (its K splits ending in the same launch, ``SPLIT_ONE_LAUNCH``,
+    or in ``_split_sum_kernel``) into ``y [M, N]``; ``x_strides`` = ``(sxm, sxg, sxo, sxsm)``,
+    ``consts`` the kernel's operand-form constants. Returns ``y``."""
+    M, N = y.shape
+    rope = consts["ROPE_D"] > 0
+    out_bf16 = y.dtype == torch.bfloat16
+    split, k_split = _splits(K, cfg)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=y.device)
     one = split > 1 and SPLIT_ONE_LAUNCH
-    count = split_counters(x.device, grid[0]) if one else part
+    count = split_counters(y.device, grid[0]) if one else part
     _w8a8_kernel[grid](
-        xk,
-        xs,
-        w,
-        ws,
-        y,
-        cos,
-        sin,
-        part,
-        count,
-        M,
-        N,
-        K,
-        xk.stride(0),
-        sxg,
-        xs.stride(0),
-        w.stride(0),
-        ws.stride(0),
-        y.stride(0),
-        cos.stride(0),
-        QUANT_X=quant_x,
-        DOT=DOT_MODES[dot],
-        OUT_BF16=out_dtype == torch.bfloat16,
-        KG=kg,
-        HEAD_D=head_d,
-        ROPE_D=rope_d,
-        BM=cfg.block_m,
-        BN=cfg.block_n,
-        BK=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        SPLIT_K=split,
-        K_SPLIT=k_split,
-        ONE_LAUNCH=one,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        xk, xs, w, ws, y, cos, sin, part, count, M, N, K, *x_strides, w.stride(0), ws.stride(0),
+        y.stride(0), cos.stride(0), DOT=DOT_MODES[dot], OUT_BF16=out_bf16, BM=cfg.block_m,
+        BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, K_SPLIT=k_split,
+        ONE_LAUNCH=one, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # the RoPE's products and sums round apart, as apply_rope's (the scale products of the
         # K loop multiply by powers of two: exact either way)
-        enable_fp_fusion=rope is None,
-    )
+        enable_fp_fusion=not rope, **consts,
+    )  # fmt: skip
     if split > 1 and not one:
         bm, bn = SUM_TILE
         _split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-            part, y, cos, sin, M, N, y.stride(0), cos.stride(0), S=split,
-            OUT_BF16=out_dtype == torch.bfloat16, HEAD_D=head_d, ROPE_D=rope_d, BM=bm, BN=bn,
-            enable_fp_fusion=rope is None,
+            part, y, cos, sin, M, N, y.stride(0), cos.stride(0), S=split, OUT_BF16=out_bf16,
+            HEAD_D=consts["HEAD_D"], ROPE_D=consts["ROPE_D"], BM=bm, BN=bn,
+            enable_fp_fusion=not rope,
         )  # fmt: skip
     return y
+
+
+def w8a16_grouped(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    dot: str | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The grouped weight-only product of the output projection's ``wo_a``: ``y [M, G * R]``,
+    ``y[:, g R:(g + 1) R] = x[g] @ dequant(w)[g R:(g + 1) R]^T``, one launch.
+
+    ``x [G, M, K]``: float activations taken as they are (the published ``wo_a`` has no
+    activation quantizer), any group and row strides; ``w_codes`` ``float8_e4m3fn [G * R, K]``
+    with E8M0 32 x 32 scales ``[G * R / 32, K / 32]`` (``R`` and ``K`` multiples of 32): the
+    FP8 weight as published, half the bytes of its bf16 values. ``"bf16"`` mode for bf16
+    activations on CUDA (each weight tile dequantized in registers, exact in bf16), ``"fp32"``
+    otherwise (float32 activations; the interpreter). The result is ``torch.bmm(x,
+    dequant(w).view(G, R, K).transpose(1, 2))`` up to the order of the float32 additions (the
+    bound of the module docstring with ``u_out`` of ``out_dtype``). ``y``'s ``[M, G, R]`` view
+    is what ``wo_b`` reads."""
+    G, M, K = x.shape
+    N = w_codes.shape[0]
+    R = N // G if G else 0
+    if not G or N % G or R % QUANT_BLOCK or K % QUANT_BLOCK or w_codes.shape[1] != K:
+        raise ValueError(
+            f"w8a16_grouped: x {list(x.shape)} [G, M, K] against w {list(w_codes.shape)} "
+            f"[G * R, K] (R and K multiples of {QUANT_BLOCK})"
+        )
+    # bf16 operands hold bf16 activations exactly; float32 ones stay float32
+    dot = dot or ("bf16" if x.is_cuda and x.dtype == torch.bfloat16 else "fp32")
+    if dot == "fp8":
+        raise ValueError("w8a16_grouped: bf16 or fp32 operands (the activations stay unquantized)")
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return y
+    cfg = config or default_config(M, N, K, dot)
+    bn = cfg.block_n
+    while R % bn:  # a tile inside one group (R a multiple of 32)
+        bn //= 2
+    if bn != cfg.block_n:
+        cfg = dataclasses.replace(cfg, block_n=bn)
+        if config is None:
+            cfg = dataclasses.replace(cfg, split_k=split_k_for(N, K, cfg))
+    xk = x if x.stride(2) == 1 else x.contiguous()
+    w, ws = _bytes(w_codes), _bytes(w_scales)
+    return _launch_pointer(
+        xk, xk, w, ws, y, y, y, cfg, (xk.stride(1), 0, xk.stride(0), 0), K, dot, QUANT_X=False,
+        KG=0, HEAD_D=0, ROPE_D=0, A16=True, XO=R,
+    )  # fmt: skip
 
 
 def w8a8_swiglu(
