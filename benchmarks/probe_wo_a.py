@@ -3,7 +3,7 @@
 ``torch.bmm`` over its dequantized values (what the runtime ran before), decode and prefill rows,
 a few tiles each, timed by CUDA-graph replay in the same process.
 
-    python3 benchmarks/probe_wo_a.py [--rows 1,16,64,8192] [--out FILE]
+    python3 benchmarks/probe_wo_a.py [--rows 1,16,64,256,512,8192] [--out FILE]
 
 Prints a table and writes JSON (``device``, ``torch``, ``triton``, ``commit``, ``spec``,
 ``ceilings``, rows with ``ms``, ``floor_ms``, ``of_floor`` (floor / measured), ``peer_ms`` (the
@@ -26,13 +26,20 @@ from ceilings import bf16_matmul_flop_per_s, copy_bandwidth_bytes_per_s
 from report_io import write_report
 
 G, R, KG = 8, 1024, 4096
-DECODE_TILES = ((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (64, 64, 64, 4, 4))
-PREFILL_TILES = ((128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4))
+DECODE_TILES = (
+    (16, 32, 128, 4, 4, 8, 2),
+    (16, 64, 128, 4, 4, 8, 2),
+    (16, 64, 128, 4, 4, 8, 6),
+    (32, 64, 128, 4, 4, 8, 3),
+    (64, 64, 64, 4, 4, 8, 6),
+    (64, 32, 64, 4, 4, 8, 3),
+)
+PREFILL_TILES = ((128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,16,64,8192")
+    ap.add_argument("--rows", default="1,16,64,256,512,8192")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from v41plan.model.quant import dequant_fp8_weight
@@ -67,7 +74,7 @@ def main(argv=None) -> int:
             row.update(floor_ms=floor, of_floor=floor / row["ms"], peer_ms=peer)
             row.update(peer_floor_ms=peer_floor, peer_of_floor=peer_floor / peer)
             if cfg is None:
-                row["split_k"] = tg.default_config(M, G * R, KG, "bf16").split_k
+                row["path"] = "bmm on dequantized" if M >= tg.A16_BMM_ROWS else "w8a16 kernel"
             rows.append(row)
             print(
                 f"M={M:5} {row['tile']!s:38} {row['ms'] * 1e3:8.1f} us  of_floor "

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
 
 import pytest
 import triton
-import triton.language as tl
 
 from v41plan.model.quant import (
     dequant_fp8_weight,
@@ -31,7 +30,8 @@ from v41plan.model.quant import (
 )
 from v41plan.runtime.kernels.triton_gemm import (
     GemmConfig,
-    fp8_weight_tile_bf16,
+    _fp8_dequant_kernel,
+    dequant_fp8,
     w8a8_linear,
     w8a16_grouped,
 )
@@ -401,20 +401,6 @@ def test_prefill_rows_quantize_once_with_the_same_bits(dtype, monkeypatch):
     assert len(quantized) == len(calls)  # every call took the separate quantizer
 
 
-@triton.jit
-def _fp8_tile_kernel(w_ptr, ws_ptr, out_ptr, N, swn, swsn, K: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):  # fmt: skip
-    """``fp8_weight_tile_bf16`` of the tile (``program_id(0)``, ``program_id(1)``), as float32."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    kb = tl.program_id(1) * BK
-    rk = kb + tl.arange(0, BK)
-    nmask, kmask = rn < N, rk < K
-    m = nmask[:, None] & kmask[None, :]
-    wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=m, other=0)
-    b = fp8_weight_tile_bf16(wb, ws_ptr, rn, kb, nmask, kmask, swsn, BN, BK)
-    tl.store(out_ptr + rn[:, None] * K + rk[None, :], b.to(tl.float32), mask=m)
-
-
 def test_bf16_mode_weight_tiles_are_the_dequantized_weight():
     """The bf16 dot mode's weight operand (a tile's block scales loaded once, codes through the
     E4M3 conversion): the dequantized weight exactly, partial row blocks and K tiles included
@@ -426,8 +412,11 @@ def test_bf16_mode_weight_tiles_are_the_dequantized_weight():
     c8, s8 = wc.view(torch.uint8).to(DEV), ws.view(torch.uint8).to(DEV)
     out = torch.full((N, K), float("nan"), device=DEV)
     grid = (triton.cdiv(N, BN), triton.cdiv(K, BK))
-    _fp8_tile_kernel[grid](c8, s8, out, N, c8.stride(0), s8.stride(0), K=K, BN=BN, BK=BK)
+    _fp8_dequant_kernel[grid](c8, s8, out, N, c8.stride(0), s8.stride(0), K=K, BN=BN, BK=BK)
     assert torch.equal(out.cpu(), dequant_fp8_weight(wc, ws, torch.float32))
+    for dtype in (torch.bfloat16, torch.float32):  # the wrapper's own tiles
+        got = dequant_fp8(wc.to(DEV), ws.to(DEV), dtype)
+        assert torch.equal(got.cpu(), dequant_fp8_weight(wc, ws, dtype))
 
 
 def _grouped_bound(y, x, wc, ws, u_out: float) -> float:
@@ -447,7 +436,8 @@ def test_w8a16_grouped_is_the_grouped_product_within_the_bound(dtype):
     """The output projection's ``wo_a`` on its FP8 weight: each group's lanes read only its own
     input (strided groups read in place), unquantized activations, the bound of exact products
     summed in float32; a K split gives the same bits in one launch or two; a group narrower
-    than the default tile narrows the tile; shapes are checked."""
+    than the default tile narrows the tile; prefill rows on CUDA are the bf16 ``bmm``'s bits;
+    shapes are checked."""
     from v41plan.runtime.kernels import triton_gemm
 
     G, M, R, K = 3, 5, 64, 192
@@ -473,6 +463,14 @@ def test_w8a16_grouped_is_the_grouped_product_within_the_bound(dtype):
     wide = GemmConfig(16, 128, 64, num_warps=1 if DEV == "cpu" else 4, num_stages=1)
     assert _grouped_bound(w8a16_grouped(x, wc, ws, config=wide), x, wc, ws, u_out) <= 1.0
     assert w8a16_grouped(x[:, :0], wc, ws).shape == (0, G * R)
+    if DEV == "cuda" and dtype == torch.bfloat16:  # prefill rows: cuBLAS on the bf16 values
+        triton_gemm.A16_BMM_ROWS, shipped = 1, triton_gemm.A16_BMM_ROWS
+        try:
+            got = w8a16_grouped(x, wc, ws)
+        finally:
+            triton_gemm.A16_BMM_ROWS = shipped
+        wd = dequant_fp8_weight(wc, ws, torch.bfloat16).view(G, R, K)
+        assert torch.equal(got, torch.bmm(x, wd.transpose(1, 2)).transpose(0, 1).reshape(M, -1))
     with pytest.raises(ValueError, match="w8a16_grouped"):
         w8a16_grouped(x[:, :, :160], wc, ws)
     with pytest.raises(ValueError, match="w8a16_grouped"):

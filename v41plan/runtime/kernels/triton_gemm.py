@@ -222,6 +222,34 @@ def fp8_weight_tile_bf16(wb, ws_ptr, rn, kb, nmask, kmask, swsn, BN: tl.constexp
 
 
 @triton.jit
+def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, swn, swsn, K: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):  # fmt: skip
+    """``fp8_weight_tile_bf16`` of the tile (``program_id(0)``, ``program_id(1)``) stored in
+    ``out``'s dtype (bf16 or float32: exact either way)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    kb = tl.program_id(1) * BK
+    rk = kb + tl.arange(0, BK)
+    nmask, kmask = rn < N, rk < K
+    m = nmask[:, None] & kmask[None, :]
+    wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=m, other=0)
+    b = fp8_weight_tile_bf16(wb, ws_ptr, rn, kb, nmask, kmask, swsn, BN, BK)
+    tl.store(out_ptr + rn[:, None] * K + rk[None, :], b.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def dequant_fp8(w_codes: torch.Tensor, w_scales: torch.Tensor, dtype=torch.bfloat16):
+    """An FP8 weight's values ``[N, K]`` in ``dtype`` (bf16 or float32; exact), one launch:
+    ``model.quant.dequant_fp8_weight``'s values."""
+    N, K = w_codes.shape
+    w, ws = _bytes(w_codes), _bytes(w_scales)
+    out = torch.empty((N, K), dtype=dtype, device=w.device)
+    bn, bk = 64, 128
+    _fp8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        w, ws, out, N, w.stride(0), ws.stride(0), K=K, BN=bn, BK=bk
+    )
+    return out
+
+
+@triton.jit
 def w8a8_step(acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn,
               DOT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """``acc`` plus one K step of ``a @ W^T`` over the ``BK`` lanes ``rk`` and ``BN`` output
@@ -862,6 +890,17 @@ def _launch_pointer(xk, xs, w, ws, y, cos, sin, cfg, x_strides, K, dot, **consts
     return y
 
 
+A16_BMM_ROWS = 512
+"""Rows from which ``w8a16_grouped`` on bf16 runs the weight's bf16 values (dequantized into a
+transient buffer, one launch) through ``torch.bmm``: prefill. Below, the W8A16 kernel reads
+the FP8 weight itself (decode: 16.7 against 26.0 us at one row, H100)."""
+
+
+A16_PREFILL_TILE = GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+"""``w8a16_grouped``'s tile above 64 rows on the W8A16 kernel (64-lane K steps: 1.50 against
+1.96 ms for the W8A8 bf16 mode's 32 at 8K rows, H100, reports/gpu/probe_wo_a_*.json)."""
+
+
 def w8a16_grouped(
     x: torch.Tensor,
     w_codes: torch.Tensor,
@@ -897,7 +936,13 @@ def w8a16_grouped(
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    cfg = config or default_config(M, N, K, dot)
+    if config is None and M >= A16_BMM_ROWS and dot == "bf16" and y.dtype == torch.bfloat16:
+        # prefill rows: the weight's bf16 values into a transient buffer, then cuBLAS (its
+        # tiles beat the pointer kernel's 2.5x at 8K rows, reports/gpu/probe_wo_a_*.json)
+        wd = dequant_fp8(w_codes, w_scales).view(G, R, K)
+        torch.bmm(x, wd.transpose(1, 2), out=y.view(M, G, R).transpose(0, 1))
+        return y
+    cfg = config or (A16_PREFILL_TILE if M > 64 else default_config(M, N, K, dot))
     bn = cfg.block_n
     while R % bn:  # a tile inside one group (R a multiple of 32)
         bn //= 2
