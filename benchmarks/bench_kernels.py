@@ -827,6 +827,11 @@ def main(argv=None) -> int:
                     {"DV": 128},
                     {"DV": 256, "num_warps": 4},
                     {"DV": 256, "HB": 32, "SPLITS": 2},
+                    # four warpgroups (64 accumulator registers a thread, but 128 at most);
+                    # one wave of 128 programs, also in 64-key blocks
+                    {"num_warps": 16},
+                    {"SPLITS": 2},
+                    {"SPLITS": 2, "BN": 64},
                 ],
                 ceil,
                 kb,
@@ -846,6 +851,8 @@ def main(argv=None) -> int:
                     {"HB": 16, "SPLITS": 8, "num_warps": 4},
                     {"HB": 16, "SPLITS": 20, "num_warps": 4},
                     {"HB": 16, "SPLITS": 10, "BN": 16, "num_warps": 4},
+                    {"num_warps": 16},
+                    {"HB": 32, "SPLITS": 10, "num_warps": 8},
                 ],
                 ceil,
                 kb,

@@ -1,6 +1,6 @@
 """Compile the fused dense kernels for an H100/H200 (sm_90) without a GPU and report resources.
 
-    python scripts/check_dense_kernels_sm90.py [--quick] [--hidden 1024] [--arch 90]
+    python scripts/check_dense_kernels_sm90.py [--quick] [--hidden 1024] [--arch 90] [--only S]
 
 Builds every variant the launchers of ``v41plan.runtime.kernels.triton_dense`` pick (both site
 forms of ``SITE_CONFIGS`` with and without the fused expand and quantizer, the quantizer's codes
@@ -230,10 +230,12 @@ def _gemm_variants(hidden: int) -> list:
     return out + _router_variants() + _attention_variants()
 
 
-def _attention_variants() -> list:
+def _attention_variants(every: bool = False) -> list:
     """The sparse attention at V4.1-Flash widths (64 heads, 512 lanes, window 128, top-512,
-    bf16 planes): one 64-head block of 32 keys (the default, 8 warps) and 32 heads; strides
-    multiples of 16 as every pool's are."""
+    bf16 planes) as the launcher builds it (2 stages): one 64-head block of 32 keys (8 warps)
+    and 32 heads; strides multiples of 16 as every pool's are. ``every``: also the decode forms
+    the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, and 16
+    warps at 64 heads and 8 at 32."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
@@ -241,8 +243,11 @@ def _attention_variants() -> list:
     ptrs.update({"part_ml_ptr": "*fp32"})
     ptrs.update({n: "*i64" for n in ("rows_ptr", "slot_ptr", "pos_ptr", "window_lo_ptr")})
     ptrs.update({n: "*i64" for n in ("ring_until_ptr", "ids_ptr", "pages_ptr")})
+    forms = [(64, 8, 1), (32, 4, 1)]
+    if every:
+        forms += [(hb, w, s) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
     out = []
-    for hb, warps in ((64, 8), (32, 4)):
+    for hb, warps, splits in forms:
         sig = {}
         for n in ta.sparse_attention_kernel.arg_names:
             if n in ptrs:
@@ -254,12 +259,13 @@ def _attention_variants() -> list:
             elif n in ("n_kv_rows", "P"):
                 sig[n] = "i32"
         cx = {"KSEL": 512, "KSEL_P2": 512, "D": 512, "HB": hb, "BN": 32, "W": 128}
-        cx.update({"RING_FP8": False, "PLANE_FP4": False, "HAS_PLANE": True, "SPLITS": 1})
+        cx.update({"RING_FP8": False, "PLANE_FP4": False, "HAS_PLANE": True, "SPLITS": splits})
         cx.update({"OUT_BF16": True, "DOT_BF16": True, "F32_DOT": "ieee", "PREFETCH": 0})
         cx["DV"] = 512
         sig.update(dict.fromkeys(cx, "constexpr"))
-        name = f"sparse attention flash HB={hb}"
-        out.append((name, ta.sparse_attention_kernel, sig, cx, warps))
+        name = f"sparse attention flash HB={hb} warps={warps} SPLITS={splits}"
+        opts = {"num_warps": warps, "num_stages": 2}
+        out.append((name, ta.sparse_attention_kernel, sig, cx, opts))
     return out
 
 
@@ -312,6 +318,20 @@ def _split_variants(td, xdt, hidden, block_d, warps, expand, quant) -> list:
     return out + _gemm_variants(hidden)
 
 
+def _wgmma_serialized(ptx: str, ptxas: str, arch: int) -> bool:
+    """Whether ``ptxas`` serializes the kernel's wgmma (its C7515 note, which the compile does not
+    surface: every wgmma then waits for the one before, at any register or spill count)."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [ptxas, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o"]
+        cmd.append(str(src.with_suffix(".o")))
+        res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    return "C7515" in res.stderr
+
+
 def _resources(cubin: bytes, cuobjdump: str) -> str:
     """``REG:n STACK:n`` of a cubin, from the bundled ``cuobjdump``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -332,6 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one variant of each kernel")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (MEDIUM: 1024)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability")
+    ap.add_argument("--only", default=None, help="build the variants whose name contains this")
     ap.add_argument(
         "--strides16",
         action="store_true",
@@ -349,9 +370,18 @@ def main(argv=None) -> int:
     from v41plan.runtime.kernels import triton_dense as td
 
     target = GPUTarget("cuda", args.arch, 32)
-    cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cuobjdump, ptxas = str(bin_dir / "cuobjdump"), str(bin_dir / "ptxas")
+    variants = _variants(td, args.hidden, args.quick)
+    if not args.quick:
+        variants += _attention_variants(every=True)
+    # the GEMM, router and attention forms come once per split-site form: build each once
+    names = set()
+    variants = [v for v in variants if not (v[0] in names or names.add(v[0]))]
+    if args.only:
+        variants = [v for v in variants if args.only in v[0]]
     failed = 0
-    for name, kernel, sig, cx, warps in _variants(td, args.hidden, args.quick):
+    for name, kernel, sig, cx, warps in variants:
         try:
             # a launch's tensors are 16-byte aligned (Triton specializes that, as it does
             # integers divisible by 16, which are left general here: strides vary by shape)
@@ -368,17 +398,20 @@ def main(argv=None) -> int:
             }
             sig = {n: "i32" if t == "i32:16" else t for n, t in sig.items()}
             src = ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
-            k = triton.compile(src, target=target, options={"num_warps": warps})
+            opts = warps if isinstance(warps, dict) else {"num_warps": warps}
+            k = triton.compile(src, target=target, options=opts)
         except Exception as exc:  # noqa: BLE001 - every variant is reported, the others still build
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-1500:]}")
             continue
-        ttgir = k.asm["ttgir"]
-        loop = ttgir[ttgir.find("scf.for") :]
-        loop = loop[: loop.find("scf.yield")]
+        # each loop's conversions (up to its first yield: an inner loop's, where nested)
+        loops = k.asm["ttgir"].split("scf.for")[1:]
+        conv = "+".join(str(lp[: lp.find("scf.yield")].count("convert_layout")) for lp in loops)
+        ptx = k.asm["ptx"]
+        serial = "wgmma.mma_async" in ptx and _wgmma_serialized(ptx, ptxas, args.arch)
         print(
             f"ok   {name}: {_resources(k.asm['cubin'], cuobjdump)} "
-            f"loop-layout-conversions {loop.count('convert_layout')}"
+            f"loop-layout-conversions {conv or 0}{' wgmma-serialized' if serial else ''}"
         )
     print(f"{failed} failed")
     return 1 if failed else 0

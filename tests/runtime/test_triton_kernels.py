@@ -484,15 +484,45 @@ def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num
     assert not kb.fallbacks
 
 
+@pytest.mark.parametrize("num_sms,dv", [(1, 0), (64, 0), (64, 16)])
+def test_bf16_rows_read_the_window_as_one_tile(tiny, num_sms, dv):
+    """bf16 queries and rows over a bf16 ring: each window key's row is read from the ring or
+    this forward's rows as one tile (with key splits, with a column share); the same sums as
+    the two masked tiles that fp32 rows take (the output is their float32 result rounded to
+    bf16), and the reference within bf16."""
+    args, sel = _attention_case(tiny, "bf16", False, seed=16)
+    q, kv = args[0].to(torch.bfloat16), args[4].to(torch.bfloat16)
+    a16 = (q, *args[1:4], kv, *args[5:])
+    a32 = (q.float(), *args[1:4], kv.float(), *args[5:])
+    assert args[3].dtype == torch.bfloat16  # the ring
+    kb = TritonBackend(num_sms=num_sms)
+    kb.attention_override = {"DV": dv} if dv else None  # 16 of the 64 columns a program
+    out16 = torch.full_like(q, float("nan"))
+    out32 = torch.full_like(q, float("nan"), dtype=torch.float32)
+    kb.sparse_attention(*a16, *sel, out16)
+    kb.sparse_attention(*a32, *sel, out32)
+    assert not kb.fallbacks
+    assert torch.equal(out16, out32.to(torch.bfloat16))
+    ref = torch.full_like(q, float("nan"))
+    REF.sparse_attention(*a16, *sel, ref)
+    torch.testing.assert_close(out16.float(), ref.float(), rtol=2**-7, atol=2**-7)
+
+
 def test_attention_splits_leave_no_split_without_keys(tiny):
-    """Key splits are as many as ``cdiv(blocks, splits)`` blocks a split fills: V4.1-Flash's
-    batch-1 decode (20 blocks of 32 keys) takes 10 splits of two, not 16 with 6 empty. An
+    """Key splits are as many as keep the programs one wave and as ``cdiv(blocks, splits)``
+    blocks a split fills: V4.1-Flash's batch-1 decode (20 blocks of 32 keys) takes 10 splits
+    of two, not 16 with 6 empty. An
     empty split's partial adds exact zeros to the merge: 4 splits of 5 blocks (one empty) and
     3 give the same bits."""
     kb = TritonBackend(num_sms=132)
     cfg = kb.attention_config(1, 64, 512, 128, 512, torch.device("cpu"), torch.bfloat16)
     assert cfg["BN"] == 32 and cfg["SPLITS"] == 10
-    assert kb.attention_config(64, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 3
+    # 64 rows: as many splits as keep one wave (one 64-head program an SM), not two waves
+    assert kb.attention_config(64, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 2
+    assert kb.attention_config(32, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 4
+    assert kb.attention_config(96, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 1
+    # 16 heads (medium): two programs an SM
+    assert kb.attention_config(64, 16, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 4
     args, sel = _attention_case(tiny, "bf16", False, seed=12)
     outs = []
     for splits in (4, 3):

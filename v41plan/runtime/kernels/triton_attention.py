@@ -60,7 +60,7 @@ def _online(
 def _sel_ids(id_row, s, n_s, BN: tl.constexpr, KSEL: tl.constexpr):
     """Ids of selected block ``s`` (-1 past the ids or past block ``n_s``)."""
     jj = s * BN + tl.arange(0, BN)
-    return tl.load(id_row + jj, mask=(jj < KSEL) & (s < n_s), other=-1)
+    return tl.load(id_row + jj, mask=(jj < KSEL) & (s < n_s), other=-1).to(tl.int32)
 
 
 @triton.jit
@@ -224,37 +224,55 @@ def sparse_attention_kernel(
         kp = first + j
         valid = (j < W) & (kp >= lo)
         from_ring = kp < ring_until
-        rmask = (valid & from_ring)[:, None]
-        rbase = ring_ptr + slot * s_ring_slot + (kp % ring_rows) * s_ring_row
-        if RING_FP8:
-            codes = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0)
-            sb = tl.load(rbase[:, None] + D + d[None, :] // 32, mask=rmask, other=127)
-            kr = e4m3_value(codes) * e8m0_value(sb)
-        else:
-            kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0)
+        # positions fit 32 bits: a 32-bit remainder (the 64-bit one is a called routine)
+        rbase = ring_ptr + slot * s_ring_slot + (kp.to(tl.int32) % ring_rows) * s_ring_row
         frow = tl.minimum(tl.maximum(row - (pos - kp), 0), n_kv_rows - 1)
-        fmask = (valid & ~from_ring)[:, None]
-        kf = tl.load(kv_ptr + frow[:, None] * s_kv_row + d[None, :], mask=fmask, other=0.0)
-        # to the dot's type at once (exact: every key is on a grid bf16 holds), half the
-        # registers of fp32 for bf16 dots
-        if DOT_BF16:
-            k = tl.where(from_ring[:, None], kr.to(tl.bfloat16), kf.to(tl.bfloat16))
+        fbase = kv_ptr + frow * s_kv_row
+        if ring_ptr.dtype == kv_ptr.dtype and q_ptr.dtype.element_ty == tl.bfloat16:
+            # one tile, each key's row from the ring or this forward's rows: two masked tiles
+            # merged in registers left the wgmma accumulator short of registers (at 64 heads
+            # ptxas serialized every wgmma of the kernel). Not for fp32 queries: with fp32
+            # dots at tf32x3 ptxas then fell to 32 registers and twice the spills. (The
+            # interpreter's fp32 dots run this path too: bf16 keys widen exactly.)
+            kbase = tl.where(from_ring, rbase, fbase)
+            k = tl.load(kbase[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if VW == D:
+                v = k
+            else:  # this program's columns again (from L1: the same rows)
+                v = tl.load(kbase[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
+            if not DOT_BF16:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
         else:
-            k = tl.where(from_ring[:, None], kr.to(tl.float32), kf.to(tl.float32))
-        if VW == D:
-            v = k
-        else:  # this program's columns again (from L1: the same rows)
+            rmask = (valid & from_ring)[:, None]
             if RING_FP8:
-                vcodes = tl.load(rbase[:, None] + dv[None, :], mask=rmask, other=0)
-                vsb = tl.load(rbase[:, None] + D + dv[None, :] // 32, mask=rmask, other=127)
-                vr = e4m3_value(vcodes) * e8m0_value(vsb)
+                codes = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0)
+                sb = tl.load(rbase[:, None] + D + d[None, :] // 32, mask=rmask, other=127)
+                kr = e4m3_value(codes) * e8m0_value(sb)
             else:
-                vr = tl.load(rbase[:, None] + dv[None, :], mask=rmask, other=0.0)
-            vf = tl.load(kv_ptr + frow[:, None] * s_kv_row + dv[None, :], mask=fmask, other=0.0)
+                kr = tl.load(rbase[:, None] + d[None, :], mask=rmask, other=0.0)
+            fmask = (valid & ~from_ring)[:, None]
+            kf = tl.load(fbase[:, None] + d[None, :], mask=fmask, other=0.0)
+            # to the dot's type at once (exact: every key is on a grid bf16 holds), half the
+            # registers of fp32 for bf16 dots
             if DOT_BF16:
-                v = tl.where(from_ring[:, None], vr.to(tl.bfloat16), vf.to(tl.bfloat16))
+                k = tl.where(from_ring[:, None], kr.to(tl.bfloat16), kf.to(tl.bfloat16))
             else:
-                v = tl.where(from_ring[:, None], vr.to(tl.float32), vf.to(tl.float32))
+                k = tl.where(from_ring[:, None], kr.to(tl.float32), kf.to(tl.float32))
+            if VW == D:
+                v = k
+            else:
+                if RING_FP8:
+                    vcodes = tl.load(rbase[:, None] + dv[None, :], mask=rmask, other=0)
+                    vsb = tl.load(rbase[:, None] + D + dv[None, :] // 32, mask=rmask, other=127)
+                    vr = e4m3_value(vcodes) * e8m0_value(vsb)
+                else:
+                    vr = tl.load(rbase[:, None] + dv[None, :], mask=rmask, other=0.0)
+                vf = tl.load(fbase[:, None] + dv[None, :], mask=fmask, other=0.0)
+                if DOT_BF16:
+                    v = tl.where(from_ring[:, None], vr.to(tl.bfloat16), vf.to(tl.bfloat16))
+                else:
+                    v = tl.where(from_ring[:, None], vr.to(tl.float32), vf.to(tl.float32))
         m, l, acc = _online(q, k, v, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
 
     if HAS_PLANE:
@@ -268,13 +286,16 @@ def sparse_attention_kernel(
         if PREFETCH == 0:
             for b in range(sb0, sb1):
                 jj = (b - NWB) * BN + tl.arange(0, BN)
-                c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1)
+                # ids and pages fit 32 bits: 32-bit arithmetic (a 64-bit division is a called
+                # routine, and the 64-bit values spilled), the page's offset in 64
+                c = tl.load(ids_ptr + i * s_ids_row + jj, mask=jj < KSEL, other=-1).to(tl.int32)
                 valid = c >= 0
                 cc = tl.maximum(c, 0)
                 col = tl.minimum(cc // RPP, P - 1)
                 page = tl.load(pages_ptr + i * s_pages_row + col, mask=valid, other=-1)
+                page = page.to(tl.int32)
                 valid = valid & (page >= 0)
-                pbase = plane_ptr + page * s_plane_page + (cc % RPP) * s_plane_row
+                pbase = plane_ptr + page.to(tl.int64) * s_plane_page + (cc % RPP) * s_plane_row
                 vm = valid[:, None]
                 if PLANE_FP4:
                     # each lane reads its own byte (two lanes share one: a broadcast) and picks

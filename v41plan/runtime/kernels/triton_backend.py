@@ -529,12 +529,15 @@ class TritonBackend(TorchBackend):
         n_hb = triton_cdiv(h, hb)
         n_blocks = triton_cdiv(window, bn) + triton_cdiv(k, bn)
         programs = tq * n_hb
-        # few rows: split the keys until one wave fills the device (each split adds an fp32
-        # partial output, as large as H keys, so no more than that)
-        sms = self.num_sms(device)
+        # few rows: split the keys while the programs fit one wave (each split adds an fp32
+        # partial output, as large as H keys, so no more than that). A wave is one program an
+        # SM at 64 heads of 512 lanes (its accumulator takes the register file), two below:
+        # a second wave costs more than the splits save (64 rows at flash widths, H100: 2
+        # splits 65 us against 3 splits 87)
+        sms = self.num_sms(device) * (1 if hb * d >= 64 * 512 else 2)
         splits = 1
         if programs < sms:
-            splits = max(1, min(self.max_splits, n_blocks, triton_cdiv(sms, programs)))
+            splits = max(1, min(self.max_splits, n_blocks, sms // programs))
             # each split takes cdiv(n_blocks, splits) key blocks: as many splits as that fills
             # (20 blocks over 16 splits is 10 of two blocks, not 6 empty partials to write and
             # merge; the merge's sums are the same, an empty split adding exact zeros)
