@@ -6,9 +6,11 @@ Both ceilings (copy bandwidth, bf16 matmul rate: ``ceilings.py``) are measured f
 process. A row's floor is ``max(bytes / copy bandwidth, FLOPs / bf16 rate)`` with the bytes the
 op must move (the keys it reads, at the pool's row size, its inputs and outputs; never the
 kernel's own scratch) and the FLOPs it must compute (valid keys only); ``of_floor`` is
-``floor_ms / ms``. Every timing is the median of ``triton.testing.do_bench`` (L2 flushed before
-each repetition), and the pools are far larger than L2 with random block tables. Each row is
-checked against ``TorchBackend`` before it is timed (``check``).
+``floor_ms / ms``. Every timing is the median of CUDA-graph replays (``_bench``; the
+reports committed up to ccb1108 timed ``triton.testing.do_bench`` calls from the host, L2
+flushed, which at decode sizes measured the launch), and the pools are far larger than L2
+with random block tables. Each row is checked against ``TorchBackend`` before it is timed
+(``check``).
 
 Peers, in this process: FlexAttention with a block mask and torch SDPA (math backend) for
 attention, both over keys gathered from the pools with torch indexing (the gather is part of
@@ -65,14 +67,18 @@ def _commit() -> str:
 
 
 def _bench(fn) -> float:
-    """Median ms of ``fn`` (L2 flushed before each repetition)."""
+    """Median ms of ``fn`` by CUDA-graph replay (``bench_gemm_moe.time_ms``; eager where it does
+    not capture): what the runtime's replays pay. ``triton.testing.do_bench`` timed each call
+    from the host, whose launch cost (tens of microseconds for a Triton launch of forty
+    arguments) swamped the decode kernels: one batch-1 attention form read 42 to 157 us in one
+    process where its replay takes 19."""
     if DEV == "cpu":  # --smoke: one run
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    import triton.testing
+    from bench_gemm_moe import time_ms
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(time_ms(fn)[0])
 
 
 # -- pools --------------------------------------------------------------------------------------

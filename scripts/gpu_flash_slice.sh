@@ -10,7 +10,8 @@
 # LM head, the router and the split site), "attn1" (the batch-1 flash decode attention's head
 # blocks and key splits, $OUT/bench_kernels_attn_t1.json), "split1" (a split-K linear ending
 # in one launch against two, $OUT/probe_split_launch.json) and "woa" (the grouped wo_a on its
-# FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json). STEPS picks a subset:
+# FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json), "attn" (the flash decode attention's
+# sweep forms at 64 rows and one row, $OUT/bench_kernels_attn_sweep.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
@@ -77,6 +78,10 @@ fi
 if has woa; then  # the grouped wo_a on its FP8 weight: GPU tests, then against the bf16 bmm
     run woa-tests 150 python3 -m pytest -q tests/runtime/test_triton_gemm.py -k "w8a16 or split"
     run woa 150 python3 benchmarks/probe_wo_a.py --out "$OUT/probe_wo_a.json"
+fi
+if has attn; then  # the flash decode attention's forms at 64 rows and at one row (8K context)
+    run attn 240 python3 benchmarks/bench_kernels.py --only "attention decode sweep flash" \
+        --out "$OUT/bench_kernels_attn_sweep.json"
 fi
 if has split1; then  # the split-K linear's end in one launch against two (bits compared)
     run split1 90 python3 benchmarks/probe_split_launch.py --out "$OUT/probe_split_launch.json"

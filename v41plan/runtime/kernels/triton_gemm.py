@@ -703,9 +703,10 @@ def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
 SPLIT_ONE_LAUNCH = True
 """Whether a split-K linear ends in its own launch's last split (``_w8a8_kernel``'s
 ``ONE_LAUNCH``; an arrival counter per output tile) instead of a second launch
-(``_split_sum_kernel``): the same sums (tested under the interpreter), one launch fewer (168
-a flash_slice decode step, 0.31 ms of kernel time at batch 1 in the second launch). Off until
-``benchmarks/probe_split_launch.py`` has timed it and compared its bits on the GPU."""
+(``_split_sum_kernel``): the same sums (tested under the interpreter; equal bits on the H100
+at flash_slice shapes), one launch fewer (168 a flash_slice decode step) and faster at 7 of 8
+decode shapes (wq_a 12.5 -> 11.5 us, wkv 10.6 -> 8.9 at one row; shared.w2 at 64 rows 17.9 ->
+18.2), ``benchmarks/probe_split_launch.py``, reports/gpu/probe_split_launch_h100_ac8bb9e.json."""
 
 SPLIT_COUNTERS_MIN = 1 << 16
 """Arrival counters allocated at first use (int32, one per output tile of a launch)."""
