@@ -19,7 +19,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   CUDA graphs;
 - ``compiled_torch_attention`` / ``dense_compiled_torch_attention``: ``compiled`` /
   ``dense_compiled`` with the torch backend for the pool-touching ops (the fused-dense issue's
-  batch-1 target is stated for that backend).
+  batch-1 target is stated for that backend);
+- ``compiled_split_two_launches``: ``compiled`` with each split-K linear summed by a second
+  launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -78,8 +80,13 @@ VARIANTS = {
     "compiled": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_torch_attention": ("torch", "triton", "grouped", True, "inductor"),
     "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
+    "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
+
+GEMM_FLAGS = {"compiled_split_two_launches": {"SPLIT_ONE_LAUNCH": False}}
+"""Variants that also set ``triton_gemm`` module flags for their run (restored after it): the
+same step with a flag's other value, timed in the process that times the default."""
 
 
 def _backend_kernels() -> frozenset:
@@ -250,7 +257,26 @@ def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
 
 
 def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
-    """Rows of one variant (see the module doc); fills ``ref_logits`` for the reference."""
+    """Rows of one variant (see the module doc) with its ``GEMM_FLAGS`` set; fills
+    ``ref_logits`` for the reference."""
+    from v41plan.runtime.kernels import triton_gemm
+
+    flags = GEMM_FLAGS.get(name, {})
+    saved = {k: getattr(triton_gemm, k) for k in flags}
+    try:
+        for k, v in flags.items():
+            setattr(triton_gemm, k, v)
+        rows = _run_variant(name, spec, args, ceil, sizes, ref_logits)
+    finally:
+        for k, v in saved.items():
+            setattr(triton_gemm, k, v)
+    for r in rows:
+        r["gemm_flags"] = flags
+    return rows
+
+
+def _run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
+    """``run_variant`` under the flags it set."""
     from v41plan.runtime.graphs import CudaGraphs, capture_buckets
     from v41plan.runtime.kernels import torch_ref
     from v41plan.runtime.paged_model import RuntimeModel

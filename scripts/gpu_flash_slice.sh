@@ -14,6 +14,7 @@
 # sweep forms at 64 rows and one row, $OUT/bench_kernels_attn_sweep.json). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
+#   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
@@ -67,9 +68,10 @@ if has ckpt; then
     fi
 fi
 if has decode; then
-    run decode 420 python3 benchmarks/bench_decode_paths.py --spec flash_slice \
-        --checkpoint "$CKPT" --variants compiled --batch-sizes 1,64 --kernel-table 12 \
-        --out "$OUT/bench_decode_flash_slice.json"
+    # two variants (a flag's A/B) take about 2 x 200 s
+    run decode 560 python3 benchmarks/bench_decode_paths.py --spec flash_slice \
+        --checkpoint "$CKPT" --variants "${DECODE_VARIANTS:-compiled}" --batch-sizes 1,64 \
+        --kernel-table 12 --out "$OUT/bench_decode_flash_slice.json"
 fi
 if has attn1; then  # batch-1 flash decode attention: head blocks and key splits
     run attn1 90 python3 benchmarks/bench_kernels.py --only "sweep flash T=1" \
