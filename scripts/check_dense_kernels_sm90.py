@@ -6,7 +6,9 @@ Builds every variant the launchers of ``v41plan.runtime.kernels.triton_dense`` p
 forms of ``SITE_CONFIGS`` with and without the fused expand and quantizer, the quantizer's codes
 and dequantized forms, the expand), bf16 and float32 streams, at the given hidden size, through
 Triton's whole pipeline down to a cubin (Triton's bundled ``ptxas``). Prints registers, spill
-bytes and the layout conversions left inside the main loop of each, and exits 1 if any variant
+bytes and the layout conversions left inside each loop, flags ``wgmma-serialized`` (ptxas made
+every wgmma wait for the one before) and ``div64 n`` (64-bit integer divisions or remainders:
+called routines), and exits 1 if any variant
 fails to compile: the interpreter runs the kernels' arithmetic, not the GPU compiler, so this is
 the check that catches what only the compiler refuses. ``--quick``: one variant of each kernel.
 Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled). Pointer arguments
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -347,6 +350,12 @@ def _resources(cubin: bytes, cuobjdump: str) -> str:
     return " ".join(w for w in line.split() if w.startswith(("REG:", "STACK:")))
 
 
+def _div64(ptx: str) -> int:
+    """64-bit integer divisions and remainders in a kernel's PTX: each a called routine in
+    SASS (about a hundred instructions), where 32-bit operands take a few."""
+    return len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one variant of each kernel")
@@ -409,9 +418,11 @@ def main(argv=None) -> int:
         conv = "+".join(str(lp[: lp.find("scf.yield")].count("convert_layout")) for lp in loops)
         ptx = k.asm["ptx"]
         serial = "wgmma.mma_async" in ptx and _wgmma_serialized(ptx, ptxas, args.arch)
+        div64 = _div64(ptx)
         print(
             f"ok   {name}: {_resources(k.asm['cubin'], cuobjdump)} "
             f"loop-layout-conversions {conv or 0}{' wgmma-serialized' if serial else ''}"
+            f"{f' div64 {div64}' if div64 else ''}"
         )
     print(f"{failed} failed")
     return 1 if failed else 0
