@@ -42,6 +42,20 @@ def test_shipped_specs_compile_like_derive(name):
     assert cs.spec_path == f"specs/{name}.yaml"
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_unchecked_loader_without_ruamel_builds_the_same_spec(name, monkeypatch):
+    """Where ruamel.yaml is missing (the GPU image), the unchecked loader reads a shipped spec
+    with PyYAML's safe loader and builds the same ``CacheSpec``."""
+    pytest.importorskip("yaml")
+    path = str(ROOT / "specs" / f"{name}.yaml")
+    with_ruamel = load_cache_spec_unchecked(path)
+    monkeypatch.setitem(sys.modules, "ruamel", None)
+    monkeypatch.setitem(sys.modules, "ruamel.yaml", None)
+    with pytest.raises(ImportError):
+        import ruamel.yaml  # noqa: F401
+    assert load_cache_spec_unchecked(path) == with_ruamel
+
+
 def test_optional_sections(tmp_path):
     """``roles:`` and ``checkpoint:`` may be left out; ``reuse``/``decoder_start`` may be given."""
     no_roles = edit("roles:\n  full: [2, 4, 6, 8]\n  reindex: [10, 12]\n  window: [0, 1]\n", "")

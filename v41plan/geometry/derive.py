@@ -297,13 +297,21 @@ def load_cache_spec_unchecked(path: str) -> CacheSpec:
     """Load a spec file straight into a ``CacheSpec`` without the located-error front end.
 
     For tests and tools that run before the compiler: YAML via ruamel (safe), no validation
-    beyond what building the runtime types enforces.
+    beyond what building the runtime types enforces. Without ruamel (the GPU image), PyYAML's
+    safe loader: YAML 1.1, the same data for every shipped spec (a test compares them; its
+    floats need a dot, ``1.0e-6``, as theirs have).
     """
     from pathlib import Path
 
-    from ruamel.yaml import YAML
-
     from v41plan.geometry.runtime import file_sha256
 
-    raw = YAML(typ="safe", pure=True).load(Path(path).read_text())
+    text = Path(path).read_text()
+    try:
+        from ruamel.yaml import YAML
+    except ImportError:
+        import yaml
+
+        raw = yaml.safe_load(text)
+    else:
+        raw = YAML(typ="safe", pure=True).load(text)
     return build_cache_spec(raw, str(path), file_sha256(path))
