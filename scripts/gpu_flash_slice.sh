@@ -7,8 +7,9 @@
 # quantized GEMMs, the grouped MoE and the mHC sites), "sweep" (the grouped MoE's tile and mode
 # sweep and the W8A8 prefill tiles alone, $OUT/bench_gemm_moe_sweep.json), "sites" (the mHC
 # site forms at flash widths, $OUT/bench_dense_flash_sites.json), "checks" (the GPU tests of the
-# LM head, the router and the split site), "attn1" (the batch-1 flash decode attention's head
-# blocks and key splits, $OUT/bench_kernels_attn_t1.json), "split1" (a split-K linear ending
+# LM head, the router, the split site and the sparse attention), "attn1" (the batch-1 flash
+# decode attention's head blocks and key splits, $OUT/bench_kernels_attn_t1.json), "split1" (a
+# split-K linear ending
 # in one launch against two, $OUT/probe_split_launch.json) and "woa" (the grouped wo_a on its
 # FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json), "attn" (the flash decode attention's
 # sweep forms at 64 rows and one row, $OUT/bench_kernels_attn_sweep.json). STEPS picks a subset:
@@ -42,9 +43,11 @@ if has kernels; then
     run kernels-moe 150 python3 -m pytest -q tests/runtime/test_grouped_moe.py tests/runtime/test_triton_gemm.py
     run kernels-sites 150 python3 -m pytest -q tests/gpu/test_triton_dense_gpu.py -k "split or site"
 fi
-if has checks; then  # the GPU tests of the LM head, the router and the split site
+if has checks; then  # the GPU tests of the LM head, the router, the split site, the attention
     run checks 150 python3 -m pytest -q tests/gpu/test_resident_gpu.py \
         tests/gpu/test_triton_dense_gpu.py -k "head or router or split"
+    run checks-attention 120 python3 -m pytest -q tests/runtime/test_triton_kernels.py \
+        -k "attention or window"
 fi
 if has sweep; then
     run sweep 360 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --sweep --no-main \
