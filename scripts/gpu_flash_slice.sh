@@ -9,10 +9,10 @@
 # site forms at flash widths, $OUT/bench_dense_flash_sites.json), "checks" (the GPU tests of the
 # LM head, the router, the split site and the sparse attention), "attn1" (the batch-1 flash
 # decode attention's head blocks and key splits, $OUT/bench_kernels_attn_t1.json), "split1" (a
-# split-K linear ending
-# in one launch against two, $OUT/probe_split_launch.json) and "woa" (the grouped wo_a on its
-# FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json), "attn" (the flash decode attention's
-# sweep forms at 64 rows and one row, $OUT/bench_kernels_attn_sweep.json). STEPS picks a subset:
+# split-K linear ending in one launch against two, $OUT/probe_split_launch.json), "woa" (the
+# grouped wo_a on its FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json) and "attn" (the
+# flash decode attention's sweep forms at 64 rows and one row,
+# $OUT/bench_kernels_attn_sweep.json). On an H100 too (35 GB resident). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 #   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
