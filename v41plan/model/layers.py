@@ -105,15 +105,15 @@ class LayerKernels:
     (``dense_ref.inverse_rope_groups``); None: ``apply_rope`` and an einsum."""
 
     grouped_linear: Any = None
-    """``grouped_linear(weight, dtype, groups) -> callable [G, N, in/G] -> [N, G * r]`` for a
+    """``grouped_linear(weight, dtype) -> callable [G, N, in/G] -> [N, G * r]`` for a
     ``wo_a`` kept as published (``QuantWeight``); None: its values in ``dtype``."""
 
-    def make_grouped(self, weight: Any, dtype: torch.dtype, groups: int):
+    def make_grouped(self, weight: Any, dtype: torch.dtype):
         """The grouped ``wo_a``: a tensor in ``dtype`` (the einsum / ``bmm`` reference), or the
         runtime's product over a weight kept as published."""
         if isinstance(weight, QuantWeight):
             if self.grouped_linear is not None:
-                return self.grouped_linear(weight, dtype, groups)
+                return self.grouped_linear(weight, dtype)
             return weight.dequantize(dtype)
         return weight.to(dtype)
 
@@ -373,8 +373,7 @@ class Attention:
         self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
         self.wkv = lin(w[p + "wkv.weight"], dtype)
         self.kv_norm = w[p + "kv_norm.weight"]
-        wo_a = w[p + "wo_a.weight"]
-        self.wo_a = self.kernels.make_grouped(wo_a, dtype, wo_a.shape[0] // cfg.o_lora_rank)
+        self.wo_a = self.kernels.make_grouped(w[p + "wo_a.weight"], dtype)
         self.wo_b = lin(w[p + "wo_b.weight"], dtype)
         self.sink = w[p + "attn_sink"].to(a)
         if info.role == "full":

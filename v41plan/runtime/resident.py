@@ -66,7 +66,7 @@ class ResidentGroupedLinear:
         return w8a16_grouped(x, self.weight.codes, self.weight.scales, self.dtype)
 
 
-def grouped_linear(weight: QuantWeight, dtype: torch.dtype, groups: int):
+def grouped_linear(weight: QuantWeight, dtype: torch.dtype):
     """``LayerKernels.grouped_linear``: ``ResidentGroupedLinear`` where the Triton kernels serve
     the FP8 ``wo_a``, else its values in ``dtype`` (the reference's ``bmm`` / einsum)."""
     if triton_ready(weight, weight.device, dtype) and weight.format == "fp8":
