@@ -71,7 +71,7 @@ def _bench(fn) -> float:
     not capture): what the runtime's replays pay. ``triton.testing.do_bench`` timed each call
     from the host, whose launch cost (tens of microseconds for a Triton launch of forty
     arguments) swamped the decode kernels: one batch-1 attention form read 42 to 157 us in one
-    process where its replay takes 19."""
+    process where its replay took 19 (a one-off A/B on an H100, no report)."""
     if DEV == "cpu":  # --smoke: one run
         t = time.perf_counter()
         fn()

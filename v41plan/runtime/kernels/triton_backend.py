@@ -533,7 +533,8 @@ class TritonBackend(TorchBackend):
         # partial output, as large as H keys, so no more than that). A wave is one program an
         # SM at 64 heads of 512 lanes (its accumulator takes the register file), two below:
         # a second wave costs more than the splits save (64 rows at flash widths, H100: 2
-        # splits 65 us against 3 splits 87)
+        # splits 65 us against 3 splits 87 in a one-off A/B without a report, README; the
+        # decode reports of 0b8c6b7 hold the step with it)
         sms = self.num_sms(device) * (1 if hb * d >= 64 * 512 else 2)
         splits = 1
         if programs < sms:
