@@ -149,7 +149,7 @@ def _gemm_variants(hidden: int) -> list:
         cx["ONE_LAUNCH"] = split > 1  # the split's last program sums the partials
         cx["OUT_BF16"] = True
         cx.update({"KG": kg, "HEAD_D": head_d, "ROPE_D": rope_d, "BM": bm, "BN": bn, "BK": bk})
-        cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // bk) * bk})
+        cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-(hidden // 32) // split) * 32})
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 bk={bk}{name}", tg._w8a8_kernel, sig, cx, warps))
     # the prefill tile by TMA descriptors, plain and with RoPE, and the bf16 mode's 64 lanes
@@ -175,7 +175,7 @@ def _gemm_variants(hidden: int) -> list:
         sig.update({"M": i32, "N": i32, "K": "constexpr"})
         sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "shm", "shsm"), i32))
         cx = {"K": hidden, "DOT": 2, "ROUND_BF16": True, "BM": 16, "BN": 32, "BK": 64}
-        cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-hidden // split // 64) * 64})
+        cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-(hidden // 32) // split) * 32})
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 swiglu fp8 bk=64 split {split}", tg._w8a8_swiglu_kernel, sig, cx, 4))
     sig = {"part_ptr": "*fp32", "h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32"}

@@ -274,17 +274,23 @@ def test_w8a8_swiglu_is_the_shared_expert_composition(dtype):
 
 def test_split_k_heuristic_and_rounding():
     """Decode launches with few output tiles split K (two programs an SM, 264 off the device),
-    each split over whole ``block_k`` steps and at least 512 lanes; the count does not depend on
-    the rows, so a row's sums are the same at every decode batch size."""
+    each split over whole 32-lane scale blocks and at least 512 lanes; neither the count nor the
+    boundaries depend on the rows or the K step, so a row's sums are the same at every decode
+    batch size."""
     from v41plan.runtime.kernels.triton_gemm import _splits, default_config, split_k_for
 
     assert split_k_for(5120, 8192, GemmConfig(16, 64, 128)) == 4  # wo_b: 80 tiles
     assert split_k_for(32768, 1024, GemmConfig(16, 64, 128)) == 1  # wq_b: 512 tiles
     assert split_k_for(512, 5120, GemmConfig(16, 32, 64)) == 10  # wkv: 512-lane splits
     assert split_k_for(5120, 1024, GemmConfig(64, 64, 32)) == 2
-    for N, K in ((1280, 5120), (512, 5120), (5120, 8192), (5120, 2304), (32768, 1024)):
-        splits = {default_config(M, N, K, "fp8").split_k for M in (1, 7, 16, 17, 64)}
+    shapes = ((1280, 5120), (512, 5120), (5120, 8192), (5120, 2304), (32768, 1024), (8192, 4096))
+    for N, K in shapes:
+        cfgs = [default_config(M, N, K, "fp8") for M in (1, 7, 16, 17, 64)]
+        splits = {_splits(K, c) for c in cfgs}  # the count and the lanes a split covers
         assert len(splits) == 1, (N, K, splits)
+    # split boundaries are whole scale blocks whatever the K step: 72 blocks in 4 splits of 18
+    assert _splits(2304, GemmConfig(16, 64, 128, split_k=4)) == (4, 576)
+    assert _splits(2304, GemmConfig(64, 64, 32, split_k=4)) == (4, 576)
     assert default_config(65, 5120, 8192, "fp8").split_k == 1  # prefill tiles: no split
     assert _splits(352, GemmConfig(16, 32, 32, split_k=3)) == (3, 128)  # 11 steps: 4 + 4 + 3
     assert _splits(352, GemmConfig(16, 32, 32, split_k=40)) == (11, 32)  # never an empty split
@@ -318,6 +324,34 @@ def test_split_k_is_the_linear_within_the_bound(dtype):
     assert torch.equal(w8a8_linear(xq, dwc, dws, dtype, x_scales=xs, config=split), plain)
     zt = x.to(dtype).reshape(M, 11, 32)  # grouped input, 11 groups of 32 lanes
     assert torch.equal(w8a8_linear(zt, dwc, dws, dtype, config=split), plain)
+
+
+def test_a_split_ending_inside_a_k_step_masks_the_rest():
+    """Split boundaries fall on scale blocks, not K steps: 9 blocks in 2 splits of 5 and 4, so
+    a 64-lane step straddles the boundary and reads only its own half. The linear keeps the
+    bound (plain and the shared expert's SwiGLU launch), and in the ``"fp8"`` mode (32-lane
+    blocks in order at any K step) it has the bits of 32-lane steps."""
+    from v41plan.runtime.kernels.triton_gemm import _splits, w8a8_swiglu
+
+    M, N, K = 5, 64, 288
+    warps = 1 if DEV == "cpu" else 4
+    wide, narrow = (GemmConfig(16, 32, bk, warps, 1, split_k=2) for bk in (64, 32))
+    assert _splits(K, wide) == _splits(K, narrow) == (2, 160)
+    x = _activations(M, K, 18).to(DEV)
+    wc, ws = quantize_fp8_weight(torch.randn(N, K, generator=torch.Generator().manual_seed(19)))
+    dwc, dws = wc.to(DEV), ws.to(DEV)
+    y = w8a8_linear(x, dwc, dws, torch.float32, config=wide)
+    mode = DOTS[-1]
+    assert _bound_check(y, x.float().cpu(), wc, ws, mode, 0.0) <= 1.0
+    xq, xs = act_quant_fp8(x.to(torch.bfloat16))
+    w13 = (dwc, dws)
+    hq, _ = w8a8_swiglu(xq, xs, w13, w13, 4.0, torch.bfloat16, config=wide)
+    rq, _ = w8a8_swiglu(xq, xs, w13, w13, 4.0, torch.bfloat16, config=narrow)
+    if mode == "fp8":
+        assert torch.equal(y, w8a8_linear(x, dwc, dws, torch.float32, config=narrow))
+        assert torch.equal(hq.view(torch.uint8), rq.view(torch.uint8))
+    else:  # float32 dots of 64 lanes against 32: a near-tie's code may move one step
+        assert float((hq.view(torch.uint8) != rq.view(torch.uint8)).float().mean()) <= 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

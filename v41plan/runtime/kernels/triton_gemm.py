@@ -441,6 +441,8 @@ def _w8a8_kernel(
             kb = k_lo + kk + j * SUB
             rk = kb + tl.arange(0, SUB)
             kmask = rk < K
+            if K_SPLIT % BK != 0:  # a split's last step ends at its last scale block
+                kmask &= kk + j * SUB + tl.arange(0, SUB) < K_SPLIT
             rka = rk if KG == 0 else (rk // KG) * sxg + rk % KG
             if A16:
                 a = tl.load(
@@ -642,6 +644,8 @@ def _w8a8_swiglu_kernel(
             kb = k_lo + kk + j * SUB
             rk = kb + tl.arange(0, SUB)
             kmask = rk < K
+            if K_SPLIT % BK != 0:  # a split's last step ends at its last scale block
+                kmask &= kk + j * SUB + tl.arange(0, SUB) < K_SPLIT
             a, sx = load_a_tile(
                 xq_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, False, DOT, BM, SUB
             )
@@ -733,10 +737,12 @@ end quantizes 32-lane blocks; 128 lanes spill at sm_90, scripts/check_dense_kern
 
 def _splits(K: int, cfg: GemmConfig) -> tuple[int, int]:
     """``(splits, lanes a split covers)`` of ``cfg`` over ``K`` lanes: ``cfg.split_k`` rounded
-    so that every split covers a whole number of ``block_k`` steps and none is empty."""
-    steps = triton.cdiv(K, cfg.block_k)
-    per = triton.cdiv(steps, max(1, min(cfg.split_k, steps)))
-    return triton.cdiv(steps, per), per * cfg.block_k
+    so that every split covers a whole number of 32-lane scale blocks and none is empty. The
+    boundaries do not depend on ``block_k`` (a split's last K step is masked at its end), so
+    decode tiles that differ only in rows or K step give a row the same sums."""
+    blocks = triton.cdiv(K, QUANT_BLOCK)
+    per = triton.cdiv(blocks, max(1, min(cfg.split_k, blocks)))
+    return triton.cdiv(blocks, per), per * QUANT_BLOCK
 
 
 def default_dot(device: torch.device) -> str:
