@@ -372,7 +372,11 @@ def sweep_rows(
     import dataclasses
 
     from v41plan.runtime.kernels.triton_gemm import GemmConfig, default_config, w8a8_linear
-    from v41plan.runtime.kernels.triton_moe import MoEConfig, grouped_moe_w4a8
+    from v41plan.runtime.kernels.triton_moe import (
+        MoEConfig,
+        default_moe_config,
+        grouped_moe_w4a8,
+    )
     from v41plan.runtime.kernels.triton_quant import act_quant_fp8
     from v41plan.runtime.resident import GroupedMoE
 
@@ -519,6 +523,35 @@ def sweep_rows(
                     rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
                     traceback.print_exc()
 
+    def moe_split() -> None:
+        """The routed experts' decode launches with their K loops split (``MoEConfig.split_k``,
+        ``split_k_down``) against the default, at decode 1 / 8 / 64."""
+        res, _ = _moe_layer(cfg)
+        moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
+        k = cfg.num_experts_per_tok
+        expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // cfg.n_routed_experts * 3
+        for label, n in (("decode1", 1), ("decode8", 8), ("decode64", 64)):
+            x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+            ids, wts = moe.route(x)
+            xq, xs = act_quant_fp8(x)
+            nbytes = int(torch.unique(ids).numel()) * expert_bytes + n * D * 2 * 2
+            floor_ms = nbytes / ceil["copy_bytes_per_s"] * 1e3
+            base = default_moe_config(n * k, "bf16", D, cfg.moe_intermediate_size)
+            forms = [(1, 1), (2, 1), (4, 1), (5, 1), (4, 3), (2, 3), (1, 3), (10, 3)]
+            if n > 16:
+                forms += [(2, 1, 32), (4, 3, 32)]
+            for form in forms:
+                c = dataclasses.replace(base, split_k=form[0], split_k_down=form[1])
+                if len(form) > 2:
+                    c = dataclasses.replace(c, block_n=form[2])
+                tag = f"bn {c.block_n} split {c.split_k}/{c.split_k_down}"
+                fn = lambda c=c, a=(xq, xs, ids, wts): grouped_moe_w4a8(
+                    *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot="bf16", config=c,
+                )  # fmt: skip
+                _sweep_row(rows, f"split moe routed {label} {tag}", fn, floor_ms, c, deadline)
+
+    if "moe_split" in parts:
+        moe_split()
     if "moe" in parts:  # first: the rows the kernels' next step depends on
         moe_sweep()
     if "moe_kernels" in parts:
@@ -560,6 +593,38 @@ def sweep_rows(
                 _sweep_row(
                     rows, f"sweep w8a8 {name} M={Md} {tag} prequant", pre, floor_ms, c, deadline
                 )
+    for name, (N, K) in shapes.items() if "w8a8_decode_tiles" in parts else ():
+        # decode tiles on pre-quantized rows (the runtime's form): rows, K step, depth and warps
+        # with the default's lanes and splits, so every row must keep the default's bits
+        wc, ws = _fp8_weight(N, K)
+        wbytes = wc.numel() + ws.numel()
+        for Md in (1, 64):
+            xq, xs = act_quant_fp8(torch.randn(Md, K, device="cuda", dtype=torch.bfloat16))
+            floor_ms = (wbytes + Md * (2 * N + K)) / ceil["copy_bytes_per_s"] * 1e3
+            base = default_config(Md, N, K, "fp8")
+            forms = [(16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 3, 4), (16, 128, 6, 4)]
+            if Md > 16:
+                forms += [(64, 64, 4, 4), (64, 128, 3, 4), (64, 128, 4, 4), (64, 128, 4, 8)]
+                forms += [(64, 256, 3, 4), (32, 128, 4, 4), (32, 256, 3, 4)]
+            cands = [base] + [
+                dataclasses.replace(base, block_m=bm, block_k=bk, num_stages=st, num_warps=w)
+                for bm, bk, st, w in forms
+                if (bm, bk, st, w) != (base.block_m, base.block_k, base.num_stages, base.num_warps)
+            ]
+            # twice the splits (other sums: their bits are not compared)
+            cands += [
+                dataclasses.replace(base, block_k=bk, split_k=2 * base.split_k) for bk in (64, 128)
+            ]
+            ref = w8a8_linear(xq, wc, ws, torch.bfloat16, xs, config=base)
+            for c in cands:
+                tag = (
+                    f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} "
+                    f"split {c.split_k}" + (" {}" if c is base else "")
+                )
+                fn = lambda a=(xq, wc, ws, torch.bfloat16, xs), c=c: w8a8_linear(*a, config=c)
+                _sweep_row(rows, f"tiles w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
+                if rows[-1].get("ms") is not None and c.split_k == base.split_k:
+                    rows[-1]["bit_identical"] = bool(torch.equal(fn(), ref))
 
 
 def main(argv=None) -> int:
@@ -573,7 +638,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sweep-parts",
         default="w8a8,w8a8_decode,moe",
-        help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), moe, moe_kernels "
+        help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
+        "(decode rows' tiles at the default's splits), moe, moe_split (decode K splits), "
+        "moe_kernels "
         "(the routed experts' kernels one by one)",
     )
     ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
@@ -650,7 +717,7 @@ def main(argv=None) -> int:
         pm_s = f"{pm:9.3f}" if isinstance(pm, float) else f"{'-':>9}"
         print(
             f"{r['name']:44} {r['ms']:9.3f} {r['floor_ms']:9.3f} {r['of_floor']:8.3f} "
-            f"{pm_s}  {r['timing']}"
+            f"{pm_s}  {r['timing']}" + ("" if r.get("bit_identical", True) else "  BITS DIFFER")
         )
         if "peers_ms" in r:
             print(f"{'':44} peers: {r['peers_ms']}")
