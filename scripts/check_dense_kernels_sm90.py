@@ -172,10 +172,12 @@ def _gemm_variants(hidden: int) -> list:
     for split in (1, 4):
         sig = {n: "*u8" for n in ("xq_ptr", "xs_ptr", "w1_ptr", "ws1_ptr", "w3_ptr", "ws3_ptr")}
         sig.update({"h_ptr": "*u8", "hs_ptr": "*u8", "part_ptr": "*fp32", "limit": "fp32"})
+        sig["count_ptr"] = "*i32"
         sig.update({"M": i32, "N": i32, "K": "constexpr"})
         sig.update(dict.fromkeys(("sxm", "sxsm", "swn", "swsn", "shm", "shsm"), i32))
         cx = {"K": hidden, "DOT": 2, "ROUND_BF16": True, "BM": 16, "BN": 32, "BK": 64}
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-(hidden // 32) // split) * 32})
+        cx["ONE_LAUNCH"] = split > 1  # the split's last program ends the product
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 swiglu fp8 bk=64 split {split}", tg._w8a8_swiglu_kernel, sig, cx, 4))
     sig = {"part_ptr": "*fp32", "h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32"}

@@ -380,6 +380,31 @@ def test_split_k_ends_in_its_own_launch_with_the_second_launchs_bits(dtype, monk
     assert counters.numel() >= triton_gemm.SPLIT_COUNTERS_MIN and int(counters.abs().sum()) == 0
 
 
+def test_split_k_swiglu_ends_in_its_own_launch_with_the_second_launchs_bits(monkeypatch):
+    """The shared expert's split-K launch under ``SPLIT_ONE_LAUNCH``: the tile's last split sums
+    both products' partials in split order and writes the codes and scales of the second launch
+    (``_swiglu_split_sum_kernel``), over two row tiles, leaving the counters zero."""
+    from v41plan.runtime.kernels import triton_gemm
+    from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
+
+    M, N, K, limit, dtype = 21, 64, 352, 1.5, torch.bfloat16
+    split = GemmConfig(16, 32, 32, num_warps=1 if DEV == "cpu" else 4, num_stages=1, split_k=3)
+    x = (_activations(M, K, 20) * 1e-2).to(DEV).to(dtype)
+    g = torch.Generator().manual_seed(21)
+    w1, w3 = (quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.2) for _ in range(2))
+    w1, w3 = tuple(t.to(DEV) for t in w1), tuple(t.to(DEV) for t in w3)
+    xq, xs = act_quant_fp8(x)
+    outs = {}
+    for one in (False, True):
+        monkeypatch.setattr(triton_gemm, "SPLIT_ONE_LAUNCH", one)
+        hq, hs = w8a8_swiglu(xq, xs, w1, w3, limit, dtype, config=split)
+        outs[one] = (hq.view(torch.uint8), hs.view(torch.uint8))
+    assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
+    assert int(outs[True][0].ne(0).sum()) > 0
+    counters = triton_gemm._SPLIT_COUNTERS[x.device][-1]
+    assert int(counters.abs().sum()) == 0
+
+
 def test_split_k_swiglu_is_the_composition_of_split_linears():
     """The shared expert's split-K launch: each product's partials summed in split order, then
     the SwiGLU and its quantization: the codes of the same composition over split-K linears."""

@@ -624,11 +624,15 @@ def _w8a8_swiglu_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_SPLIT: tl.constexpr,
+    count_ptr=None,
+    ONE_LAUNCH: tl.constexpr = False,
 ):
     """One ``[BM, BN]`` tile of the shared expert's ``h = swiglu(x W1^T, x W3^T)`` from
     pre-quantized ``x``, written as its FP8 activation codes (E4M3 + E8M0 per 32 lanes; ``BN``
     a multiple of 32): what ``w2`` reads. See ``w8a8_swiglu``. ``SPLIT_K > 1``: the two
-    partials of split ``program_id(1)`` into ``part [2, SPLIT_K, M, N]``."""
+    partials of split ``program_id(1)`` into ``part [2, SPLIT_K, M, N]``, then
+    ``_swiglu_split_sum_kernel`` ends the product, or with ``ONE_LAUNCH`` the tile's last
+    split to arrive does (as in ``_w8a8_kernel``: its sums, bit for bit)."""
     rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
@@ -658,6 +662,16 @@ def _w8a8_swiglu_kernel(
     if SPLIT_K > 1:
         store_partial(acc1, part_ptr, rm, rn, mmask, nmask, M, N)
         store_partial(acc3, part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N)
+        if ONE_LAUNCH:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                tl.store(count_ptr + tl.program_id(0), 0)
+                acc1 = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
+                acc3 = sum_partials(part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N,
+                                    SPLIT_K, BM, BN, True)  # fmt: skip
+                store_swiglu(acc1, acc3, limit, h_ptr, hs_ptr, rm, rn, mmask, nmask, N, shm,
+                             shsm, ROUND_BF16, BM, BN)  # fmt: skip
     else:
         store_swiglu(acc1, acc3, limit, h_ptr, hs_ptr, rm, rn, mmask, nmask, N, shm, shsm,
                      ROUND_BF16, BM, BN)  # fmt: skip
@@ -705,10 +719,11 @@ def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 SPLIT_ONE_LAUNCH = True
-"""Whether a split-K linear ends in its own launch's last split (``_w8a8_kernel``'s
-``ONE_LAUNCH``; an arrival counter per output tile) instead of a second launch
-(``_split_sum_kernel``): the same sums (tested under the interpreter; equal bits on the H100
-at flash_slice shapes), one launch fewer (168 a flash_slice decode step) and faster at 7 of 8
+"""Whether a split-K linear ends in its own launch's last split (``_w8a8_kernel``'s and
+``_w8a8_swiglu_kernel``'s ``ONE_LAUNCH``; an arrival counter per output tile) instead of a
+second launch (``_split_sum_kernel``, ``_swiglu_split_sum_kernel``): the same sums (tested
+under the interpreter; equal bits on the H100 at flash_slice shapes), one launch fewer (168 a
+flash_slice decode step, 40 more since the shared expert's gate/up takes it) and faster at 7 of 8
 decode shapes (wq_a 12.5 -> 11.5 us, wkv 10.6 -> 8.9 at one row; shared.w2 at 64 rows 17.9 ->
 18.2), ``benchmarks/probe_split_launch.py``, reports/gpu/probe_split_launch_h100_ac8bb9e.json."""
 
@@ -1002,14 +1017,17 @@ def w8a8_swiglu(
             h if split == 1 else torch.empty((2, split, M, N), dtype=torch.float32, device=h.device)
         )
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+        one = split > 1 and SPLIT_ONE_LAUNCH
+        count = split_counters(h.device, grid[0]) if one else part
         _w8a8_swiglu_kernel[grid](
             x, xs, c1, s1, c3, s3, h, hs, part, float(limit), M, N, K,
             x.stride(0), xs.stride(0), c1.stride(0), s1.stride(0), h.stride(0), hs.stride(0),
             DOT=DOT_MODES[dot], ROUND_BF16=dtype == torch.bfloat16, BM=cfg.block_m,
             BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
-            K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            K_SPLIT=k_split, count_ptr=count, ONE_LAUNCH=one, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
-        if split > 1:
+        if split > 1 and not one:
             bm, bn = SWIGLU_SUM_TILE
             _swiglu_split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
                 part, h, hs, float(limit), M, N, h.stride(0), hs.stride(0), S=split,
