@@ -123,7 +123,9 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
     if rows <= 1024:  # decode: narrow gate/up tiles
         if dot == "bf16":
             bn = 32 if rows <= 16 else 64
-            return MoEConfig(16, bn, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
+            up, down = DECODE_SPLITS if cuda_bf16 else (1, 1)
+            return MoEConfig(16, bn, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16,
+                             split_k=up, split_k_down=down)  # fmt: skip
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
     if dot == "bf16" and rows >= 8192:
         # 128-row blocks (17.0 ms against 24.9 with 64 at an 8K prefill, bench_gemm_moe_sweep2);
@@ -133,6 +135,10 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         return MoEConfig(128, 128, 128, 128 if fast else 64, num_warps=8, num_stages=3, **fast)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
+
+DECODE_SPLITS = (1, 1)
+"""``(split_k, split_k_down)`` of the bf16 decode launches on CUDA (one value for every decode
+row count: a token's sums do not change with its batch)."""
 
 PAIRS_ASM = True
 """``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
