@@ -625,6 +625,30 @@ def sweep_rows(
                 _sweep_row(rows, f"tiles w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
                 if rows[-1].get("ms") is not None and c.split_k == base.split_k:
                     rows[-1]["bit_identical"] = bool(torch.equal(fn(), ref))
+    for name in ("wq_b", "wo_b", "shared.w2") if "w8a8_decode_bf16" in parts else ():
+        # 17 to 64 rows of a wide weight: the default's fp8 mode (a scaled product each 32-lane
+        # block) against bf16 operands (exact; one dot a K step), at the default's splits
+        N, K = shapes[name]
+        wc, ws = _fp8_weight(N, K)
+        wbytes = wc.numel() + ws.numel()
+        for Md in (32, 64):
+            xq, xs = act_quant_fp8(torch.randn(Md, K, device="cuda", dtype=torch.bfloat16))
+            floor_ms = (wbytes + Md * (2 * N + K)) / ceil["copy_bytes_per_s"] * 1e3
+            base = default_config(Md, N, K, "fp8")
+            forms = [(64, 64, 4, 4), (64, 128, 3, 4), (64, 128, 4, 8), (128, 64, 4, 4)]
+            forms += [(128, 128, 3, 8), (32, 64, 4, 4)]
+            cands = [("fp8", base)] + [
+                (
+                    "bf16",
+                    dataclasses.replace(base, block_n=bn, block_k=bk, num_stages=st, num_warps=w),
+                )
+                for bn, bk, st, w in forms
+            ]
+            for dot, c in cands:
+                tag = f"{dot} {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                tag += f" split {c.split_k}" + (" {}" if c is base else "")
+                fn = lambda a=(xq, wc, ws, torch.bfloat16, xs, dot), c=c: w8a8_linear(*a, config=c)
+                _sweep_row(rows, f"modes w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
 
 
 def main(argv=None) -> int:
@@ -639,7 +663,8 @@ def main(argv=None) -> int:
         "--sweep-parts",
         default="w8a8,w8a8_decode,moe",
         help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
-        "(decode rows' tiles at the default's splits), moe, moe_split (decode K splits), "
+        "(decode rows' tiles at the default's splits), w8a8_decode_bf16 (17-64 rows in the bf16 "
+        "mode), moe, moe_split (decode K splits), "
         "moe_kernels "
         "(the routed experts' kernels one by one)",
     )
