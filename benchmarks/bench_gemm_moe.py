@@ -625,43 +625,6 @@ def sweep_rows(
                 _sweep_row(rows, f"tiles w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
                 if rows[-1].get("ms") is not None and c.split_k == base.split_k:
                     rows[-1]["bit_identical"] = bool(torch.equal(fn(), ref))
-    if "w8a8_ahead" in parts:  # the fp8 mode's scales a K step ahead, against per-block loads
-        from v41plan.runtime.kernels import triton_gemm
-        from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
-
-        I = cfg.moe_intermediate_size
-        ahead_shapes = {**shapes, "index.wq_b": (cfg.index_n_heads * cfg.index_head_dim,
-                                                 cfg.q_lora_rank)}  # fmt: skip
-        ahead_shapes["shared.w13"] = (I, D)
-        saved = triton_gemm.SCALES_AHEAD
-        try:
-            for name, (N, K) in ahead_shapes.items():
-                wc, ws = _fp8_weight(N, K)
-                wbytes = (wc.numel() + ws.numel()) * (2 if name == "shared.w13" else 1)
-                for Md in (1, 8, 64):
-                    xq, xs = act_quant_fp8(torch.randn(Md, K, device="cuda", dtype=torch.bfloat16))
-                    floor_ms = (wbytes + Md * (2 * N + K)) / ceil["copy_bytes_per_s"] * 1e3
-                    if name == "shared.w13":
-                        fn = lambda a=(xq, xs, (wc, ws), (wc, ws), 10.0, torch.bfloat16): [
-                            t.view(torch.uint8) for t in w8a8_swiglu(*a)
-                        ]
-                    else:
-                        fn = lambda a=(xq, wc, ws, torch.bfloat16, xs): [w8a8_linear(*a)]
-                    outs = []
-                    for ahead in (False, True):
-                        triton_gemm.SCALES_AHEAD = ahead
-                        c = default_config(Md, N, K, "fp8")
-                        tag = "ahead" if ahead else "per block"
-                        _sweep_row(
-                            rows, f"ahead w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline
-                        )
-                        outs.append(fn())
-                    if rows[-1].get("ms") is not None:
-                        rows[-1]["bit_identical"] = all(
-                            torch.equal(a, b) for a, b in zip(*outs, strict=True)
-                        )
-        finally:
-            triton_gemm.SCALES_AHEAD = saved
     for name in ("wq_b", "wo_b", "shared.w2") if "w8a8_decode_bf16" in parts else ():
         # 17 to 64 rows of a wide weight: the default's fp8 mode (a scaled product each 32-lane
         # block) against bf16 operands (exact; one dot a K step), at the default's splits
@@ -700,9 +663,8 @@ def main(argv=None) -> int:
         "--sweep-parts",
         default="w8a8,w8a8_decode,moe",
         help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
-        "(decode rows' tiles at the default's splits), w8a8_ahead (SCALES_AHEAD off and on at "
-        "decode rows), w8a8_decode_bf16 (17-64 rows in the bf16 mode), moe, moe_split (decode K "
-        "splits), "
+        "(decode rows' tiles at the default's splits), w8a8_decode_bf16 (17-64 rows in the bf16 "
+        "mode), moe, moe_split (decode K splits), "
         "moe_kernels "
         "(the routed experts' kernels one by one)",
     )

@@ -127,7 +127,6 @@ def _gemm_variants(hidden: int) -> list:
         (" grouped", 256, 0, 0, 1, (16, 32, 128, 4)),
         (" rope", 0, 512, 64, 1, (16, 32, 128, 4)),
         (" split 4", 0, 0, 0, 4, (16, 32, 128, 4)),
-        (" split 4 64 rows", 0, 0, 0, 4, (64, 64, 32, 4)),
         (" prefill 128x128x64", 0, 0, 0, 1, (128, 128, 64, 8)),
         (" bf16 prefill 128x128x64", 0, 0, 0, 1, (128, 128, 64, 8)),
         (" bf16 prefill 128x128x128", 0, 0, 0, 1, (128, 128, 128, 8)),
@@ -148,8 +147,6 @@ def _gemm_variants(hidden: int) -> list:
         cx = {"K": hidden, "QUANT_X": quant_x, "DOT": 1 if "bf16" in name else 2}
         cx.update({"A16": a16, "XO": 1024 if a16 else 0})
         cx["ONE_LAUNCH"] = split > 1  # the split's last program sums the partials
-        # the launcher's choice: the fp8 mode on pre-quantized ungrouped codes, scales ahead
-        cx["AHEAD"] = cx["DOT"] == 2 and not quant_x and not a16 and kg == 0
         cx["OUT_BF16"] = True
         cx.update({"KG": kg, "HEAD_D": head_d, "ROPE_D": rope_d, "BM": bm, "BN": bn, "BK": bk})
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-(hidden // 32) // split) * 32})
@@ -181,7 +178,6 @@ def _gemm_variants(hidden: int) -> list:
         cx = {"K": hidden, "DOT": 2, "ROUND_BF16": True, "BM": 16, "BN": 32, "BK": 64}
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-(hidden // 32) // split) * 32})
         cx["ONE_LAUNCH"] = split > 1  # the split's last program ends the product
-        cx["AHEAD"] = True  # the fp8 mode's scales a K step ahead
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 swiglu fp8 bk=64 split {split}", tg._w8a8_swiglu_kernel, sig, cx, 4))
     sig = {"part_ptr": "*fp32", "h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32"}

@@ -405,39 +405,6 @@ def test_split_k_swiglu_ends_in_its_own_launch_with_the_second_launchs_bits(monk
     assert int(counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("bk", [32, 64, 128])
-def test_fp8_scales_a_step_ahead_give_the_same_bits(bk, monkeypatch):
-    """``SCALES_AHEAD``: the ``"fp8"`` mode (run by the interpreter too) with each K step's
-    scales loaded a step ahead gives the linear's and the shared expert's bits of the
-    per-block loads: two row tiles, a split ending inside a K step, a partial last output tile
-    (the linear's N = 80), and K = 288 not a multiple of ``bk``."""
-    from v41plan.runtime.kernels import triton_gemm
-    from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
-
-    M, N, K = 19, 96, 288
-    warps = 1 if DEV == "cpu" else 4
-    x = _activations(M, K, 22).to(DEV).to(torch.bfloat16)
-    g = torch.Generator().manual_seed(23)
-    w1, w3 = (quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.2) for _ in range(2))
-    w1, w3 = tuple(t.to(DEV) for t in w1), tuple(t.to(DEV) for t in w3)
-    xq, xs = act_quant_fp8(x)
-    outs = {}
-    for ahead in (False, True):
-        monkeypatch.setattr(triton_gemm, "SCALES_AHEAD", ahead)
-        got = []
-        for split in (1, 2):
-            cfg = GemmConfig(16, 32, bk, warps, 1, split_k=split)
-            w80 = (w1[0][:80], w1[1][:3])
-            got.append(w8a8_linear(xq, *w80, torch.float32, x_scales=xs, dot="fp8", config=cfg))
-            hq, hs = w8a8_swiglu(xq, xs, w1, w3, 4.0, torch.bfloat16, dot="fp8", config=cfg)
-            got += [hq.view(torch.uint8), hs.view(torch.uint8)]
-        outs[ahead] = got
-    for a, b in zip(outs[False], outs[True], strict=True):
-        assert torch.equal(a, b)
-    ref = x.float().cpu()
-    assert _bound_check(outs[True][0], ref, w1[0][:80], w1[1][:3], "fp8", 0.0) <= 1.0
-
-
 def test_split_k_swiglu_is_the_composition_of_split_linears():
     """The shared expert's split-K launch: each product's partials summed in split order, then
     the SwiGLU and its quantization: the codes of the same composition over split-K linears."""

@@ -377,40 +377,6 @@ def sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S: tl.constexpr, BM: tl.c
 
 
 @triton.jit
-def block_scales(s_ptr, r, sr, kb0, kk, rmask, K: tl.constexpr, K_SPLIT: tl.constexpr,
-                 G: tl.constexpr):  # fmt: skip
-    """The E8M0 scales of rows ``r`` (scale rows: a weight's ``rn // 32``) for the ``G`` 32-lane
-    blocks from lane ``kb0 + kk`` (one K step of the ``"fp8"`` mode on pre-quantized codes) as
-    float32 ``[R, G]``; 0 for a block past ``K`` or past the split's ``K_SPLIT`` lanes (whose
-    codes are zeros)."""
-    g = tl.arange(0, G)
-    kbi = (kb0 + kk) // 32 + g
-    live = (kbi < K // 32) & (kk // 32 + g < K_SPLIT // 32)
-    f = tl.load(
-        s_ptr + r[:, None] * sr + kbi[None, :], mask=rmask[:, None] & live[None, :], other=0
-    )
-    return e8m0_value(f)
-
-
-@triton.jit
-def fp8_block_dot(acc, x_ptr, w_ptr, rm, rn, rk, kmask, mmask, nmask, sxm, swn, sx, sw):
-    """``acc`` plus one 32-lane block of the ``"fp8"`` mode: the E4M3 codes of lanes ``rk`` of
-    ``x`` and ``W``, their product scaled by ``sx [BM]`` x ``sw [BN]``."""
-    bits = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mmask[:, None] & kmask[None, :],
-                   other=0)  # fmt: skip
-    wb = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                 other=0)  # fmt: skip
-    a = bits.to(tl.float8e4nv, bitcast=True)
-    return qdot(acc, a, sx, wb.to(tl.float8e4nv, bitcast=True), sw, 2)
-
-
-@triton.jit
-def scale_column(t, j: tl.constexpr, G: tl.constexpr):
-    """Column ``j`` of ``t [R, G]`` (a select and a sum of zeros: exact)."""
-    return tl.sum(tl.where(tl.arange(0, G)[None, :] == j, t, 0.0), axis=1)
-
-
-@triton.jit
 def _w8a8_kernel(
     x_ptr,
     xs_ptr,
@@ -447,7 +413,6 @@ def _w8a8_kernel(
     ONE_LAUNCH: tl.constexpr = False,
     A16: tl.constexpr = False,
     XO: tl.constexpr = 0,
-    AHEAD: tl.constexpr = False,
 ):
     """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
     constant: a weight's width, and the interpreter needs Python loop bounds. ``KG > 0``: ``x``
@@ -462,10 +427,7 @@ def _w8a8_kernel(
     float activations taken as they are (no quantizer; ``"bf16"`` or ``"fp32"`` mode), the
     weight-only product of ``w8a16_grouped``. ``XO > 0``: every ``XO`` output lanes read their
     own input, ``x_ptr + (lane // XO) * sxo`` (a block-diagonal product: ``BN`` divides
-    ``XO``). ``AHEAD`` (``SCALES_AHEAD``; the ``"fp8"`` mode on pre-quantized, ungrouped
-    codes): each K step's scales are loaded one step ahead, as a block each for the activations
-    and the weight (``fp8_step_scales``), so their latency overlaps the step before; the same
-    products in the same order."""
+    ``XO``)."""
     m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
@@ -481,45 +443,29 @@ def _w8a8_kernel(
     # the fp8 mode scales each 32-lane block's product: a wider BK walks its blocks unrolled,
     # in the same order (the sums are BK=32's, bit for bit)
     SUB: tl.constexpr = 32 if DOT == 2 else BK
-    if AHEAD:
-        G: tl.constexpr = BK // 32
-        fx = block_scales(xs_ptr, rm, sxsm, k_lo, 0, mmask, K, K_SPLIT, G)
-        fw = block_scales(ws_ptr, rn // 32, swsn, k_lo, 0, nmask, K, K_SPLIT, G)
-        for kk in range(0, K_SPLIT, BK):
-            nfx = block_scales(xs_ptr, rm, sxsm, k_lo, kk + BK, mmask, K, K_SPLIT, G)
-            nfw = block_scales(ws_ptr, rn // 32, swsn, k_lo, kk + BK, nmask, K, K_SPLIT, G)
-            for j in tl.static_range(G):
-                rk = k_lo + kk + j * 32 + tl.arange(0, 32)
-                kmask = rk < K
-                if K_SPLIT % BK != 0:
-                    kmask &= kk + j * 32 + tl.arange(0, 32) < K_SPLIT
-                acc = fp8_block_dot(acc, x_ptr, w_ptr, rm, rn, rk, kmask, mmask, nmask, sxm, swn,
-                                    scale_column(fx, j, G), scale_column(fw, j, G))  # fmt: skip
-            fx, fw = nfx, nfw
-    else:
-        for kk in range(0, K_SPLIT, BK):
-            for j in tl.static_range(BK // SUB):
-                kb = k_lo + kk + j * SUB
-                rk = kb + tl.arange(0, SUB)
-                kmask = rk < K
-                if K_SPLIT % BK != 0:  # a split's last step ends at its last scale block
-                    kmask &= kk + j * SUB + tl.arange(0, SUB) < K_SPLIT
-                rka = rk if KG == 0 else (rk // KG) * sxg + rk % KG
-                if A16:
-                    a = tl.load(
-                        x_ptr + rm[:, None] * sxm + rka[None, :],
-                        mask=mmask[:, None] & kmask[None, :],
-                        other=0.0,
-                    )
-                    a = a.to(tl.bfloat16) if DOT == 1 else a.to(tl.float32)
-                    sx = tl.zeros([BM], dtype=tl.float32)
-                else:
-                    a, sx = load_a_tile(
-                        x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
-                    )
-                acc = w8a8_step(
-                    acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+    for kk in range(0, K_SPLIT, BK):
+        for j in tl.static_range(BK // SUB):
+            kb = k_lo + kk + j * SUB
+            rk = kb + tl.arange(0, SUB)
+            kmask = rk < K
+            if K_SPLIT % BK != 0:  # a split's last step ends at its last scale block
+                kmask &= kk + j * SUB + tl.arange(0, SUB) < K_SPLIT
+            rka = rk if KG == 0 else (rk // KG) * sxg + rk % KG
+            if A16:
+                a = tl.load(
+                    x_ptr + rm[:, None] * sxm + rka[None, :],
+                    mask=mmask[:, None] & kmask[None, :],
+                    other=0.0,
                 )
+                a = a.to(tl.bfloat16) if DOT == 1 else a.to(tl.float32)
+                sx = tl.zeros([BM], dtype=tl.float32)
+            else:
+                a, sx = load_a_tile(
+                    x_ptr, xs_ptr, rm, rka, kb, mmask, kmask, sxm, sxsm, QUANT_X, DOT, BM, SUB
+                )
+            acc = w8a8_step(
+                acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+            )
     if SPLIT_K > 1:
         store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
         if ONE_LAUNCH:
@@ -687,15 +633,13 @@ def _w8a8_swiglu_kernel(
     K_SPLIT: tl.constexpr,
     count_ptr=None,
     ONE_LAUNCH: tl.constexpr = False,
-    AHEAD: tl.constexpr = False,
 ):
     """One ``[BM, BN]`` tile of the shared expert's ``h = swiglu(x W1^T, x W3^T)`` from
     pre-quantized ``x``, written as its FP8 activation codes (E4M3 + E8M0 per 32 lanes; ``BN``
     a multiple of 32): what ``w2`` reads. See ``w8a8_swiglu``. ``SPLIT_K > 1``: the two
     partials of split ``program_id(1)`` into ``part [2, SPLIT_K, M, N]``, then
     ``_swiglu_split_sum_kernel`` ends the product, or with ``ONE_LAUNCH`` the tile's last
-    split to arrive does (as in ``_w8a8_kernel``: its sums, bit for bit). ``AHEAD``: the
-    ``"fp8"`` mode's scales a K step ahead, as in ``_w8a8_kernel``."""
+    split to arrive does (as in ``_w8a8_kernel``: its sums, bit for bit)."""
     rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
@@ -706,43 +650,22 @@ def _w8a8_swiglu_kernel(
     else:
         k_lo = 0
     SUB: tl.constexpr = 32 if DOT == 2 else BK
-    if AHEAD:  # as in _w8a8_kernel
-        G: tl.constexpr = BK // 32
-        fx = block_scales(xs_ptr, rm, sxsm, k_lo, 0, mmask, K, K_SPLIT, G)
-        f1 = block_scales(ws1_ptr, rn // 32, swsn, k_lo, 0, nmask, K, K_SPLIT, G)
-        f3 = block_scales(ws3_ptr, rn // 32, swsn, k_lo, 0, nmask, K, K_SPLIT, G)
-        for kk in range(0, K_SPLIT, BK):
-            nfx = block_scales(xs_ptr, rm, sxsm, k_lo, kk + BK, mmask, K, K_SPLIT, G)
-            nf1 = block_scales(ws1_ptr, rn // 32, swsn, k_lo, kk + BK, nmask, K, K_SPLIT, G)
-            nf3 = block_scales(ws3_ptr, rn // 32, swsn, k_lo, kk + BK, nmask, K, K_SPLIT, G)
-            for j in tl.static_range(G):
-                rk = k_lo + kk + j * 32 + tl.arange(0, 32)
-                kmask = rk < K
-                if K_SPLIT % BK != 0:
-                    kmask &= kk + j * 32 + tl.arange(0, 32) < K_SPLIT
-                sx = scale_column(fx, j, G)
-                acc1 = fp8_block_dot(acc1, xq_ptr, w1_ptr, rm, rn, rk, kmask, mmask, nmask, sxm,
-                                     swn, sx, scale_column(f1, j, G))  # fmt: skip
-                acc3 = fp8_block_dot(acc3, xq_ptr, w3_ptr, rm, rn, rk, kmask, mmask, nmask, sxm,
-                                     swn, sx, scale_column(f3, j, G))  # fmt: skip
-            fx, f1, f3 = nfx, nf1, nf3
-    else:
-        for kk in range(0, K_SPLIT, BK):
-            for j in tl.static_range(BK // SUB):
-                kb = k_lo + kk + j * SUB
-                rk = kb + tl.arange(0, SUB)
-                kmask = rk < K
-                if K_SPLIT % BK != 0:  # a split's last step ends at its last scale block
-                    kmask &= kk + j * SUB + tl.arange(0, SUB) < K_SPLIT
-                a, sx = load_a_tile(
-                    xq_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, False, DOT, BM, SUB
-                )
-                acc1 = w8a8_step(
-                    acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
-                )
-                acc3 = w8a8_step(
-                    acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
-                )
+    for kk in range(0, K_SPLIT, BK):
+        for j in tl.static_range(BK // SUB):
+            kb = k_lo + kk + j * SUB
+            rk = kb + tl.arange(0, SUB)
+            kmask = rk < K
+            if K_SPLIT % BK != 0:  # a split's last step ends at its last scale block
+                kmask &= kk + j * SUB + tl.arange(0, SUB) < K_SPLIT
+            a, sx = load_a_tile(
+                xq_ptr, xs_ptr, rm, rk, kb, mmask, kmask, sxm, sxsm, False, DOT, BM, SUB
+            )
+            acc1 = w8a8_step(
+                acc1, a, sx, w1_ptr, ws1_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+            )
+            acc3 = w8a8_step(
+                acc3, a, sx, w3_ptr, ws3_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
+            )
     if SPLIT_K > 1:
         store_partial(acc1, part_ptr, rm, rn, mmask, nmask, M, N)
         store_partial(acc3, part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N)
@@ -810,11 +733,6 @@ under the interpreter; equal bits on the H100 at flash_slice shapes), one launch
 flash_slice decode step, 40 more since the shared expert's gate/up takes it) and faster at 7 of 8
 decode shapes (wq_a 12.5 -> 11.5 us, wkv 10.6 -> 8.9 at one row; shared.w2 at 64 rows 17.9 ->
 18.2), ``benchmarks/probe_split_launch.py``, reports/gpu/probe_split_launch_h100_ac8bb9e.json."""
-
-SCALES_AHEAD = True
-"""Whether ``_w8a8_kernel``'s ``"fp8"`` mode on pre-quantized codes loads each K step's scales
-one step ahead (``AHEAD``): the same sums; the scale loads feed the products' scaling, not the
-dot, so the compiler does not pipeline them and each 32-lane block waited for its own."""
 
 SPLIT_COUNTERS_MIN = 1 << 16
 """Arrival counters allocated at first use (int32, one per output tile of a launch)."""
@@ -982,18 +900,11 @@ def _launch_pointer(xk, xs, w, ws, y, cos, sin, cfg, x_strides, K, dot, **consts
     part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=y.device)
     one = split > 1 and SPLIT_ONE_LAUNCH
     count = split_counters(y.device, grid[0]) if one else part
-    ahead = (
-        SCALES_AHEAD
-        and dot == "fp8"
-        and not consts["QUANT_X"]
-        and not consts.get("A16", False)
-        and consts["KG"] == 0
-    )
     _w8a8_kernel[grid](
         xk, xs, w, ws, y, cos, sin, part, count, M, N, K, *x_strides, w.stride(0), ws.stride(0),
         y.stride(0), cos.stride(0), DOT=DOT_MODES[dot], OUT_BF16=out_bf16, BM=cfg.block_m,
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, K_SPLIT=k_split,
-        ONE_LAUNCH=one, AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_LAUNCH=one, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # the RoPE's products and sums round apart, as apply_rope's (the scale products of the
         # K loop multiply by powers of two: exact either way)
         enable_fp_fusion=not rope, **consts,
@@ -1120,8 +1031,7 @@ def w8a8_swiglu(
             x.stride(0), xs.stride(0), c1.stride(0), s1.stride(0), h.stride(0), hs.stride(0),
             DOT=DOT_MODES[dot], ROUND_BF16=dtype == torch.bfloat16, BM=cfg.block_m,
             BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
-            K_SPLIT=k_split, count_ptr=count, ONE_LAUNCH=one,
-            AHEAD=SCALES_AHEAD and dot == "fp8", num_warps=cfg.num_warps,
+            K_SPLIT=k_split, count_ptr=count, ONE_LAUNCH=one, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
         if split > 1 and not one:
