@@ -21,9 +21,7 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   ``dense_compiled`` with the torch backend for the pool-touching ops (the fused-dense issue's
   batch-1 target is stated for that backend);
 - ``compiled_split_two_launches``: ``compiled`` with each split-K linear summed by a second
-  launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process;
-- ``compiled_before``: ``compiled`` with the decode tunables set back to their values before the
-  decode-tile sweep (``GEMM_FLAGS``): the baseline of that change in the same process.
+  launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -71,7 +69,6 @@ from medium_model import (
 from report_io import write_report
 
 from v41plan.runtime.kernels.backend import BACKEND_RANGE
-from v41plan.runtime.kernels.triton_gemm import GemmConfig
 
 VARIANTS = {
     "reference": ("torch", "torch", "dense", False, None),
@@ -84,22 +81,11 @@ VARIANTS = {
     "compiled_torch_attention": ("torch", "triton", "grouped", True, "inductor"),
     "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
     "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_before": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
 GEMM_FLAGS: dict[str, dict] = {
     "compiled_split_two_launches": {"SPLIT_ONE_LAUNCH": False},
-    # the decode tunables as they were before the decode-tile sweep (bench_gemm_moe.py
-    # --sweep-parts w8a8_decode_tiles,moe_split; bench_dense_kernels.py split site forms)
-    "compiled_before": {
-        "DECODE_WIDE_TILE": GemmConfig(64, 64, 32, num_warps=4, num_stages=4),
-        "triton_moe.DECODE_SPLITS": (1, 1),
-        "triton_dense.SITE_CONFIGS_WIDE": [
-            (1024, ("split", 1, 128, 4)),
-            (1 << 62, ("tf32x3", 16, 32, 4)),
-        ],
-    },
 }
 """Variants that also set kernel module flags for their run (restored after it): the same step
 with a flag's other value, timed in the process that times the default. A key is an attribute

@@ -372,11 +372,7 @@ def sweep_rows(
     import dataclasses
 
     from v41plan.runtime.kernels.triton_gemm import GemmConfig, default_config, w8a8_linear
-    from v41plan.runtime.kernels.triton_moe import (
-        MoEConfig,
-        default_moe_config,
-        grouped_moe_w4a8,
-    )
+    from v41plan.runtime.kernels.triton_moe import MoEConfig, grouped_moe_w4a8
     from v41plan.runtime.kernels.triton_quant import act_quant_fp8
     from v41plan.runtime.resident import GroupedMoE
 
@@ -523,35 +519,6 @@ def sweep_rows(
                     rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
                     traceback.print_exc()
 
-    def moe_split() -> None:
-        """The routed experts' decode launches with their K loops split (``MoEConfig.split_k``,
-        ``split_k_down``) against the default, at decode 1 / 8 / 64."""
-        res, _ = _moe_layer(cfg)
-        moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
-        k = cfg.num_experts_per_tok
-        expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // cfg.n_routed_experts * 3
-        for label, n in (("decode1", 1), ("decode8", 8), ("decode64", 64)):
-            x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
-            ids, wts = moe.route(x)
-            xq, xs = act_quant_fp8(x)
-            nbytes = int(torch.unique(ids).numel()) * expert_bytes + n * D * 2 * 2
-            floor_ms = nbytes / ceil["copy_bytes_per_s"] * 1e3
-            base = default_moe_config(n * k, "bf16", D, cfg.moe_intermediate_size)
-            forms = [(1, 1), (2, 1), (4, 1), (5, 1), (4, 3), (2, 3), (1, 3), (10, 3)]
-            if n > 16:
-                forms += [(2, 1, 32), (4, 3, 32)]
-            for form in forms:
-                c = dataclasses.replace(base, split_k=form[0], split_k_down=form[1])
-                if len(form) > 2:
-                    c = dataclasses.replace(c, block_n=form[2])
-                tag = f"bn {c.block_n} split {c.split_k}/{c.split_k_down}"
-                fn = lambda c=c, a=(xq, xs, ids, wts): grouped_moe_w4a8(
-                    *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot="bf16", config=c,
-                )  # fmt: skip
-                _sweep_row(rows, f"split moe routed {label} {tag}", fn, floor_ms, c, deadline)
-
-    if "moe_split" in parts:
-        moe_split()
     if "moe" in parts:  # first: the rows the kernels' next step depends on
         moe_sweep()
     if "moe_kernels" in parts:
@@ -664,9 +631,7 @@ def main(argv=None) -> int:
         default="w8a8,w8a8_decode,moe",
         help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
         "(decode rows' tiles at the default's splits), w8a8_decode_bf16 (17-64 rows in the bf16 "
-        "mode), moe, moe_split (decode K splits), "
-        "moe_kernels "
-        "(the routed experts' kernels one by one)",
+        "mode), moe, moe_kernels (the routed experts' kernels one by one)",
     )
     ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
     ap.add_argument("--out", default=None)

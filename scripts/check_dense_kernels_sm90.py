@@ -189,19 +189,9 @@ def _gemm_variants(hidden: int) -> list:
     moe_forms += [(1, 256, False, False, False), (1, 128, True, False, False)]
     moe_forms += [(1, 256, False, True, False), (1, 128, True, True, False)]
     moe_forms += [(1, 512, False, True, True)]
-    moe_forms = [(*f, 1) for f in moe_forms] + [(1, 256, False, True, False, 4)]
-    for dot, bk, prefetch, pairs, tma, split in moe_forms:
+    for dot, bk, prefetch, pairs, tma in moe_forms:
         mode = ("fp8" if dot == 2 else "bf16") + (" prefetch" if prefetch else "")
         mode += (" pairs" if pairs else "") + (" tma" if tma else "")
-        mode += f" split {split}" if split > 1 else ""
-
-        def split_args(ptrs: dict, cx: dict, k: int, split=split, bk=bk) -> None:
-            if split > 1:  # the partials, the arrival counters, each split's whole K steps
-                ptrs.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
-                cx.update({"SPLIT_K": split, "K_SPLIT": -(-k // bk // split) * bk})
-            else:
-                cx.update({"part_ptr": None, "count_ptr": None, "SPLIT_K": 1, "K_SPLIT": 0})
-
         flags = {"PREFETCH": prefetch, "PAIRS": pairs, "ASM": pairs, "TMA": tma}
         ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8"}
         ptrs.update({"w3_ptr": "*u8", "s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32"})
@@ -214,7 +204,6 @@ def _gemm_variants(hidden: int) -> list:
         ptrs.update(dict.fromkeys(strides, i32))
         cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": dot, "BM": 16}
         cx.update({"BN": 32, "BK": bk, **flags})
-        split_args(ptrs, cx, hidden)
         ptrs.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"moe gate_up {mode} bk={bk}", tm._gate_up_kernel, ptrs, cx, 4))
         ptrs = {"act_ptr": "*u8", "acts_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8"}
@@ -224,7 +213,6 @@ def _gemm_variants(hidden: int) -> list:
         ptrs.update(dict.fromkeys(("sa", "sas", "swe", "swn", "sse", "ssn", "sy", "sab"), i32))
         cx = {"D": hidden, "I": 256, "ROUND_BF16": True, "DOT": dot, "BM": 16, "BN": 64}
         cx.update({"BK": bk, **flags})
-        split_args(ptrs, cx, 256)
         ptrs.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"moe down {mode} bk={bk}", tm._down_kernel, ptrs, cx, 4))
     sig = {"xq_ptr": "*u8", "xs_ptr": "*u8", "row_ptr": "*i64", "out_ptr": "*bf16"}

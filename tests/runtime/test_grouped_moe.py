@@ -488,54 +488,6 @@ def test_pairs_mode_matches_the_torch_moe_and_its_prefetch_gives_the_same_bits(t
         grouped_moe_w4a8_stages(*args[:-1], "fp8", config=pairs)
 
 
-@pytest.mark.parametrize("pairs", [False, True])
-def test_split_k_keeps_the_bound_and_its_bits(tiny, pairs):
-    """``MoEConfig.split_k`` / ``split_k_down``: each GEMM's K steps in several programs, whose
-    float32 partials the tile's last split sums in split order, then the epilogue. Against the
-    torch MoE's forced decisions (the bound), the unsplit launch (float32 summation order only),
-    itself on a second run (the same bits), and every arrival counter left zero."""
-    from tests.runtime.moe_forced import forced_decision_report
-    from v41plan.runtime.kernels import triton_moe
-    from v41plan.runtime.kernels.triton_moe import (
-        MoEConfig,
-        grouped_moe_w4a8_stages,
-        moe_combine,
-        moe_splits,
-    )
-    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
-
-    cfg, _w64, res = tiny
-    w1, w3, w2 = (res[f"{LAYER}.ffn.experts.{n}"].to(DEV) for n in ("w1", "w3", "w2"))
-    n, k = 7, cfg.num_experts_per_tok
-    D, I = cfg.hidden_size, w1.shape[1]
-    g = torch.Generator().manual_seed(43)
-    x = torch.randn(n, D, generator=g).to(DEV)
-    ids = torch.stack([torch.randperm(w1.shape[0], generator=g)[:k] for _ in range(n)]).to(DEV)
-    wts = torch.rand(n, k, generator=g).to(DEV)
-    xq, xs = act_quant_fp8(x)
-    warps = 1 if DEV == "cpu" else 4
-    one = MoEConfig(16, 32, 32, 32, num_warps=warps, num_stages=1, pairs=pairs)
-    split = dataclasses.replace(one, split_k=2, split_k_down=4)
-    assert moe_splits(D, 32, 2)[0] == 2 and moe_splits(I, 32, 4)[0] == 4, (D, I)
-    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, "fp32" if DEV == "cpu" else None)
-    st = grouped_moe_w4a8_stages(*args, config=split)
-    out = moe_combine(st.y_rows, st.rows.pos, k)
-    r = forced_decision_report(
-        xq, xs, ids, wts, w1, w3, w2, 10.0, st, out, cfg.hidden_size * 2.0**-24
-    )
-    assert (r["bad_lanes"], r["bad_scales"]) == (0, 0), r
-    assert r["y_rows error/bound"] <= 1.0 and r["combined error/bound"] <= 1.0, r
-    base = grouped_moe_w4a8_stages(*args, config=one)
-    assert _rel(out, moe_combine(base.y_rows, base.rows.pos, k)) <= 1e-5
-    again = grouped_moe_w4a8_stages(*args, config=split)
-    live = st.rows.row_ids >= 0
-    assert torch.equal(st.act[live], again.act[live])
-    assert torch.equal(st.y_rows[live], again.y_rows[live])
-    assert int(triton_moe._MOE_COUNTERS[xq.device][-1].abs().sum()) == 0
-    with pytest.raises(ValueError, match="split_k"):
-        grouped_moe_w4a8_stages(*args, config=dataclasses.replace(split, prefetch=True))
-
-
 def test_tma_mode_gives_the_pairs_modes_bits(tiny):
     """``MoEConfig.tma`` (activation rows written in the kernels' order, code tiles by TMA
     descriptors, scale bytes a step ahead) runs the pairs mode's arithmetic: the intermediate's

@@ -97,11 +97,6 @@ def split_k_for(N: int, K: int, cfg: GemmConfig) -> int:
     return max(1, min(want, K // SPLIT_MIN_LANES))
 
 
-DECODE_WIDE_TILE = GemmConfig(64, 64, 32, num_warps=4, num_stages=4)
-"""The ``"fp8"`` tile of a decode launch with 17 to 64 rows and more than 2048 outputs (its
-splits are ``split_k_for``'s at every row count: the lanes stay 64)."""
-
-
 def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
     """A tile shape for an ``[M, K] x [N, K]`` launch: narrow rows for decode, 128-wide tiles
     for prefill (the benchmark sweeps alternatives)."""
@@ -118,8 +113,6 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
             cfg = GemmConfig(16, 32, 64 if dot == "fp8" else 128, num_warps=4, num_stages=4)
         elif M <= 16:
             cfg = GemmConfig(16, 64, 128, num_warps=4, num_stages=4)
-        elif dot == "fp8":
-            cfg = DECODE_WIDE_TILE
         else:
             cfg = GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
         return dataclasses.replace(cfg, split_k=split_k_for(N, K, cfg))

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from v41plan.model.quant import QuantWeight
 from v41plan.runtime.kernels.moe_torch import MoERows, align_rows, padded_rows
-from v41plan.runtime.kernels.triton_common import arrival_counters, interpreted
+from v41plan.runtime.kernels.triton_common import interpreted
 from v41plan.runtime.kernels.triton_gemm import (
     DOT_MODES,
     default_dot,
@@ -81,22 +81,6 @@ class MoEConfig:
     rows, zeros for padding), so a row block is contiguous; the scale bytes are loaded one K
     step ahead. CUDA sm_90+ (or Triton's interpreter), 16-byte aligned code rows. The pairs
     mode's sums, bit for bit."""
-    split_k: int = 1
-    """K splits of the gate/up GEMM (over ``D``), each over whole ``block_k`` steps: more,
-    shorter programs for decode, whose few row blocks leave most of the device idle through
-    a long serial K loop. Each split writes float32 partials; a tile's last split to finish
-    (an arrival counter) sums them in split order, the same bits every run, and runs the
-    epilogue. Pointer tiles only (not ``prefetch`` or ``tma``)."""
-    split_k_down: int = 1
-    """K splits of the down GEMM (over ``I``), as ``split_k``."""
-
-
-def moe_splits(K: int, block_k: int, split: int) -> tuple[int, int]:
-    """``(splits, lanes a split covers)`` of a grouped GEMM over ``K`` lanes: ``split`` rounded
-    so that every split covers whole ``block_k`` steps and none is empty."""
-    steps = triton.cdiv(K, block_k)
-    per = triton.cdiv(steps, max(1, min(split, steps)))
-    return triton.cdiv(steps, per), per * block_k
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -123,9 +107,7 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
     if rows <= 1024:  # decode: narrow gate/up tiles
         if dot == "bf16":
             bn = 32 if rows <= 16 else 64
-            up, down = DECODE_SPLITS if cuda_bf16 else (1, 1)
-            return MoEConfig(16, bn, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16,
-                             split_k=up, split_k_down=down)  # fmt: skip
+            return MoEConfig(16, bn, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
     if dot == "bf16" and rows >= 8192:
         # 128-row blocks (17.0 ms against 24.9 with 64 at an 8K prefill, bench_gemm_moe_sweep2);
@@ -135,10 +117,6 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         return MoEConfig(128, 128, 128, 128 if fast else 64, num_warps=8, num_stages=3, **fast)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
-
-DECODE_SPLITS = (1, 1)
-"""``(split_k, split_k_down)`` of the bf16 decode launches on CUDA (one value for every decode
-row count: a token's sums do not change with its batch)."""
 
 PAIRS_ASM = True
 """``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
@@ -566,25 +544,16 @@ def _gate_up_kernel(
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
     TMA: tl.constexpr,
-    part_ptr=None,
-    count_ptr=None,
-    SPLIT_K: tl.constexpr = 1,
-    K_SPLIT: tl.constexpr = 0,
 ):
     """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
     weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32). ``TMA``
     (``MoEConfig.tma``): ``xd`` the permuted deinterleaved rows ``[R, D]`` in ``[BM, BK/2]``
-    blocks, ``w1d``/``w3d`` the codes as ``[El * I, D/2]`` in ``[BN, BK/2]`` blocks.
-    ``SPLIT_K > 1`` (``MoEConfig.split_k``): this program covers the ``K_SPLIT`` lanes of split
-    ``program_id(2)``; its partials go to ``part [SPLIT_K, R, 2, I]`` and the tile's last split
-    to arrive (``count``) sums them in split order and runs the epilogue."""
+    blocks, ``w1d``/``w3d`` the codes as ``[El * I, D/2]`` in ``[BN, BK/2]`` blocks."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
     if g < 0:
         return
-    KS: tl.constexpr = K_SPLIT if SPLIT_K > 1 else D  # the lanes this program covers
-    k_lo = tl.program_id(2) * K_SPLIT if SPLIT_K > 1 else 0
     rr = pid_m * BM + tl.arange(0, BM)
     flat = tl.load(row_ptr + rr)
     valid = flat >= 0
@@ -632,8 +601,7 @@ def _gate_up_kernel(
                 acc3 = pair_dot(acc3, ev.to(OPND), od.to(OPND), lo, hi, DOT)
                 ev, od, p1, f1, p3, f3 = nev, nod, np1, nf1, np3, nf3
         else:
-            for kk in range(0, KS, BK):
-                k0 = k_lo + kk
+            for k0 in range(0, D, BK):
                 ev, od = deinterleaved_rows(xb_ptr, tok, k0, valid, sxb, D, BK)
                 p1, f1 = fp4_raw(w1, s1, rn, k0, nmask, swn, ssn, D, BK)
                 lo, hi = fp4_pairs(p1, f1, ASM, OPND, BN, BK)
@@ -657,8 +625,7 @@ def _gate_up_kernel(
             ab, af, p1, f1, p3, f3 = nab, naf, np1, nf1, np3, nf3
     else:
         SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
-        for kk in range(0, KS, BK):
-            k0 = k_lo + kk
+        for k0 in range(0, D, BK):
             for j in tl.static_range(BK // SUB):
                 kb = k0 + j * SUB
                 rk = kb + tl.arange(0, SUB)
@@ -670,35 +637,6 @@ def _gate_up_kernel(
                 acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
                 b3, sw3 = load_fp4_tile(w3, s3, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
                 acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
-    if SPLIT_K > 1:
-        R = tl.num_programs(0) * BM
-        at = part_ptr + (tl.program_id(2) * R + rr)[:, None].to(tl.int64) * (2 * I) + rn[None, :]
-        tl.store(at, acc1, mask=nmask[None, :])
-        tl.store(at + I, acc3, mask=nmask[None, :])
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.store(count_ptr + tile, 0)
-            acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-            acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-            for sp in tl.static_range(SPLIT_K):
-                at = part_ptr + (sp * R + rr)[:, None].to(tl.int64) * (2 * I) + rn[None, :]
-                acc1 += tl.load(at, mask=nmask[None, :], other=0.0, cache_modifier=".cg")
-                acc3 += tl.load(at + I, mask=nmask[None, :], other=0.0, cache_modifier=".cg")
-            _gate_up_end(acc1, acc3, rr, flat, valid, rn, nmask, pid_n, rw_ptr, act_ptr, acts_ptr,
-                         actb_ptr, limit, sa, sas, sab, I, ROUND_BF16, BM, BN, PAIRS)  # fmt: skip
-    else:
-        _gate_up_end(acc1, acc3, rr, flat, valid, rn, nmask, pid_n, rw_ptr, act_ptr, acts_ptr,
-                     actb_ptr, limit, sa, sas, sab, I, ROUND_BF16, BM, BN, PAIRS)  # fmt: skip
-
-
-@triton.jit
-def _gate_up_end(acc1, acc3, rr, flat, valid, rn, nmask, pid_n, rw_ptr, act_ptr, acts_ptr,
-                 actb_ptr, limit, sa, sas, sab, I: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
-    """``_gate_up_kernel``'s epilogue: the clamped SwiGLU of the products times the routing
-    weight, its FP8 codes and scales stored, and with ``PAIRS`` their values deinterleaved."""
     rw = tl.load(rw_ptr + flat, mask=valid, other=0.0)
     q, field = swiglu_fp8(acc1, acc3, limit, rw, ROUND_BF16, BM, BN)
     tl.store(act_ptr + rr[:, None] * sa + rn[None, :], q.to(tl.uint8), mask=nmask[None, :])
@@ -746,23 +684,16 @@ def _down_kernel(
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
     TMA: tl.constexpr,
-    part_ptr=None,
-    count_ptr=None,
-    SPLIT_K: tl.constexpr = 1,
-    K_SPLIT: tl.constexpr = 0,
 ):
     """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
     stored in ``y``'s dtype (the compute dtype's rounding of a linear output). ``TMA``: ``ad``
     the deinterleaved intermediate ``[R, I]`` in ``[BM, BK/2]`` blocks, ``w2d`` the codes as
-    ``[El * D, I/2]`` in ``[BN, BK/2]`` blocks. ``SPLIT_K > 1``: as in ``_gate_up_kernel``,
-    partials in ``part [SPLIT_K, R, D]``."""
+    ``[El * D, I/2]`` in ``[BN, BK/2]`` blocks."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
     if g < 0:
         return
-    KS: tl.constexpr = K_SPLIT if SPLIT_K > 1 else I  # the lanes this program covers
-    k_lo = tl.program_id(2) * K_SPLIT if SPLIT_K > 1 else 0
     rr = pid_m * BM + tl.arange(0, BM)
     rmask = rr >= 0
     rn = pid_n * BN + tl.arange(0, BN)
@@ -793,8 +724,7 @@ def _down_kernel(
                 acc = pair_dot(acc, ev.to(OPND), od.to(OPND), lo, hi, DOT)
                 ev, od, p2, f2 = nev, nod, np2, nf2
         else:
-            for kk in range(0, KS, BK):
-                k0 = k_lo + kk
+            for k0 in range(0, I, BK):
                 ev, od = deinterleaved_rows(actb_ptr, rr, k0, rmask, sab, I, BK)
                 p2, f2 = fp4_raw(w2, s2, rn, k0, nmask, swn, ssn, I, BK)
                 lo, hi = fp4_pairs(p2, f2, ASM, OPND, BN, BK)
@@ -812,8 +742,7 @@ def _down_kernel(
             ab, af, p2, f2 = nab, naf, np2, nf2
     else:
         SUB: tl.constexpr = 32 if DOT == 2 else BK  # see _w8a8_kernel: fp8 walks 32-lane blocks
-        for kk in range(0, KS, BK):
-            k0 = k_lo + kk
+        for k0 in range(0, I, BK):
             for j in tl.static_range(BK // SUB):
                 kb = k0 + j * SUB
                 rk = kb + tl.arange(0, SUB)
@@ -823,27 +752,6 @@ def _down_kernel(
                 )
                 b, sw = load_fp4_tile(w2, s2, rn, rk, kb, nmask, kmask, swn, ssn, I, DOT, BN, SUB)
                 acc = qdot(acc, a, sav, b, sw, DOT)
-    if SPLIT_K > 1:
-        R = tl.num_programs(0) * BM
-        at = part_ptr + (tl.program_id(2) * R + rr)[:, None].to(tl.int64) * D + rn[None, :]
-        tl.store(at, acc, mask=nmask[None, :])
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.store(count_ptr + tile, 0)
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for sp in tl.static_range(SPLIT_K):
-                at = part_ptr + (sp * R + rr)[:, None].to(tl.int64) * D + rn[None, :]
-                acc += tl.load(at, mask=nmask[None, :], other=0.0, cache_modifier=".cg")
-            _down_end(acc, y_ptr, rr, rn, nmask, sy, ROUND_BF16)
-    else:
-        _down_end(acc, y_ptr, rr, rn, nmask, sy, ROUND_BF16)
-
-
-@triton.jit
-def _down_end(acc, y_ptr, rr, rn, nmask, sy, ROUND_BF16: tl.constexpr):
-    """``_down_kernel``'s epilogue: the products rounded to the compute dtype, stored."""
     if ROUND_BF16:
         acc = round_bf16(acc)
     tl.store(
@@ -991,12 +899,6 @@ def grouped_moe_w4a8_stages(
             "MoEConfig.tma reads the pairs mode's tiles (pairs=True) on a device with TMA "
             "(sm_90+), with 16-byte aligned code rows and block_k a multiple of 32"
         )
-    splits_up = moe_splits(D, cfg.block_k, cfg.split_k)
-    splits_down = moe_splits(I, cfg.block_k, cfg.split_k_down)
-    if (splits_up[0] > 1 or splits_down[0] > 1) and (cfg.tma or cfg.prefetch):
-        raise ValueError(
-            "MoEConfig.split_k and split_k_down run the pointer tiles (no tma/prefetch)"
-        )
     rows: MoERows = align_rows_fused(ids, expert_first, El, cfg.block_m)
     R = rows.rows
     dev = xq.device
@@ -1029,9 +931,7 @@ def grouped_moe_w4a8_stages(
     )
     if R:
         nb = R // cfg.block_m
-        grid_up = (nb, triton.cdiv(I, cfg.block_n), splits_up[0])
-        grid_down = (nb, triton.cdiv(D, cfg.block_n_down), splits_down[0])
-        _gate_up_kernel[grid_up](
+        _gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n))](
             xq8,
             xs8,
             c1,
@@ -1068,9 +968,8 @@ def grouped_moe_w4a8_stages(
             BN=cfg.block_n,
             BK=cfg.block_k,
             **common,
-            **_split_args(grid_up, splits_up, (R, 2 * I), dev),
         )
-        _down_kernel[grid_down](
+        _down_kernel[(nb, triton.cdiv(D, cfg.block_n_down))](
             act,
             acts,
             c2,
@@ -1096,20 +995,5 @@ def grouped_moe_w4a8_stages(
             BN=cfg.block_n_down,
             BK=cfg.block_k,
             **common,
-            **_split_args(grid_down, splits_down, (R, D), dev),
         )
     return MoEStages(rows, act, acts, y_rows)
-
-
-_MOE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_args(grid: tuple, splits: tuple[int, int], shape: tuple[int, int], dev) -> dict:
-    """A grouped GEMM launch's split-K arguments: none for one split, else a float32 partials
-    buffer ``[splits, *shape]`` and zeroed arrival counters for the grid's tiles (allocated at
-    first use, before any capture, and left zero by every launch)."""
-    if splits[0] == 1:
-        return {}
-    part = torch.empty((splits[0], *shape), dtype=torch.float32, device=dev)
-    count = arrival_counters(_MOE_COUNTERS, dev, grid[0] * grid[1])
-    return {"part_ptr": part, "count_ptr": count, "SPLIT_K": splits[0], "K_SPLIT": splits[1]}
