@@ -592,6 +592,33 @@ def sweep_rows(
                 _sweep_row(rows, f"tiles w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
                 if rows[-1].get("ms") is not None and c.split_k == base.split_k:
                     rows[-1]["bit_identical"] = bool(torch.equal(fn(), ref))
+    if "swiglu_launch" in parts:  # the shared expert's split-K end: its own launch or a second
+        from v41plan.runtime.kernels import triton_gemm
+        from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
+
+        I = cfg.moe_intermediate_size
+        wc, ws = _fp8_weight(I, D)
+        floor_ms = 2 * (wc.numel() + ws.numel()) / ceil["copy_bytes_per_s"] * 1e3
+        saved = triton_gemm.SPLIT_ONE_LAUNCH
+        try:
+            for Md in (1, 8, 16, 17, 64):
+                xq, xs = act_quant_fp8(torch.randn(Md, D, device="cuda", dtype=torch.bfloat16))
+                fn = lambda a=(xq, xs, (wc, ws), (wc, ws), 10.0, torch.bfloat16): [
+                    t.view(torch.uint8) for t in w8a8_swiglu(*a)
+                ]
+                outs = []
+                for one in (False, True):
+                    triton_gemm.SPLIT_ONE_LAUNCH = one
+                    c = default_config(Md, I, D, "fp8")
+                    tag = "one launch" if one else "two launches"
+                    _sweep_row(rows, f"swiglu shared.w13 M={Md} {tag}", fn, floor_ms, c, deadline)
+                    outs.append(fn())
+                if rows[-1].get("ms") is not None:
+                    rows[-1]["bit_identical"] = all(
+                        torch.equal(a, b) for a, b in zip(*outs, strict=True)
+                    )
+        finally:
+            triton_gemm.SPLIT_ONE_LAUNCH = saved
     for name in ("wq_b", "wo_b", "shared.w2") if "w8a8_decode_bf16" in parts else ():
         # 17 to 64 rows of a wide weight: the default's fp8 mode (a scaled product each 32-lane
         # block) against bf16 operands (exact; one dot a K step), at the default's splits
@@ -631,7 +658,8 @@ def main(argv=None) -> int:
         default="w8a8,w8a8_decode,moe",
         help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
         "(decode rows' tiles at the default's splits), w8a8_decode_bf16 (17-64 rows in the bf16 "
-        "mode), moe, moe_kernels (the routed experts' kernels one by one)",
+        "mode), swiglu_launch (the shared expert's split-K end in one launch or two), moe, "
+        "moe_kernels (the routed experts' kernels one by one)",
     )
     ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
     ap.add_argument("--out", default=None)

@@ -866,6 +866,26 @@ def main(argv=None) -> int:
                 rows=1,
             ),
         ),
+        *(
+            (
+                f"attention decode sweep flash T={t}",  # a few rows: head blocks and splits
+                lambda t=t: attention_sweep(
+                    "flash",
+                    [
+                        {},  # the default, in the same run
+                        {"HB": 16, "SPLITS": 20, "num_warps": 4},
+                        {"HB": 16, "SPLITS": 10, "num_warps": 4},
+                        {"HB": 16, "SPLITS": 5, "num_warps": 4},
+                        {"HB": 32, "SPLITS": 10, "num_warps": 8},
+                    ],
+                    ceil,
+                    kb,
+                    ref,
+                    rows=t,
+                ),
+            )
+            for t in (2, 4, 8, 16)
+        ),
         ("scorer prefill split sweep", lambda: scorer_prefill_split(pre, ceil, kb, ref)),
         ("scorer tile sweep medium 8K", lambda: scorer_tile_sweep("medium", ctx, ceil, kb, ref)),
         (
