@@ -510,13 +510,21 @@ def test_bf16_rows_read_the_window_as_one_tile(tiny, num_sms, dv):
 
 def test_attention_splits_leave_no_split_without_keys(tiny):
     """Key splits are as many as keep the programs one wave and as ``cdiv(blocks, splits)``
-    blocks a split fills: V4.1-Flash's batch-1 decode (20 blocks of 32 keys) takes 10 splits
-    of two, not 16 with 6 empty. An
+    blocks a split fills: V4.1-Flash's decode of 4 rows (20 blocks of 32 keys) takes 10 splits
+    of two, not 16 with 6 empty; one or two bf16 rows (``few_rows``) take 16-head blocks and a
+    split a key block (packed or float32 keys keep the rule). An
     empty split's partial adds exact zeros to the merge: 4 splits of 5 blocks (one empty) and
     3 give the same bits."""
     kb = TritonBackend(num_sms=132)
-    cfg = kb.attention_config(1, 64, 512, 128, 512, torch.device("cpu"), torch.bfloat16)
-    assert cfg["BN"] == 32 and cfg["SPLITS"] == 10
+    cfg = kb.attention_config(4, 64, 512, 128, 512, torch.device("cpu"), torch.bfloat16)
+    assert (cfg["BN"], cfg["HB"], cfg["SPLITS"]) == (32, 64, 10)
+    for t in (1, 2):
+        cfg = kb.attention_config(t, 64, 512, 128, 512, "cpu", torch.bfloat16)
+        assert (cfg["HB"], cfg["n_hb"], cfg["SPLITS"], cfg["num_warps"]) == (16, 4, 20, 4)
+    packed = kb.attention_config(1, 64, 512, 128, 512, "cpu", torch.bfloat16, packed=True)
+    assert packed["HB"] == 64
+    assert kb.attention_config(1, 64, 512, 128, 512, "cpu", torch.float32)["HB"] == 16
+    assert kb.attention_config(1, 64, 512, 128, 512, "cpu", torch.float32)["SPLITS"] < 20
     # 64 rows: as many splits as keep one wave (one 64-head program an SM), not two waves
     assert kb.attention_config(64, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 2
     assert kb.attention_config(32, 64, 512, 128, 512, "cpu", torch.bfloat16)["SPLITS"] == 4

@@ -494,6 +494,11 @@ class TritonBackend(TorchBackend):
     from L2)."""
     max_splits = 16
     """Most key splits of one query row (flash decoding)."""
+    few_rows = 2
+    """Query rows up to which a bf16 launch at V4.1-Flash widths (64 heads of 512 lanes or more)
+    takes 16-head blocks and one key block a split: batch 1 and 2 at 8K context 19.4 -> 14.0 and
+    20.9 -> 16.4 us on the H100, 4 rows and more slower so
+    (reports/gpu/bench_kernels_attn_small_t_h100_*.json)."""
     combine_columns = 64
     """Latent columns per program of the splits' merge (with at most 16 heads: one query row's
     merge is then dozens of programs, not one or two)."""
@@ -543,6 +548,10 @@ class TritonBackend(TorchBackend):
             # (20 blocks over 16 splits is 10 of two blocks, not 6 empty partials to write and
             # merge; the merge's sums are the same, an empty split adding exact zeros)
             splits = triton_cdiv(n_blocks, triton_cdiv(n_blocks, splits))
+        if dot_bf16 and not packed and h * d >= 64 * 512 and tq <= self.few_rows:
+            # a row's heads over four times the programs, every key block its own split: the
+            # launch is latency-bound, not bytes-bound, at one or two rows
+            hb, n_hb, splits = 16, triton_cdiv(h, 16), n_blocks
         cfg = {
             "BN": bn,
             "HB": hb,

@@ -723,7 +723,8 @@ SPLIT_ONE_LAUNCH = True
 ``_w8a8_swiglu_kernel``'s ``ONE_LAUNCH``; an arrival counter per output tile) instead of a
 second launch (``_split_sum_kernel``, ``_swiglu_split_sum_kernel``): the same sums (tested
 under the interpreter; equal bits on the H100 at flash_slice shapes), one launch fewer (168 a
-flash_slice decode step, 40 more since the shared expert's gate/up takes it) and faster at 7 of 8
+flash_slice decode step, 40 more where the shared expert's gate/up takes it: tiles of up to 16
+rows, reports/gpu/bench_gemm_moe_swiglu_launch_h100_*.json) and faster at 7 of 8
 decode shapes (wq_a 12.5 -> 11.5 us, wkv 10.6 -> 8.9 at one row; shared.w2 at 64 rows 17.9 ->
 18.2), ``benchmarks/probe_split_launch.py``, reports/gpu/probe_split_launch_h100_ac8bb9e.json."""
 
@@ -1017,7 +1018,9 @@ def w8a8_swiglu(
             h if split == 1 else torch.empty((2, split, M, N), dtype=torch.float32, device=h.device)
         )
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
-        one = split > 1 and SPLIT_ONE_LAUNCH
+        # one launch for tiles of up to 16 rows only: a 64-row tile's last split sums two
+        # [64, 64] products over every split alone (17 rows 23 -> 31 us, one row 17 -> 16)
+        one = split > 1 and SPLIT_ONE_LAUNCH and cfg.block_m <= 16
         count = split_counters(h.device, grid[0]) if one else part
         _w8a8_swiglu_kernel[grid](
             x, xs, c1, s1, c3, s3, h, hs, part, float(limit), M, N, K,
