@@ -12,7 +12,9 @@
 # split-K linear ending in one launch against two, $OUT/probe_split_launch.json), "woa" (the
 # grouped wo_a on its FP8 weight against the bf16 bmm, $OUT/probe_wo_a.json) and "attn" (the
 # flash decode attention's sweep forms at 64 rows and one row,
-# $OUT/bench_kernels_attn_sweep.json). On an H100 too (35 GB resident). STEPS picks a subset:
+# $OUT/bench_kernels_attn_sweep.json) and "ncu" (Nsight Compute's counters of the routed
+# experts' and two W8A8 decode launches, benchmarks/probe_decode_kernels.py,
+# $OUT/ncu_decode_kernels.csv; Firecracker machines only). On an H100 too (35 GB resident). STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 #   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
@@ -90,6 +92,14 @@ if has attn; then  # the flash decode attention's forms at 64 rows and at one ro
 fi
 if has split1; then  # the split-K linear's end in one launch against two (bits compared)
     run split1 90 python3 benchmarks/probe_split_launch.py --out "$OUT/probe_split_launch.json"
+fi
+if has ncu; then  # hardware counters of the decode's largest kernels (Nsight Compute, one each)
+    # probe_decode_kernels.py launches 8 matching kernels to warm up, then 8 once each
+    run ncu 300 ncu --clock-control none --kernel-name "regex:_gate_up_kernel|_down_kernel|_w8a8_kernel" \
+        --launch-skip 8 --launch-count 8 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --csv --page details --log-file "$OUT/ncu_decode_kernels.csv" \
+        python3 benchmarks/probe_decode_kernels.py --reps 1
 fi
 if has prefill; then
     run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
