@@ -275,7 +275,7 @@ def test_w8a8_swiglu_is_the_shared_expert_composition(dtype):
 def test_split_k_heuristic_and_rounding():
     """Decode launches with few output tiles split K (two programs an SM, 264 off the device),
     each split over whole 32-lane scale blocks and at least 512 lanes; neither the count nor the
-    boundaries depend on the rows or the K step, so a row's sums are the same at every decode
+    boundaries depend on the rows or the K step, so a row's splits are the same at every decode
     batch size."""
     from v41plan.runtime.kernels.triton_gemm import _splits, default_config, split_k_for
 

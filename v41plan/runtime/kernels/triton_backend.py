@@ -497,8 +497,8 @@ class TritonBackend(TorchBackend):
     few_rows = 2
     """Query rows up to which a bf16 launch at V4.1-Flash widths (64 heads of 512 lanes or more)
     takes 16-head blocks and one key block a split: batch 1 and 2 at 8K context 19.4 -> 14.0 and
-    20.9 -> 16.4 us on the H100, 4 rows and more slower so
-    (reports/gpu/bench_kernels_attn_small_t_h100_*.json)."""
+    20.9 -> 16.4 us on the H100; at 4 rows that form loses to a 32-head one, at 8 and 16 rows to
+    the default (reports/gpu/bench_kernels_attn_small_t_h100_*.json)."""
     combine_columns = 64
     """Latent columns per program of the splits' merge (with at most 16 heads: one query row's
     merge is then dozens of programs, not one or two)."""

@@ -755,7 +755,8 @@ def _splits(K: int, cfg: GemmConfig) -> tuple[int, int]:
     """``(splits, lanes a split covers)`` of ``cfg`` over ``K`` lanes: ``cfg.split_k`` rounded
     so that every split covers a whole number of 32-lane scale blocks and none is empty. The
     boundaries do not depend on ``block_k`` (a split's last K step is masked at its end), so
-    decode tiles that differ only in rows or K step give a row the same sums."""
+    decode tiles that differ only in their K step give a row the same sums (a 16- and a 64-row
+    tile do not in the ``"fp8"`` mode: the tensor-core instruction differs)."""
     blocks = triton.cdiv(K, QUANT_BLOCK)
     per = triton.cdiv(blocks, max(1, min(cfg.split_k, blocks)))
     return triton.cdiv(blocks, per), per * QUANT_BLOCK
