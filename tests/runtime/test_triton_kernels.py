@@ -484,6 +484,28 @@ def test_sparse_attention_matches_the_reference(tiny, kv_dtype, window_only, num
     assert not kb.fallbacks
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp4"])
+def test_several_head_blocks_with_a_split_a_key_block_match_the_reference(tiny, kv_dtype):
+    """32 query heads in two 16-head blocks, every 4-key block its own split (the form
+    ``few_rows`` takes at flash widths): each head block reads the same keys and merges its own
+    splits; the reference's output within float32 rounding."""
+    args, sel = _attention_case(tiny, kv_dtype, False, seed=17)
+    g = torch.Generator().manual_seed(18)
+    q = torch.randn(9, 32, 64, generator=g)
+    sink = torch.randn(32, generator=g)
+    args = (q, sink, *args[2:])
+    kb = TritonBackend(num_sms=64)
+    n_blocks = 2 + 3  # 8 window keys and 12 selected ids in 4-key blocks
+    kb.attention_override = {"HB": 16, "SPLITS": n_blocks, "BN": 4, "num_warps": 4}
+    assert kb.attention_config(9, 32, 64, 8, 12, "cpu", torch.float32)["n_hb"] == 2
+    out_ref = torch.full_like(q, float("nan"))
+    out = torch.full_like(q, float("nan"))
+    REF.sparse_attention(*args, *sel, out_ref)
+    kb.sparse_attention(*args, *sel, out)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    assert not kb.fallbacks
+
+
 @pytest.mark.parametrize("num_sms,dv", [(1, 0), (64, 0), (64, 16)])
 def test_bf16_rows_read_the_window_as_one_tile(tiny, num_sms, dv):
     """bf16 queries and rows over a bf16 ring: each window key's row is read from the ring or
