@@ -353,6 +353,20 @@ def store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N):
 
 
 @triton.jit
+def last_split_arrived(count_ptr, SPLIT_K: tl.constexpr):
+    """Count this program in at ``count[program_id(0)]`` once its partials are stored (a CTA
+    barrier first, so every thread's stores precede the release): True for the tile's last
+    split to arrive, which acquires the others' partials and sets the count back to 0 (replays
+    need no reset)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    if last:
+        tl.store(count_ptr + tl.program_id(0), 0)
+    return last
+
+
+@triton.jit
 def sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, CG: tl.constexpr = False):  # fmt: skip
     """The ``S`` partials of the tile ``(rm, rn)`` summed in split order, float32. ``CG``:
@@ -461,11 +475,8 @@ def _w8a8_kernel(
             )
     if SPLIT_K > 1:
         store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
-        if ONE_LAUNCH:
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                tl.store(count_ptr + tl.program_id(0), 0)
+        if ONE_LAUNCH:  # noqa: SIM102 (a compile-time branch: no counting without it)
+            if last_split_arrived(count_ptr, SPLIT_K):
                 acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
                 store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
                              OUT_BF16, HEAD_D, ROPE_D, BM, BN)  # fmt: skip
@@ -662,11 +673,8 @@ def _w8a8_swiglu_kernel(
     if SPLIT_K > 1:
         store_partial(acc1, part_ptr, rm, rn, mmask, nmask, M, N)
         store_partial(acc3, part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N)
-        if ONE_LAUNCH:
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                tl.store(count_ptr + tl.program_id(0), 0)
+        if ONE_LAUNCH:  # noqa: SIM102 (a compile-time branch: no counting without it)
+            if last_split_arrived(count_ptr, SPLIT_K):
                 acc1 = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
                 acc3 = sum_partials(part_ptr + SPLIT_K * M * N, rm, rn, mmask, nmask, M, N,
                                     SPLIT_K, BM, BN, True)  # fmt: skip
