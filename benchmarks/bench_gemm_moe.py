@@ -338,6 +338,16 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
                 traceback.print_exc()
 
 
+def _decode_rows(M: int, N: int, K: int, wc, ws, ceil) -> tuple:
+    """``M`` random rows quantized as the runtime quantizes them (``(codes, scales)``) and the
+    ``[N, K]`` FP8 linear's bytes floor at those rows (weight, input and bf16 output)."""
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    nbytes = wc.numel() + ws.numel() + M * (2 * N + K)
+    return xq, xs, nbytes / ceil["copy_bytes_per_s"] * 1e3
+
+
 def _sweep_row(rows: list, name: str, fn, floor_ms: float, config, deadline: float) -> None:
     """Time ``fn`` as one sweep row (or record why it did not run)."""
     if time.monotonic() > deadline:
@@ -564,10 +574,8 @@ def sweep_rows(
         # decode tiles on pre-quantized rows (the runtime's form): rows, K step, depth and warps
         # with the default's lanes and splits, so every row must keep the default's bits
         wc, ws = _fp8_weight(N, K)
-        wbytes = wc.numel() + ws.numel()
         for Md in (1, 64):
-            xq, xs = act_quant_fp8(torch.randn(Md, K, device="cuda", dtype=torch.bfloat16))
-            floor_ms = (wbytes + Md * (2 * N + K)) / ceil["copy_bytes_per_s"] * 1e3
+            xq, xs, floor_ms = _decode_rows(Md, N, K, wc, ws, ceil)
             base = default_config(Md, N, K, "fp8")
             forms = [(16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 3, 4), (16, 128, 6, 4)]
             if Md > 16:
@@ -624,10 +632,8 @@ def sweep_rows(
         # block) against bf16 operands (exact; one dot a K step), at the default's splits
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
-        wbytes = wc.numel() + ws.numel()
         for Md in (32, 64):
-            xq, xs = act_quant_fp8(torch.randn(Md, K, device="cuda", dtype=torch.bfloat16))
-            floor_ms = (wbytes + Md * (2 * N + K)) / ceil["copy_bytes_per_s"] * 1e3
+            xq, xs, floor_ms = _decode_rows(Md, N, K, wc, ws, ceil)
             base = default_config(Md, N, K, "fp8")
             forms = [(64, 64, 4, 4), (64, 128, 3, 4), (64, 128, 4, 8), (128, 64, 4, 4)]
             forms += [(128, 128, 3, 8), (32, 64, 4, 4)]
