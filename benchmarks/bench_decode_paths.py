@@ -84,12 +84,9 @@ VARIANTS = {
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
-GEMM_FLAGS: dict[str, dict] = {
-    "compiled_split_two_launches": {"SPLIT_ONE_LAUNCH": False},
-}
-"""Variants that also set kernel module flags for their run (restored after it): the same step
-with a flag's other value, timed in the process that times the default. A key is an attribute
-of ``triton_gemm``, or ``module.attribute`` of another ``v41plan.runtime.kernels`` module."""
+GEMM_FLAGS = {"compiled_split_two_launches": {"SPLIT_ONE_LAUNCH": False}}
+"""Variants that also set ``triton_gemm`` module flags for their run (restored after it): the
+same step with a flag's other value, timed in the process that times the default."""
 
 
 def _backend_kernels() -> frozenset:
@@ -262,23 +259,19 @@ def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
 def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
     """Rows of one variant (see the module doc) with its ``GEMM_FLAGS`` set; fills
     ``ref_logits`` for the reference."""
-    import importlib
-
-    def target(key: str):
-        mod, _, attr = key.rpartition(".")
-        return importlib.import_module(f"v41plan.runtime.kernels.{mod or 'triton_gemm'}"), attr
+    from v41plan.runtime.kernels import triton_gemm
 
     flags = GEMM_FLAGS.get(name, {})
-    saved = {k: getattr(*target(k)) for k in flags}
+    saved = {k: getattr(triton_gemm, k) for k in flags}
     try:
         for k, v in flags.items():
-            setattr(*target(k), v)
+            setattr(triton_gemm, k, v)
         rows = _run_variant(name, spec, args, ceil, sizes, ref_logits)
     finally:
         for k, v in saved.items():
-            setattr(*target(k), v)
+            setattr(triton_gemm, k, v)
     for r in rows:
-        r["gemm_flags"] = {k: repr(v) for k, v in flags.items()}
+        r["gemm_flags"] = flags
     return rows
 
 

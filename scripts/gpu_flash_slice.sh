@@ -14,7 +14,8 @@
 # flash decode attention's sweep forms at 64 rows and one row,
 # $OUT/bench_kernels_attn_sweep.json) and "ncu" (Nsight Compute's counters of the routed
 # experts' and two W8A8 decode launches, benchmarks/probe_decode_kernels.py,
-# $OUT/ncu_decode_kernels.csv; Firecracker machines only). On an H100 too (35 GB resident). STEPS picks a subset:
+# $OUT/ncu_decode_kernels.csv; Firecracker machines only). On an H100 too (35 GB resident).
+# STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 #   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
