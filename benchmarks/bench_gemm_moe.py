@@ -382,7 +382,11 @@ def sweep_rows(
     import dataclasses
 
     from v41plan.runtime.kernels.triton_gemm import GemmConfig, default_config, w8a8_linear
-    from v41plan.runtime.kernels.triton_moe import MoEConfig, grouped_moe_w4a8
+    from v41plan.runtime.kernels.triton_moe import (
+        MoEConfig,
+        default_moe_config,
+        grouped_moe_w4a8,
+    )
     from v41plan.runtime.kernels.triton_quant import act_quant_fp8
     from v41plan.runtime.resident import GroupedMoE
 
@@ -529,10 +533,52 @@ def sweep_rows(
                     rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
                     traceback.print_exc()
 
+    def moe_occupancy() -> None:
+        """The routed experts' decode forms at 1, 8 and 64 tokens against the default: a cap of
+        128 registers a thread (four programs a multiprocessor, not three), 128-lane K steps
+        (fewer registers, other sums), narrower down tiles (more programs, the same sums); each
+        row says whether its output equals the default's bit for bit."""
+        res, _ = _moe_layer(cfg)
+        moe = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
+        E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        expert_bytes = res["layers.0.ffn.experts.w1"].nbytes // E * 3
+        for label, n in (("decode1", 1), ("decode8", 8), ("decode64", 64)):
+            x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+            ids, wts = moe.route(x)
+            xq, xs = act_quant_fp8(x)
+            nbytes = int(torch.unique(ids).numel()) * expert_bytes + n * D * 2 * 2
+            floor_ms = nbytes / ceil["copy_bytes_per_s"] * 1e3
+            base = default_moe_config(n * k, "bf16", D, I)
+            forms = {
+                "{}": base,
+                "maxnreg128": dataclasses.replace(base, max_registers=128),
+                "down bn32": dataclasses.replace(base, block_n_down=32),
+                "maxnreg128 down bn32": dataclasses.replace(
+                    base, max_registers=128, block_n_down=32
+                ),
+                "maxnreg128 s4": dataclasses.replace(base, max_registers=128, num_stages=4),
+                "bk128": dataclasses.replace(base, block_k=128),
+                "bk128 s4": dataclasses.replace(base, block_k=128, num_stages=4),
+            }
+            ref = None
+            for tag, c in forms.items():
+                fn = lambda c=c, a=(xq, xs, ids, wts): grouped_moe_w4a8(
+                    *a, moe.w1, moe.w3, moe.w2, 0, moe.limit, torch.bfloat16, dot="bf16",
+                    config=c,
+                )  # fmt: skip
+                _sweep_row(rows, f"occupancy moe routed {label} {tag}", fn, floor_ms, c, deadline)
+                if rows[-1].get("ms") is None:
+                    continue
+                out = fn()
+                ref = out if ref is None else ref
+                rows[-1]["bit_identical"] = bool(torch.equal(out, ref))
+
     if "moe" in parts:  # first: the rows the kernels' next step depends on
         moe_sweep()
     if "moe_kernels" in parts:
         moe_kernels()
+    if "moe_occupancy" in parts:
+        moe_occupancy()
     M = 8192
     for name in ("wq_b", "wo_b") if "w8a8" in parts else ():
         N, K = shapes[name]
@@ -665,7 +711,8 @@ def main(argv=None) -> int:
         help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
         "(decode rows' tiles at the default's splits), w8a8_decode_bf16 (17-64 rows in the bf16 "
         "mode), swiglu_launch (the shared expert's split-K end in one launch or two), moe, "
-        "moe_kernels (the routed experts' kernels one by one)",
+        "moe_kernels (the routed experts' kernels one by one), moe_occupancy (decode forms: a "
+        "register cap, narrower tiles, shorter K steps)",
     )
     ap.add_argument("--no-main", action="store_true", help="the sweep's rows alone")
     ap.add_argument("--out", default=None)

@@ -488,6 +488,37 @@ def test_pairs_mode_matches_the_torch_moe_and_its_prefetch_gives_the_same_bits(t
         grouped_moe_w4a8_stages(*args[:-1], "fp8", config=pairs)
 
 
+def test_register_cap_gives_the_same_bits(tiny):
+    """``MoEConfig.max_registers`` reaches the compiler (``maxnreg``) and changes no arithmetic:
+    the pairs mode's intermediate, its scales and the rows equal the uncapped launch's bit for
+    bit (on the GPU a cap of 64 makes the decode tiles spill; the interpreter ignores it)."""
+    from v41plan.runtime.kernels.triton_moe import MoEConfig, grouped_moe_w4a8_stages
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    cfg, _w64, res = tiny
+    w1, w3, w2 = (res[f"{LAYER}.ffn.experts.{n}"].to(DEV) for n in ("w1", "w3", "w2"))
+    n, k = 7, cfg.num_experts_per_tok
+    D = cfg.hidden_size
+    g = torch.Generator().manual_seed(43)
+    x = torch.randn(n, D, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(w1.shape[0], generator=g)[:k] for _ in range(n)]).to(DEV)
+    wts = torch.rand(n, k, generator=g).to(DEV)
+    xq, xs = act_quant_fp8(x)
+    cpu = DEV == "cpu"
+    free = MoEConfig(16, 32, 32, 64, num_warps=1 if cpu else 4, num_stages=1 if cpu else 3)
+    free = dataclasses.replace(free, pairs=True)
+    capped = dataclasses.replace(free, max_registers=64)
+    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.float32, "fp32" if cpu else "bf16")
+    a = grouped_moe_w4a8_stages(*args, config=free)
+    b = grouped_moe_w4a8_stages(*args, config=capped)
+    live = a.rows.row_ids >= 0
+    assert int(live.sum()) == n * k
+    assert torch.equal(a.act[live], b.act[live])
+    assert torch.equal(a.act_scales[live], b.act_scales[live])
+    assert torch.equal(a.y_rows[live], b.y_rows[live])
+    assert a.y_rows[live].abs().amax() > 0
+
+
 def test_tma_mode_gives_the_pairs_modes_bits(tiny):
     """``MoEConfig.tma`` (activation rows written in the kernels' order, code tiles by TMA
     descriptors, scale bytes a step ahead) runs the pairs mode's arithmetic: the intermediate's

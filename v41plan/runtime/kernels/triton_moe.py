@@ -81,6 +81,11 @@ class MoEConfig:
     rows, zeros for padding), so a row block is contiguous; the scale bytes are loaded one K
     step ahead. CUDA sm_90+ (or Triton's interpreter), 16-byte aligned code rows. The pairs
     mode's sums, bit for bit."""
+    max_registers: int | None = None
+    """A cap on each thread's registers (the compiler's ``maxnreg``; None: its own choice). Fewer
+    registers let more programs share a multiprocessor: the decode gate/up holds 152, so three
+    4-warp programs fit and one token's 432 live programs take 1.1 waves; at 128, four fit and
+    they take one. The same arithmetic (the compiler spills what does not fit)."""
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -924,6 +929,8 @@ def grouped_moe_w4a8_stages(
         w2d = TensorDescriptor.from_tensor(c2.view(El * D, I // 2), [cfg.block_n_down, half])
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "PREFETCH": cfg.prefetch}
+    if cfg.max_registers is not None:
+        common["maxnreg"] = cfg.max_registers
     common.update(
         PAIRS=cfg.pairs,
         ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM,
