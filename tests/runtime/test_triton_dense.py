@@ -70,26 +70,33 @@ def test_shipped_site_configs():
 
 def test_wide_sites_split_at_every_decode_batch():
     """From ``WIDE_SITE_D`` (V4.1-Flash's 5120 lanes) the split form runs up to 1024 tokens (a
-    token's mix is read over ``D / 128`` programs, and its sums do not change with the batch);
-    narrower hidden sizes keep ``SITE_CONFIGS``."""
+    token's mix is read over ``D / 128`` programs), one token a program up to 16 and two from
+    17, where the W8A8 decode tiles change rows too; narrower hidden sizes keep
+    ``SITE_CONFIGS``."""
+    from v41plan.runtime.kernels.triton_gemm import default_config
+
     assert td.WIDE_SITE_D <= 5120 < 4 * td.WIDE_SITE_D and td.WIDE_SITE_D > 1024  # medium: 1024
-    for n in (1, 16, 17, 64, 1024):
+    for n in (1, 16):
         assert td.site_config(n, 5120) == ("split", 1, 128, 4), n
+    for n in (17, 64, 1024):
+        assert td.site_config(n, 5120) == ("split", 2, 128, 4), n
     assert td.site_config(1025, 5120)[0] == "tf32x3"
+    assert default_config(16, 5120, 8192, "fp8").block_m == 16
+    assert default_config(17, 5120, 8192, "fp8").block_m == 64
     assert td.mix_error_terms(64, 4 * 5120) == 4 * 5120
     assert td.site_config(64, 1024) == td.site_config(64) == SMALL_SITE_CONFIGS[-1][1]
 
 
 def test_split_counters_are_allocated_once_for_the_widest_launch(monkeypatch):
     """The split site's arrival counters are sized on first use for the widest split launch of
-    the tables (1024 token blocks at wide widths), so a graph captured at a small batch and an
-    eager launch of many tokens after it share one tensor; a larger request still gets one,
-    and the replaced tensor stays alive."""
+    the tables (512 token blocks at wide widths: 1024 tokens two a program), so a graph
+    captured at a small batch and an eager launch of many tokens after it share one tensor; a
+    larger request still gets one, and the replaced tensor stays alive."""
     monkeypatch.setattr(td, "_COUNTERS", {})
     dev = torch.device("cpu")
     first = td._arrival_counters(dev, 1)
-    assert first.numel() >= 1024 and int(first.abs().sum()) == 0
-    assert td._arrival_counters(dev, 1024) is first
+    assert first.numel() >= 512 and int(first.abs().sum()) == 0
+    assert td._arrival_counters(dev, 512) is first
     bigger = td._arrival_counters(dev, 5000)
     assert bigger.numel() >= 5000 and [id(t) for t in td._COUNTERS[dev]] == [id(first), id(bigger)]
 
@@ -384,6 +391,15 @@ def test_split_site_is_batch_invariant(split_form):
     )
     for a, b in zip(full, one, strict=True):
         assert torch.equal(_bits(a[4:5]), _bits(b))
+
+
+def test_split_site_two_tokens_a_program_is_batch_invariant(monkeypatch):
+    # the wide widths' form from 17 tokens: a token shares its program with a neighbour, or
+    # with a masked row when alone, and gets the same sums either way
+    monkeypatch.setattr(td, "SITE_CONFIGS", [(16, ("split", 2, 32, 1)), SMALL_SITE_CONFIGS[-1]])
+    monkeypatch.setattr(td, "SPLIT_LANES", 32)
+    monkeypatch.setattr(td, "SPLIT_ONE_LAUNCH", True)
+    test_split_site_is_batch_invariant(None)
 
 
 def test_site_falls_back_to_the_reference_outside_the_kernel():

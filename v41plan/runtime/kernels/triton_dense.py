@@ -115,14 +115,19 @@ quantizer block (32)."""
 WIDE_SITE_D = 4096
 """Hidden widths from which ``SITE_CONFIGS_WIDE`` applies instead of ``SITE_CONFIGS``."""
 SITE_CONFIGS_WIDE: list[tuple[int, tuple[str, int, int, int]]] = [
-    (1024, ("split", 1, 128, 4)),
+    (16, ("split", 1, 128, 4)),
+    (1024, ("split", 2, 128, 4)),
     (1 << 62, ("tf32x3", 16, 32, 4)),
 ]
 """The site kernel by token count at hidden ``>= WIDE_SITE_D`` (V4.1-Flash's 5120): the split
 form for every decode batch. One program a token (``products``) streams all of ``fn``
 (``4 * D * 24`` float32, 2 MB at 5120) through one SM; split, a program reads a
-``SPLIT_LANES`` slice of it (49 KB) and a token's slices load on ``D / 128`` SMs at once. One
-form up to 1024 tokens also gives a token the same sums at every decode batch size."""
+``SPLIT_LANES`` slice of it (49 KB) and a token's slices load on ``D / 128`` SMs at once. From
+17 tokens two tokens share a program, which halves the reads of ``fn`` (64 tokens 29.7 ->
+26.7 us, 8 tokens 15.2 either way; four a program 25.9 at 64 but 17.4 at 8: H100,
+``reports/gpu/bench_dense_flash_sites_split_h100_ff13909.json``). Within each form a token's
+sums are the same at every batch size; between them they differ, at the 16/17 boundary where
+the W8A8 linears' decode tiles change too."""
 _QUANT_TILE = 2048  # elements per quantizer program (about 16 per thread)
 
 
@@ -972,7 +977,8 @@ _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _split_blocks_max() -> int:
-    """The most token blocks a split launch of the shipped tables has (1024 at wide widths)."""
+    """The most token blocks a split launch of the shipped tables has (512 at wide widths: 1024
+    tokens, two a program)."""
     return max(
         triton.cdiv(bound, cfg[1])
         for table in (SITE_CONFIGS, SITE_CONFIGS_WIDE)

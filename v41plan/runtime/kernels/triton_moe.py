@@ -110,9 +110,14 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
     # device or the weights cannot take it. A program's lanes do not change any sum.
     cuda_bf16 = dot == "bf16" and torch.cuda.is_available()
     if rows <= 1024:  # decode: narrow gate/up tiles
+        if dot == "bf16" and rows <= 16:
+            # four programs a multiprocessor at 128 registers, not three at 152: one token's
+            # routed experts 93.4 -> 89.0 us; the 64-lane tiles lose with the cap (8 tokens 252
+            # -> 280 us; H100, bench_gemm_moe_occupancy_h100_30f483e.json)
+            regs = 128 if cuda_bf16 else None
+            return MoEConfig(16, 32, 64, 256, 4, 3, pairs=cuda_bf16, max_registers=regs)
         if dot == "bf16":
-            bn = 32 if rows <= 16 else 64
-            return MoEConfig(16, bn, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
+            return MoEConfig(16, 64, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
     if dot == "bf16" and rows >= 8192:
         # 128-row blocks (17.0 ms against 24.9 with 64 at an 8K prefill, bench_gemm_moe_sweep2);
