@@ -29,7 +29,7 @@ from v41plan.model.sharding import shard_weights
 from v41plan.runtime.collectives import TPGroup
 from v41plan.runtime.kernels.moe_torch import align_rows, padded_rows
 from v41plan.runtime.kernels.triton_gemm import load_a_tile
-from v41plan.runtime.kernels.triton_moe import e2m1_pair_bytes, load_fp4_tile
+from v41plan.runtime.kernels.triton_moe import e2m1_pair_bytes, fp4_pairs, fp4_raw, load_fp4_tile
 from v41plan.runtime.resident import GroupedMoE
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -404,9 +404,8 @@ def _pair_tiles_kernel(
     K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """``fp4_pairs``' operands at K offset ``program_id(0) * BK``: the even lanes' values to
-    ``lo [BN, K/2]`` and the odd lanes' to ``hi``, as float32."""
-    from v41plan.runtime.kernels.triton_moe import fp4_pairs, fp4_raw
-
+    ``lo [BN, K/2]`` and the odd lanes' to ``hi``, as float32 (the helpers are imported at
+    the module's top: a compiled kernel cannot import)."""
     k0 = tl.program_id(0) * BK
     rn = tl.arange(0, BN)
     p, fld = fp4_raw(w_ptr, s_ptr, rn, k0, rn < BN, swn, ssn, K, BK)

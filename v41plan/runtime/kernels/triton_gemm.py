@@ -106,18 +106,17 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
         return GemmConfig(16, max(bn, 16), bk, num_warps=1, num_stages=1)
     bk = 32 if dot == "fp8" else 64
     # decode: the K loop's latency bounds these launches, not their bytes; narrow tiles give
-    # narrow weights more programs (reports/gpu/sweep_decode_tiles.json, H200). With K split
-    # (flash_slice widths on an H100, reports/gpu/bench_gemm_moe_decode_tiles_h100_ff13909.json):
-    # 17-64 rows of a narrow weight take 64-row tiles (wq_a 23.0 -> 16.8 us, wkv 11.5 -> 11.0 at
-    # 64 rows; other bits than 16-row tiles, as the wide weights' already were) and up to 16
-    # rows of a wide one 64-lane K steps (one row: wq_b 20.3 -> 18.5, wo_b 25.4 -> 24.6,
-    # shared.w2 10.7 -> 9.6 us; the fp8 mode's sums whatever the step)
+    # narrow weights more programs (reports/gpu/sweep_decode_tiles.json, H200). Up to 16 rows
+    # of a wide weight 64-lane K steps (one row on an H100: wq_b 20.3 -> 18.5, wo_b 25.4 ->
+    # 24.6, shared.w2 10.7 -> 9.6 us, reports/gpu/bench_gemm_moe_occupancy_h100_30f483e.json;
+    # the fp8 mode's sums whatever the step). Narrow weights keep 16-row tiles at 17-64 rows:
+    # 64-row tiles are faster there (wq_a 23.0 -> 16.5 us at 64 rows) but take the 64-row FP8
+    # instruction, whose sums inside a 32-lane block keep fewer bits (tiny's shared expert at 21
+    # rows 3e-8 -> 2.7e-4 from the float32 reference: scripts/diag_moe_gpu.py)
     fp8 = dot == "fp8"
     if M <= 64:
-        if N <= 2048 and (M <= 16 or not fp8):
+        if N <= 2048:
             cfg = GemmConfig(16, 32, 64 if fp8 else 128, num_warps=4, num_stages=4)
-        elif N <= 2048:
-            cfg = GemmConfig(64, 32, 128, num_warps=4, num_stages=3)
         elif M <= 16:
             cfg = GemmConfig(16, 64, 64 if fp8 else 128, num_warps=4, num_stages=4)
         else:
