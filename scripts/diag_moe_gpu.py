@@ -1,6 +1,10 @@
 """The grouped MoE layer on CUDA against the dense references of tests/runtime/test_grouped_moe.py
-(a diagnostic): each case three times (determinism), with the W8A8 decode tiles as shipped and
-with 16-row tiles at every decode row count (the earlier rule)."""
+(a diagnostic): each case three times (determinism), with the W8A8 decode tiles as shipped
+and with 64-row tiles for the narrow weights at 17-64 rows (the form taken at 8cbe5c8 and
+reverted at eded2c3: its FP8 instruction keeps fewer bits of a block's sum).
+
+    python3 scripts/diag_moe_gpu.py
+"""
 
 from __future__ import annotations
 
@@ -23,13 +27,12 @@ LAYER = "layers.3"
 SHIPPED = tg.default_config
 
 
-def sixteen_rows(M, N, K, dot):
-    """The earlier rule: 16-row tiles for narrow weights at every decode row count."""
-    cfg = SHIPPED(M, N, K, dot)
-    if M <= 64 and N <= 2048 and dot == "fp8":
-        c = tg.GemmConfig(16, 32, 64, num_warps=4, num_stages=4)
+def narrow_64_rows(M, N, K, dot):
+    """The reverted rule: 64-row tiles for narrow weights at 17-64 rows."""
+    if 16 < M <= 64 and N <= 2048 and dot == "fp8":
+        c = tg.GemmConfig(64, 32, 128, num_warps=4, num_stages=3)
         return dataclasses.replace(c, split_k=tg.split_k_for(N, K, c))
-    return cfg
+    return SHIPPED(M, N, K, dot)
 
 
 def rel(a, b):
@@ -43,7 +46,7 @@ def main() -> None:
     res = LoadedCheckpoint.from_state(cfg, state).process(resident=True)
     dev_res = {k: v.to("cuda") for k, v in res.items() if k.startswith(LAYER + ".ffn.")}
     print("hidden", cfg.hidden_size, "moe inter", cfg.moe_intermediate_size)
-    for rule_name, rule in (("shipped", SHIPPED), ("16-row", sixteen_rows)):
+    for rule_name, rule in (("shipped", SHIPPED), ("narrow64", narrow_64_rows)):
         tg.default_config = rule
         for n, dtype in ((21, torch.float32), (64, torch.bfloat16), (8, torch.bfloat16)):
             x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
@@ -64,7 +67,7 @@ def main() -> None:
                     rels.append(
                         f"{rel(got.cpu(), ref):.2e}{'' if torch.equal(gids.cpu(), ids) else '!ids'}"
                     )
-                print(f"{rule_name:8s} n={n:3d} {str(dtype):15s} dot {dot}: {' '.join(rels)}")
+                print(f"{rule_name:8s} n={n:3d} {dtype!s:15s} dot {dot}: {' '.join(rels)}")
     tg.default_config = SHIPPED
 
 

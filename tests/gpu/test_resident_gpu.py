@@ -73,20 +73,24 @@ def test_act_quant_is_bit_exact_on_the_device():
 
 
 @pytest.mark.parametrize("dot", DOTS)
-@pytest.mark.parametrize("M", [1, 64, 512])
-def test_w8a8_within_the_bound(dot, M):
+@pytest.mark.parametrize("M", [1, 17, 64, 512])
+@pytest.mark.parametrize("N", [1056, 4160])
+def test_w8a8_within_the_bound(dot, M, N):
+    """Against the dequantized product in float64, within ``K * u * sum |x w|``: narrow (16-row
+    decode tiles) and wide weights (64-row tiles from 17 rows, whose FP8 instruction keeps
+    fewer bits of a 32-lane block's sum), each with a partial last output tile."""
     from v41plan.model.quant import dequant_fp8_weight, fake_fp8, quantize_fp8_weight
     from v41plan.runtime.kernels.triton_gemm import w8a8_linear
 
     g = torch.Generator().manual_seed(M)
-    N, K = 1056, 2048  # a partial 128-lane output tile
+    K = 2048
     x = torch.randn(M, K, generator=g) * 3
     wc, ws = quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.02)
     y = w8a8_linear(x.cuda(), wc.cuda(), ws.cuda(), torch.float32, dot=dot)
     xd, wd = fake_fp8(x.double(), 32), dequant_fp8_weight(wc, ws, torch.float64)
     exact, P = xd @ wd.T, xd.abs() @ wd.abs().T
     ratio = float(((y.cpu().double() - exact).abs() / (K * U_ACC[dot] * P + 1e-300)).max())
-    MEASURED[f"w8a8 {dot} M={M} error/bound"] = ratio
+    MEASURED[f"w8a8 {dot} M={M} N={N} error/bound"] = ratio
     assert ratio <= 1.0
 
 
