@@ -8,7 +8,8 @@ and dequantized forms, the expand), bf16 and float32 streams, at the given hidde
 Triton's whole pipeline down to a cubin (Triton's bundled ``ptxas``). Prints registers, spill
 bytes and the layout conversions left inside each loop, flags ``wgmma-serialized`` (ptxas made
 every wgmma wait for the one before) and ``div64 n`` (64-bit integer divisions or remainders:
-called routines), and exits 1 if any variant
+called routines), with ``--loop-histogram`` the SASS of each kernel's longest loop, and exits 1
+if any variant
 fails to compile: the interpreter runs the kernels' arithmetic, not the GPU compiler, so this is
 the check that catches what only the compiler refuses. ``--quick``: one variant of each kernel.
 Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled). Pointer arguments
@@ -25,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -352,6 +354,34 @@ def _resources(cubin: bytes, cuobjdump: str) -> str:
     return " ".join(w for w in line.split() if w.startswith(("REG:", "STACK:")))
 
 
+def _loop_histogram(cubin: bytes, cuobjdump: str) -> str:
+    """The SASS of the kernel's longest loop (the span of its longest backward branch):
+    instructions, register moves (``MOV``, ``IMAD.MOV``) and the most frequent opcodes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [cuobjdump, "-sass", f.name], check=False, capture_output=True, text=True
+        ).stdout
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:  # the opcode without its predicate
+            ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))))
+    body: list[str] = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            span = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            body = span if len(span) > len(body) else body
+    if not body:
+        return "loop none"
+    ops = Counter(t.split()[0].split(".")[0] for t in body)
+    moves = sum(1 for t in body if "MOV" in t.split()[0])
+    top = " ".join(f"{op}:{n}" for op, n in ops.most_common(8))
+    return f"loop {len(body)} instructions, {moves} moves; {top}"
+
+
 def _div64(ptx: str) -> int:
     """64-bit integer divisions and remainders in a kernel's PTX: each a called routine in
     SASS (about a hundred instructions), where 32-bit operands take a few."""
@@ -364,6 +394,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (MEDIUM: 1024)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability")
     ap.add_argument("--only", default=None, help="build the variants whose name contains this")
+    ap.add_argument(
+        "--loop-histogram",
+        action="store_true",
+        help="also print the SASS of each kernel's longest loop: instructions, register moves, "
+        "the most frequent opcodes",
+    )
     ap.add_argument(
         "--strides16",
         action="store_true",
@@ -426,6 +462,8 @@ def main(argv=None) -> int:
             f"loop-layout-conversions {conv or 0}{' wgmma-serialized' if serial else ''}"
             f"{f' div64 {div64}' if div64 else ''}"
         )
+        if args.loop_histogram:
+            print(f"     {_loop_histogram(k.asm['cubin'], cuobjdump)}")
     print(f"{failed} failed")
     return 1 if failed else 0
 
