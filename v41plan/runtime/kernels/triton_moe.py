@@ -85,7 +85,8 @@ class MoEConfig:
     """A cap on each thread's registers (the compiler's ``maxnreg``; None: its own choice). Fewer
     registers let more programs share a multiprocessor: the decode gate/up holds 152, so three
     4-warp programs fit and one token's 432 live programs take 1.1 waves; at 128, four fit and
-    they take one. The same arithmetic (the compiler spills what does not fit)."""
+    they take one. The same arithmetic (the compiler spills what does not fit). NVIDIA only:
+    launches on a ROCm device leave it out."""
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -114,7 +115,7 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
             # four programs a multiprocessor at 128 registers, not three at 152: one token's
             # routed experts 93.4 -> 89.0 us; the 64-lane tiles lose with the cap (8 tokens 252
             # -> 280 us; H100, bench_gemm_moe_occupancy_h100_30f483e.json)
-            regs = 128 if cuda_bf16 else None
+            regs = 128 if cuda_bf16 and torch.version.hip is None else None
             return MoEConfig(16, 32, 64, 256, 4, 3, pairs=cuda_bf16, max_registers=regs)
         if dot == "bf16":
             return MoEConfig(16, 64, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
@@ -934,8 +935,8 @@ def grouped_moe_w4a8_stages(
         w2d = TensorDescriptor.from_tensor(c2.view(El * D, I // 2), [cfg.block_n_down, half])
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "PREFETCH": cfg.prefetch}
-    if cfg.max_registers is not None:
-        common["maxnreg"] = cfg.max_registers
+    if cfg.max_registers is not None and torch.version.hip is None:
+        common["maxnreg"] = cfg.max_registers  # an NVIDIA option: Triton's HIP backend refuses it
     common.update(
         PAIRS=cfg.pairs,
         ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM,
