@@ -569,3 +569,19 @@ def test_tma_mode_gives_the_pairs_modes_bits(tiny):
     assert torch.equal(rows, want)
     with pytest.raises(ValueError, match="tma"):
         grouped_moe_w4a8_stages(*args, config=dataclasses.replace(tma, pairs=False))
+
+
+@pytest.mark.parametrize("hip", [None, "6.2"])
+def test_decode_tiles_cap_registers_on_nvidia_only(monkeypatch, hip):
+    """The one-token decode tiles (up to 16 routed rows) cap registers at 128 on an NVIDIA GPU
+    (four programs an SM); the 64-lane tiles and a ROCm device (whose Triton refuses
+    ``maxnreg``) take no cap, and the cap changes no tile."""
+    from v41plan.runtime.kernels.triton_moe import default_moe_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    one = default_moe_config(6, "bf16", 5120, 2304)
+    wide = default_moe_config(17, "bf16", 5120, 2304)
+    assert one.max_registers == (128 if hip is None else None)
+    assert wide.max_registers is None
+    assert (one.block_n, wide.block_n, one.pairs, wide.pairs) == (32, 64, True, True)
