@@ -351,6 +351,26 @@ def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk, programs):
         assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (n, topk)
 
 
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk):
+    # the one-program select stops its digit passes once the chosen bin holds exactly the
+    # elements still wanted: after the first digit (five scores in [1024, 2048) share the top
+    # byte, k = 5), after a later one (distinct random scores), or never (k inside a bin of
+    # equal scores: ties by position)
+    kb = _tk(select_chunk=chunk, select_programs=1)
+    g = torch.Generator().manual_seed(13)
+    s = torch.rand(4, 300, generator=g) * 0.5
+    big = torch.randperm(300, generator=g)[:5]
+    s[0, big] = 1024.0 + torch.rand(5, generator=g) * 1000.0
+    s[1, 40:60] = NEG
+    s[2, ::3] = 0.25  # 100 equal scores
+    s[3] = -s[3]  # negative scores: the sign digit
+    for topk in (0, 1, 3, 5, 6, 120, 299, 300, 400):
+        assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (chunk, topk)
+    got = kb.topk_ids(s, 5)[0]
+    assert torch.equal(got, big.sort().values)
+
+
 def test_segment_select_finds_the_kth_key_among_close_scores():
     # every score in one coarse bin (the top 11 bits equal), so the k-th key comes from the
     # gathered list alone; distinct low bits, ties and both signs across rows

@@ -351,7 +351,7 @@ class TritonBackend(TorchBackend):
         """Launch the radix select over ``score [T, N]``: ids into ``out [T, k]``, or with
         ``block_rows`` the chosen blocks' row mask into ``out [T, N]``."""
         t, n = score.shape
-        if t == 0:
+        if t == 0 or (k == 0 and not block_rows):  # no ids asked: ``out`` has no columns
             return
         assert score.stride(1) == 1 and out.stride(1) == 1
         segments = 0 if block_rows else self.select_segments_for(t, n, score.device)
@@ -376,7 +376,7 @@ class TritonBackend(TorchBackend):
         )
 
     def select_segments_for(self, t: int, n: int, device) -> int:
-        """Programs a row's top-k select takes (1: one, the whole row in five passes). With
+        """Programs a row's top-k select takes (1: one, the whole row in up to five passes). With
         ``select_programs`` 0, a row of few rows splits into segments of at least
         ``select_segment_min`` elements until the programs fill the device twice over; a fixed
         count otherwise (shapes only, so a capture replays the same launches)."""

@@ -7,7 +7,7 @@ with an fp32 scale for the fp8 plane, E2M1 with E8M0 per 32 lanes for the fp4 pl
 the key rows in place through the row's page list. Every operand of the dot lies on a grid bf16
 holds exactly, so the products are exact and the sums fp32.
 
-``select_kernel``: per row, a most-significant-digit radix select (four 8-bit passes of
+``select_kernel``: per row, a most-significant-digit radix select (up to four 8-bit passes of
 histograms over order-preserving uint32 keys) finds the k-th largest score; a last pass in
 position order takes everything above it and the ties at it from the smallest position up, so
 the output comes out ascending without a sort. Invalid entries (``-inf``) never count. In block
@@ -324,7 +324,10 @@ def select_kernel(
     ascending into ``out [T, K]`` (int64), -1 padded. Block mode (``G`` scores an element): the
     bool row mask ``out [T, N]`` of the chosen blocks' rows below the bound.
 
-    Passes 0..3 pick the k-th largest key a digit at a time; pass 4 writes the selection."""
+    Passes 0..3 pick the k-th largest key a digit at a time; pass 4 writes the selection. A
+    digit pass whose chosen bin holds exactly the elements still wanted ends the search: every
+    key at or above that prefix is selected (no tie to break), and the digit passes left skip
+    their reads of the row (distinct scores: usually the fourth)."""
     t = tl.program_id(0)
     row_ptr = score_ptr + t * s_score_row
     if HAS_BOUND:
@@ -344,10 +347,15 @@ def select_kernel(
     rem = tl.zeros((), dtype=tl.int32)
     taken = tl.zeros((), dtype=tl.int32)
     ties = tl.zeros((), dtype=tl.int32)
+    # the search's end: a chosen bin holds exactly the elements still wanted, so the write
+    # pass's test against the prefix so far (low digits 0) takes the whole bin and nothing below
+    done = tl.zeros((), dtype=tl.int1)
     for p in tl.static_range(5):
         shift = 24 - 8 * p
         hist = tl.zeros((256,), dtype=tl.int32)
-        for e0 in range(0, n_elem, CHUNK):
+        # a digit pass after the end reads nothing; the write pass reads the row
+        n_pass = n_elem if p == 4 else tl.where(done, 0, n_elem)
+        for e0 in range(0, n_pass, CHUNK):
             e = e0 + tl.arange(0, CHUNK)
             inb = e < n_elem
             if BLOCK_MODE:
@@ -388,7 +396,11 @@ def select_kernel(
                 rem = tl.minimum(total, K)
             at_least = total - tl.cumsum(hist, axis=0) + hist
             dstar = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
+            # a pass after the end changes nothing: its histogram is empty, so its digit is 0
             rem -= tl.sum(tl.where(bins > dstar, hist, 0), axis=0)
+            in_bin = tl.sum(tl.where(bins == dstar, hist, 0), axis=0)
+            # (nothing wanted, k = 0 or no valid element, is no end: that bin is empty)
+            done = done | ((in_bin == rem) & (rem > 0))
             if p == 0:
                 dstar = dstar ^ 128
             prefix = prefix | (dstar << shift)
