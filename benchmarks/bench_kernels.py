@@ -563,7 +563,8 @@ def scorer_prefill_split(context, ceil, kb, ref):
 
 def select_sweep(n, ceil, kb, ref):
     """The top-k select alone over ``n`` scores a row (decode rows), one program a row against
-    the segment select (``select_programs``: 0 by the device, or a fixed count)."""
+    the segment select (``select_programs``: 0 by the device, or a fixed count), and one program
+    a row with more warps (``select_warps``, with ``select_chunk``)."""
     rows = SIZES["decode_rows"]
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
@@ -587,6 +588,26 @@ def select_sweep(n, ceil, kb, ref):
             r = {"kernel": "topk_ids", "shape": f"programs={programs}", "error": str(e)[:300]}
         finally:
             kb.select_programs = 1
+        out.append(r)
+    # one program a row with more warps (a decode batch leaves most multiprocessors idle)
+    shipped = (kb.select_warps, kb.select_chunk)
+    for warps, chunk in ((8, 2048), (16, 2048), (16, 4096), (32, 4096)):
+        kb.select_warps, kb.select_chunk = warps, chunk
+        try:
+            r = _row(
+                "topk_ids",
+                f"T={rows} N={n} k={K} sweep programs=1 warps={warps} chunk={chunk}",
+                _bench(lambda: kb.topk_ids(score, K)),
+                score.numel() * 4 + rows * K * 8,
+                0,
+                ceil,
+            )
+            r["check"] = {"exact_vs_torch": bool(torch.equal(kb.topk_ids(score, K), want))}
+            r["config"] = {"select_warps": warps, "select_chunk": chunk}
+        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+            r = {"kernel": "topk_ids", "shape": f"warps={warps}", "error": str(e)[:300]}
+        finally:
+            kb.select_warps, kb.select_chunk = shipped
         out.append(r)
     return out
 

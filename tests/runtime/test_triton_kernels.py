@@ -351,13 +351,13 @@ def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk, programs):
         assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (n, topk)
 
 
-@pytest.mark.parametrize("chunk", [16, 2048])
-def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk):
+@pytest.mark.parametrize(("chunk", "warps"), [(16, 4), (2048, 4), (64, 16)])
+def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
     # the one-program select stops its digit passes once the chosen bin holds exactly the
     # elements still wanted: after the first digit (five scores in [1024, 2048) share the top
     # byte, k = 5), after a later one (distinct random scores), or never (k inside a bin of
     # equal scores: ties by position)
-    kb = _tk(select_chunk=chunk, select_programs=1)
+    kb = _tk(select_chunk=chunk, select_programs=1, select_warps=warps)
     g = torch.Generator().manual_seed(13)
     s = torch.rand(4, 300, generator=g) * 0.5
     big = torch.randperm(300, generator=g)[:5]

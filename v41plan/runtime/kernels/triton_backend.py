@@ -263,6 +263,11 @@ class TritonBackend(TorchBackend):
     """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
+    select_warps = 4
+    """Warps of a one-program-a-row select. A decode batch's rows are fewer programs than the
+    GPU has multiprocessors, so each pass's histogram (about 90 sm_90 instructions an element)
+    runs on one program's warps alone; more warps share a chunk's elements (to be measured:
+    ``bench_kernels.py --only "select sweep"``)."""
     select_programs = 1
     """Programs a row's top-k select takes: 1 one program a row (the fastest measured); 0 as
     many segments as fill the device when the rows are few (``select_segments_for``); n > 1
@@ -373,6 +378,7 @@ class TritonBackend(TorchBackend):
             BLOCK_MODE=block_rows > 0,
             CHUNK=min(self.select_chunk, next_pow2(elems)),
             KP=next_pow2(k),
+            num_warps=self.select_warps,
         )
 
     def select_segments_for(self, t: int, n: int, device) -> int:
