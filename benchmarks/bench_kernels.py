@@ -569,45 +569,36 @@ def select_sweep(n, ceil, kb, ref):
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
     want = ref.topk_ids(score, K)
+    # the segment select's programs; then one program a row with more warps (a decode batch
+    # leaves most multiprocessors idle)
+    forms = [{"select_programs": p} for p in (1, 0, 4, 16, 32)]
+    forms += [
+        {"select_warps": w, "select_chunk": c}
+        for w, c in ((8, 2048), (16, 2048), (16, 4096), (32, 4096))
+    ]
     out = []
-    for programs in (1, 0, 4, 16, 32):
-        kb.select_programs = programs
+    for attrs in forms:
+        shipped = {a: getattr(kb, a) for a in attrs}
+        tag = " ".join(f"{a.removeprefix('select_')}={v}" for a, v in attrs.items())
         try:
+            for a, v in attrs.items():
+                setattr(kb, a, v)
             segments = kb.select_segments_for(rows, n, score.device)
             r = _row(
                 "topk_ids",
-                f"T={rows} N={n} k={K} sweep programs={programs} ({segments} a row)",
+                f"T={rows} N={n} k={K} sweep {tag} ({segments} a row)",
                 _bench(lambda: kb.topk_ids(score, K)),
                 score.numel() * 4 + rows * K * 8,
                 0,
                 ceil,
             )
             r["check"] = {"exact_vs_torch": bool(torch.equal(kb.topk_ids(score, K), want))}
-            r["config"] = {"select_programs": programs, "segments": segments}
+            r["config"] = {**attrs, "segments": segments}
         except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
-            r = {"kernel": "topk_ids", "shape": f"programs={programs}", "error": str(e)[:300]}
+            r = {"kernel": "topk_ids", "shape": tag, "error": str(e)[:300]}
         finally:
-            kb.select_programs = 1
-        out.append(r)
-    # one program a row with more warps (a decode batch leaves most multiprocessors idle)
-    shipped = (kb.select_warps, kb.select_chunk)
-    for warps, chunk in ((8, 2048), (16, 2048), (16, 4096), (32, 4096)):
-        kb.select_warps, kb.select_chunk = warps, chunk
-        try:
-            r = _row(
-                "topk_ids",
-                f"T={rows} N={n} k={K} sweep programs=1 warps={warps} chunk={chunk}",
-                _bench(lambda: kb.topk_ids(score, K)),
-                score.numel() * 4 + rows * K * 8,
-                0,
-                ceil,
-            )
-            r["check"] = {"exact_vs_torch": bool(torch.equal(kb.topk_ids(score, K), want))}
-            r["config"] = {"select_warps": warps, "select_chunk": chunk}
-        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
-            r = {"kernel": "topk_ids", "shape": f"warps={warps}", "error": str(e)[:300]}
-        finally:
-            kb.select_warps, kb.select_chunk = shipped
+            for a, v in shipped.items():
+                setattr(kb, a, v)
         out.append(r)
     return out
 

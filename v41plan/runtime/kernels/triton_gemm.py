@@ -107,10 +107,10 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
     bk = 32 if dot == "fp8" else 64
     # decode: the K loop's latency bounds these launches, not their bytes; narrow tiles give
     # narrow weights more programs (reports/gpu/sweep_decode_tiles.json, H200). Up to 16 rows
-    # of a wide weight 64-lane K steps (one row on an H100: wq_b 20.3 -> 18.5, wo_b 25.4 ->
-    # 24.6, shared.w2 10.7 -> 9.6 us, reports/gpu/bench_gemm_moe_occupancy_h100_30f483e.json;
+    # of a wide weight 64-lane K steps (one row on an H100: wq_b 19.9 -> 18.7, wo_b 26.4 ->
+    # 25.9, shared.w2 10.8 -> 9.6 us, reports/gpu/bench_gemm_moe_occupancy_h100_30f483e.json;
     # the fp8 mode's sums whatever the step). Narrow weights keep 16-row tiles at 17-64 rows:
-    # 64-row tiles are faster there (wq_a 23.0 -> 16.5 us at 64 rows) but run on the FP8
+    # 64-row tiles are faster there (wq_a 23.2 -> 16.5 us at 64 rows) but run on the FP8
     # wgmma, whose sums inside a 32-lane block keep fewer bits than the f16 mma.sync the 16-row
     # tiles' FP8 codes run on (tiny's shared expert at 21 rows 3e-8 -> 2.7e-4 from the float32
     # reference: scripts/diag_moe_gpu.py)
