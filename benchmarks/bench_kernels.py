@@ -412,6 +412,7 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     flops = 2 * hi * INDEX_D * rows * n_comp
     want = ref.scores(planes, q, w, bound, pages)
     out = []
+    shipped = kb.score_prefetch, kb.select_programs
     for prefetch, programs in ((0, 1), (1, 1), (0, 0), (1, 0)):
         kb.score_prefetch, kb.select_programs = prefetch, programs
         try:
@@ -442,7 +443,7 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
         except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
             out.append({"kernel": "scores", "shape": f"prefetch={prefetch}", "error": str(e)[:300]})
         finally:
-            kb.score_prefetch, kb.select_programs = 0, 1
+            kb.score_prefetch, kb.select_programs = shipped
     del pools
     return out
 
@@ -563,8 +564,8 @@ def scorer_prefill_split(context, ceil, kb, ref):
 
 def select_sweep(n, ceil, kb, ref):
     """The top-k select alone over ``n`` scores a row (decode rows), one program a row against
-    the segment select (``select_programs``: 0 by the device, or a fixed count), and one program
-    a row with more warps (``select_warps``, with ``select_chunk``)."""
+    the segment select (``select_programs``: 0 by the row's length and the device, or a fixed
+    count), and one program a row with 4 to 32 warps (``select_warps``, with ``select_chunk``)."""
     rows = SIZES["decode_rows"]
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
@@ -573,8 +574,8 @@ def select_sweep(n, ceil, kb, ref):
     # leaves most multiprocessors idle)
     forms = [{"select_programs": p} for p in (1, 0, 4, 16, 32)]
     forms += [
-        {"select_warps": w, "select_chunk": c}
-        for w, c in ((8, 2048), (16, 2048), (16, 4096), (32, 4096))
+        {"select_programs": 1, "select_warps": w, "select_chunk": c}
+        for w, c in ((4, 2048), (8, 2048), (16, 2048), (16, 4096), (32, 4096))
     ]
     out = []
     for attrs in forms:

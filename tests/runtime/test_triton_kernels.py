@@ -357,7 +357,7 @@ def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
     # elements still wanted: after the first digit (five scores in [1024, 2048) share the top
     # byte, k = 5), after a later one (distinct random scores), or never (k inside a bin of
     # equal scores: ties by position)
-    kb = _tk(select_chunk=chunk, select_programs=1, select_warps=warps)
+    kb = _tk(select_chunk=chunk, select_programs=1, select_warps=warps, select_warps_from=0)
     g = torch.Generator().manual_seed(13)
     s = torch.rand(4, 300, generator=g) * 0.5
     big = torch.randperm(300, generator=g)[:5]
@@ -381,11 +381,24 @@ def test_segment_select_finds_the_kth_key_among_close_scores():
     # four segments of 128 in 64-element steps; by the device (2 SMs, 3 rows): two of 256
     for kb, segments in (
         (_tk(select_chunk=64, select_programs=4), 4),
-        (_tk(select_programs=0, select_segment_min=64), 2),
+        (_tk(select_programs=0, select_segment_min=64, select_segment_from=512), 2),
     ):
         assert kb.select_segments_for(3, 512, torch.device("cpu")) == segments
         for topk in (1, 17, 300, 600):
             assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (segments, topk)
+
+
+def test_select_splits_only_long_rows_by_default():
+    # the shipped rule: one program a row below select_segment_from (measured faster at 4,096
+    # keys), segments above it while the rows leave the device idle (2 SMs on the CPU)
+    kb = _tk()
+    cpu = torch.device("cpu")
+    assert kb.select_programs == 0
+    assert kb.select_segments_for(1, kb.select_segment_from - 16, cpu) == 1
+    assert kb.select_segments_for(1, kb.select_segment_from, cpu) == 4
+    assert kb.select_segments_for(1, 2 * kb.select_segment_from, cpu) == 4
+    assert kb.select_segments_for(64, 2 * kb.select_segment_from, cpu) == 1  # rows fill it
+    assert _tk(select_programs=1).select_segments_for(1, 32768, cpu) == 1
 
 
 @pytest.mark.parametrize("chunk", [8, 2048])

@@ -263,17 +263,26 @@ class TritonBackend(TorchBackend):
     """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
-    select_warps = 4
+    select_warps = 8
     """Warps of a one-program-a-row select. A decode batch's rows are fewer programs than the
     GPU has multiprocessors, so each pass's histogram (about 90 sm_90 instructions an element)
-    runs on one program's warps alone; more warps share a chunk's elements (to be measured:
-    ``bench_kernels.py --only "select sweep"``)."""
-    select_programs = 1
-    """Programs a row's top-k select takes: 1 one program a row (the fastest measured); 0 as
-    many segments as fill the device when the rows are few (``select_segments_for``); n > 1
-    that many (slower on the H200 at 4K-32K keys: reports/gpu/bench_kernels_sweep2.json)."""
+    runs on one program's warps alone; more warps share a chunk's elements (H100, 64 rows of
+    4,096 keys: 4 warps 22.9 us, 8 20.7, 16 20.6, 32 at 32,768 slower;
+    reports/gpu/bench_kernels_select_h100_6e6039c.json)."""
+    select_warps_from = 2048
+    """Shortest row that takes ``select_warps``; shorter rows (a decode over a short context:
+    128 keys at 256 tokens) keep 4 warps, the form the decode step was measured with."""
+    select_programs = 0
+    """Programs a row's top-k select takes: 0 by the row's length and the device
+    (``select_segments_for``); n >= 1 that many (1: one program a row)."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
+    select_segment_from = 16384
+    """Shortest row that splits into segments when ``select_programs`` is 0; shorter rows take
+    one program. H100, 64 rows: at 4,096 keys one program 20.7 us (8 warps) against 41.6 for
+    four segments; at 32,768 eight segments 105.5 us against 135 for one program (8 warps)
+    (reports/gpu/bench_kernels_select_h100_6e6039c.json; the one program's digit passes end
+    early, the segments' do not)."""
     score_rows: int | None = None
     """Query rows a scorer program holds (None: by the batch, ``score_tile_rows``)."""
     score_prefetch = 0
@@ -378,16 +387,19 @@ class TritonBackend(TorchBackend):
             BLOCK_MODE=block_rows > 0,
             CHUNK=min(self.select_chunk, next_pow2(elems)),
             KP=next_pow2(k),
-            num_warps=self.select_warps,
+            num_warps=self.select_warps if elems >= self.select_warps_from else 4,
         )
 
     def select_segments_for(self, t: int, n: int, device) -> int:
         """Programs a row's top-k select takes (1: one, the whole row in up to five passes). With
-        ``select_programs`` 0, a row of few rows splits into segments of at least
-        ``select_segment_min`` elements until the programs fill the device twice over; a fixed
-        count otherwise (shapes only, so a capture replays the same launches)."""
+        ``select_programs`` 0, a row of at least ``select_segment_from`` elements splits into
+        segments of at least ``select_segment_min`` elements until the programs fill the device
+        twice over; a fixed count otherwise (shapes only, so a capture replays the same
+        launches)."""
         if self.select_programs != 0:
             return max(1, min(self.select_programs, triton_cdiv(n, 16)))
+        if n < self.select_segment_from:
+            return 1
         want = triton_cdiv(2 * self.num_sms(device), t)
         return max(1, min(next_pow2(want), n // self.select_segment_min, 64))
 
