@@ -526,6 +526,74 @@ def scorer_tile_sweep(width, context, ceil, kb, ref):
     return out
 
 
+def scorer_short_sweep(ceil, kb, ref):
+    """Decode index scores over short contexts (flash index widths, fp8 plane), alone and with
+    their top-k: the keys a program covers halved until the programs cover the device
+    (``score_fill_sms``, shipped) against one ``score_chunk`` a program."""
+    out = []
+    for rows, context in ((1, 2 * PAGE), (1, 16 * PAGE), (8, 16 * PAGE), (64, 2 * PAGE)):
+        out += _scorer_short_case(rows, context, ceil, kb, ref)
+    return out
+
+
+def _scorer_short_case(rows, context, ceil, kb, ref):
+    """``scorer_short_sweep``'s rows at ``rows`` decode rows over ``context`` tokens."""
+    _, hi = WIDTHS["flash"]
+    out = []
+    pools = Pools(rows, context // PAGE, "bf16", "fp8")
+    g = torch.Generator(device=DEV).manual_seed(4)
+    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
+    n_comp = context // 2
+    bound = torch.full((rows,), n_comp, device=DEV)
+    pages, planes = pools.tables, pools.index
+    n = pages.shape[1] * planes[0].shape[1]
+    want = ref.scores(planes, q, w, bound, pages)
+    key_bytes = rows * n_comp * pools.index_row_bytes()
+    flops = 2 * hi * INDEX_D * rows * n_comp
+    top = min(K, n_comp)
+    shipped = kb.score_fill_sms
+    for fill in (shipped, not shipped):
+        kb.score_fill_sms = fill
+        chunk = kb.score_chunk_for(rows, n, kb.score_tile_rows(rows, hi), q.device)
+        tag = f"decode T={rows} ctx={context} sweep score_fill_sms={int(fill)} (chunk {chunk})"
+        try:
+            err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
+            r = _row(
+                "scores",
+                f"flash index {hi}x{INDEX_D} fp8 {tag}",
+                _bench(lambda: kb.scores(planes, q, w, bound, pages)),
+                key_bytes + rows * n_comp * 4,
+                flops,
+                ceil,
+            )
+            r["check"] = {"max_abs_err_vs_torch": err.item()}
+            r["config"] = {"score_fill_sms": fill, "chunk": chunk}
+            out.append(r)
+            ids = kb.score_topk(planes, q, w, bound, pages, top, None)
+            r = _row(
+                "score_topk",
+                f"flash index {hi}x{INDEX_D} fp8 top-{top} {tag}",
+                _bench(lambda: kb.score_topk(planes, q, w, bound, pages, top, None)),
+                key_bytes + rows * top * 8,
+                flops,
+                ceil,
+            )
+            r["check"] = {
+                "exact_vs_torch": bool(
+                    torch.equal(ids, ref.score_topk(planes, q, w, bound, pages, top, None))
+                )
+            }
+            r["config"] = {"score_fill_sms": fill, "chunk": chunk}
+            out.append(r)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
+            out.append({"kernel": "scores", "shape": tag, "error": str(e)[:300]})
+        finally:
+            kb.score_fill_sms = shipped
+    del pools
+    return out
+
+
 def scorer_prefill_split(context, ceil, kb, ref):
     """An 8K prefill's index scores alone and with their top-k (medium fp8): how much of the
     prefill row is the select (one program a row, over the row's own bound)."""
@@ -900,6 +968,7 @@ def main(argv=None) -> int:
             for t in (2, 4, 8, 16)
         ),
         ("scorer prefill split sweep", lambda: scorer_prefill_split(pre, ceil, kb, ref)),
+        ("scorer short decode sweep", lambda: scorer_short_sweep(ceil, kb, ref)),
         ("scorer tile sweep medium 8K", lambda: scorer_tile_sweep("medium", ctx, ceil, kb, ref)),
         (
             "scorer tile sweep flash 64K",

@@ -601,3 +601,26 @@ def test_the_default_backend_is_the_reference_off_cuda():
     from v41plan.runtime.kernels import default_backend
 
     assert default_backend("cpu").name == "torch"
+
+
+def test_scorer_splits_a_short_row_over_the_multiprocessors(tiny):
+    # one query row: its keys halve per program until the programs cover the 8 SMs (or a
+    # program holds one tile); every split scores and selects as the reference
+    planes, q, w, bound, pages = _scorer_case(tiny, "fp8", exact=True, seed=6)
+    n = pages.shape[1] * planes[0].shape[1]
+    kb = TritonBackend(num_sms=8)
+    kb.score_block = 8
+    cpu = torch.device("cpu")
+    chunk = kb.score_chunk_for(1, n, 1, cpu)
+    assert chunk < min(kb.score_chunk, n) and (-(-n // chunk) >= 8 or chunk == 8), (n, chunk)
+    assert kb.score_chunk_for(64, n, 1, cpu) == min(kb.score_chunk, n)  # rows fill the SMs
+    kb.score_fill_sms = False
+    assert kb.score_chunk_for(1, n, 1, cpu) == min(kb.score_chunk, n)
+    kb.score_fill_sms = True
+    for r in range(q.shape[0]):
+        one = (planes, q[r : r + 1], w[r : r + 1], bound[r : r + 1], pages[r : r + 1])
+        assert torch.equal(kb.scores(*one), REF.scores(*one)), r
+        for topk in (1, 5):
+            got = kb.score_topk(*one, topk, None)
+            assert torch.equal(got, REF.score_topk(*one, topk, None)), (r, topk)
+    assert not kb.fallbacks

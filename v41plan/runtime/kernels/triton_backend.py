@@ -261,6 +261,12 @@ class TritonBackend(TorchBackend):
     """Keys one scorer program covers (a row's programs past its bound return at once)."""
     score_block = 32
     """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
+    score_fill_sms = True
+    """Halve a program's keys (down to ``score_block``) while the scorer's programs are fewer
+    than the device's multiprocessors. A decode over a short context is otherwise one program
+    a row walking its tiles in turn: at batch 1 and 256 tokens one program on 132 SMs, 28 us a
+    call in the flash_slice decode step (reports/gpu/bench_decode_flash_slice_h100_eded2c3.json;
+    the split alone is untimed: ``bench_kernels.py --only "scorer short"``)."""
     select_chunk = 2048
     """Elements the select kernel holds per step of a pass."""
     select_warps = 8
@@ -297,6 +303,18 @@ class TritonBackend(TorchBackend):
             return self.score_rows
         return 1 if t < 256 else max(1, 64 // padded_heads)
 
+    def score_chunk_for(self, t: int, n: int, rows: int, device) -> int:
+        """Keys one scorer program covers for ``t`` query rows of ``n`` keys, ``rows`` rows a
+        program: ``score_chunk`` (or the row, if shorter), halved while the programs are fewer
+        than the multiprocessors (``score_fill_sms``). Shapes only: a capture replays it."""
+        chunk = min(self.score_chunk, max(self.score_block, next_pow2(n)))
+        if self.score_fill_sms:
+            row_programs = triton_cdiv(t, rows)
+            sms = self.num_sms(device)
+            while chunk > self.score_block and row_programs * triton_cdiv(n, chunk) < sms:
+                chunk //= 2
+        return chunk
+
     def _dot_bf16(self, exact_operands: bool) -> bool:
         """bf16 dot operands on the GPU when they are exact; fp32 under the interpreter (its bf16
         dot is not reliable)."""
@@ -321,9 +339,9 @@ class TritonBackend(TorchBackend):
             assert key.data_ptr() % 4 == 0 and key.stride(0) % 4 == 0 and key.stride(1) % 4 == 0
         quant = Q.fake_quant_enabled()
         cand = candidates if candidates is not None else out
-        chunk = min(self.score_chunk, max(self.score_block, next_pow2(n)))
         hp = max(16, next_pow2(h))
         rows = self.score_tile_rows(t, hp)
+        chunk = self.score_chunk_for(t, n, rows, q.device)
         SC.score_kernel[(triton_cdiv(t, rows), triton_cdiv(n, chunk))](
             q,
             q.stride(0),
