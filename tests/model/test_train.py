@@ -35,10 +35,12 @@ from v41plan.model.train import (
 from v41plan.validation.quality_tasks import GENERATORS, documents
 from v41plan.validation.training import (
     ANSWER_KINDS,
+    LOGGED_KINDS,
     SHORT_COPY_FILLER_CHARS,
     Corpus,
     TrainOptions,
     lr_at,
+    recall_lead_mask,
     train,
     write_loss_png,
 )
@@ -182,10 +184,15 @@ def test_train_writes_a_checkpoint_the_loader_reads_and_a_log_whose_loss_falls(t
     # the answer accuracies count the corpus's own marks, kind by kind (it is seeded)
     corpus = Corpus(cfg, opts.seed, 64)
     marks = [corpus.batch(2)[1][:, 1:] for _ in range(8)]
-    want = [[int((m == k + 1).sum()) for k in range(len(ANSWER_KINDS))] for m in marks]
-    assert saved["answer_kinds"] == list(ANSWER_KINDS) and saved["answer_tokens"] == want
+    want = [
+        [int((m == k + 1).sum()) for k in range(len(ANSWER_KINDS))]
+        + [int(recall_lead_mask(torch.from_numpy(m).long()).sum())]
+        for m in marks
+    ]
+    assert saved["answer_kinds"] == [*ANSWER_KINDS, "recall_lead"] == list(LOGGED_KINDS)
+    assert saved["answer_tokens"] == want
     hits = np.asarray(saved["answer_hits"])
-    assert hits.shape == (8, len(ANSWER_KINDS)) and (hits >= 0).all() and (hits <= want).all()
+    assert hits.shape == (8, len(LOGGED_KINDS)) and (hits >= 0).all() and (hits <= want).all()
     assert "sum " in lines[1]  # the progress line's accuracy of the sums
     ckpt = load_checkpoint(tmp_path, load_cache_spec_unchecked(str(SPECS / "tiny.yaml")))
     assert ckpt.config == cfg
@@ -385,3 +392,32 @@ def test_train_refuses_a_corpus_option_out_of_range(tmp_path, capsys, flag, valu
     code = main(["train", "--spec", "quality40", "--out", str(tmp_path / "o"), flag, value])
     assert code != 0 and says in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_recall_lead_marks_the_first_digit_of_every_recall_answer():
+    # multi-query lists to each sequence's end: every recall answer (the task's " dddd" and
+    # the further questions' "dddd") has exactly one lead, its first digit; no other has one
+    cfg = _cfg()
+    corpus = Corpus(cfg, 7, 640, 0.0, 0.3, recall_questions=8, fill_long=True)
+    ids, marks = corpus.batch(3)
+    tgt, ans = torch.from_numpy(ids[:, 1:]), torch.from_numpy(marks[:, 1:]).long()
+    lead = recall_lead_mask(ans)
+    want = 0
+    for k in ("recall", "recall_more"):
+        m = ans == ANSWER_KINDS.index(k) + 1
+        starts = m & ~torch.cat((torch.zeros_like(m[:, :1]), m[:, :-1]), 1)
+        if k == "recall":
+            assert (tgt[starts] == ord(" ")).all()  # the task's answer: " dddd"
+            # its lead follows the space (unless the sequence ends on the space)
+            starts = starts & torch.cat((m[:, 1:], torch.zeros_like(m[:, :1])), 1)
+        want += int(starts.sum())
+    assert want > 20 and int(lead.sum()) == want
+    assert all(chr(int(t)).isdigit() for t in tgt[lead])
+    rec = (ans == ANSWER_KINDS.index("recall") + 1) | (ans == ANSWER_KINDS.index("recall_more") + 1)
+    assert (lead <= rec).all()
+    # one lead a run: never two digits of one answer
+    assert not (lead & torch.cat((torch.zeros_like(lead[:, :1]), lead[:, :-1]), 1)).any()
+    assert not recall_lead_mask(torch.tensor([[0, 1, 1, 2, 2, 3, 3, 0]])).any()
+    assert recall_lead_mask(torch.tensor([[0, 4, 4, 4, 0, 5, 5, 0]])).tolist() == [
+        [False, False, True, False, False, True, False, False]
+    ]

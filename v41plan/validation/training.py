@@ -54,6 +54,25 @@ Training logs the argmax accuracy of each kind apart. ``recall`` is the task's o
 key from the list's first third); ``recall_more`` the further questions of a multi-query list
 (``recall_questions``)."""
 
+LOGGED_KINDS = (*ANSWER_KINDS, "recall_lead")
+"""The accuracies training logs: each answer kind, then ``recall_lead``, the first digit of
+every recall answer (``recall`` and ``recall_more``). A recall answer's other tokens are the
+leading space and digits that follow once the first is forced, so a lookup that lands on the
+wrong pair of the list still scores most of them; the first digit is the lookup."""
+
+
+def recall_lead_mask(answer: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` marks (``ANSWER_KINDS``) -> bool: the first digit of each recall answer, the
+    second token of a ``recall`` answer (the task's ``" 1234"``) and the first of a
+    ``recall_more`` one (``"answer: "`` ends in the space)."""
+
+    def after(x: torch.Tensor, k: int) -> torch.Tensor:  # x shifted k tokens later
+        return torch.cat((torch.zeros_like(x[:, :k]), x[:, : x.shape[1] - k]), 1)[:, : x.shape[1]]
+
+    first = answer == ANSWER_KINDS.index("recall") + 1
+    more = answer == ANSWER_KINDS.index("recall_more") + 1
+    return (first & after(first, 1) & ~after(first, 2)) | (more & ~after(more, 1))
+
 
 @dataclass
 class TrainOptions:
@@ -320,7 +339,9 @@ class _Stepper:
         ce = (per * w).sum() / w.sum()
         kind = F.one_hot(self.answer.reshape(-1), len(ANSWER_KINDS) + 1)[:, 1:].float()
         hit = (logits.detach().argmax(-1) == self.targets.reshape(-1)).float()
-        acc = torch.stack((hit @ kind, kind.sum(0)))  # [hits, answer tokens] of each kind
+        lead = recall_lead_mask(self.answer).reshape(-1).float()
+        kind = torch.cat((kind, lead[:, None]), 1)
+        acc = torch.stack((hit @ kind, kind.sum(0)))  # [hits, answer tokens], LOGGED_KINDS
         loss = ce + o.index_loss_weight * aux["index_kl"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
@@ -331,7 +352,7 @@ class _Stepper:
 
     def step(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run one step on the current buffers; returns (cross-entropy, index KL, ``[2, K]``
-        argmax hits and answer tokens of each of ``ANSWER_KINDS``) on device."""
+        argmax hits and answer tokens of each of ``LOGGED_KINDS``) on device."""
         if not self.graphs_on:
             return self._eager(dense)
         if self.graph is None or self.graph_dense != dense:
@@ -372,7 +393,7 @@ class _Stepper:
 def _accuracies(hits_tokens: list[list[float]]) -> dict[str, float | None]:
     """Argmax accuracy of each answer kind from summed ``[hits, tokens]`` (None: no tokens)."""
     hits, tokens = hits_tokens
-    return {k: h / n if n else None for k, h, n in zip(ANSWER_KINDS, hits, tokens)}
+    return {k: h / n if n else None for k, h, n in zip(LOGGED_KINDS, hits, tokens)}
 
 
 def train(
@@ -430,7 +451,7 @@ def train(
     copied = [None, None]  # event after each staging buffer's last copy
     ce_log = torch.zeros(opts.steps, device=dev)
     kl_log = torch.zeros(opts.steps, device=dev)
-    acc_log = torch.zeros(opts.steps, 2, len(ANSWER_KINDS), device=dev)
+    acc_log = torch.zeros(opts.steps, 2, len(LOGGED_KINDS), device=dev)
     params = sum(p.numel() for p in model.parameters())
     progress(
         f"training {cfg.num_hidden_layers} layers, {params / 1e6:.2f}M parameters on {dev}: "
@@ -505,7 +526,7 @@ def train(
         "step_end_s": step_end_s,
         "loss": losses,
         "index_kl": kl_log[:done].tolist(),
-        "answer_kinds": list(ANSWER_KINDS),
+        "answer_kinds": list(LOGGED_KINDS),
         "answer_hits": acc_log[:done, 0].tolist(),
         "answer_tokens": acc_log[:done, 1].tolist(),
         "final_loss": float(np.mean(losses[-max(1, opts.log_every) :])),
