@@ -395,6 +395,14 @@ def scorer_rows(width, prefill, ix, context, ceil, kb, ref, peer=True):
     return [r]
 
 
+def _scores_row(kb, args, want, shape, nbytes, flops, ceil) -> dict:
+    """A ``scores`` row: ``kb.scores(*args)`` timed, with its largest error against ``want``."""
+    err = (kb.scores(*args) - want).abs().nan_to_num(0.0).max()
+    r = _row("scores", shape, _bench(lambda: kb.scores(*args)), nbytes, flops, ceil)
+    r["check"] = {"max_abs_err_vs_torch": err.item()}
+    return r
+
+
 def scorer_sweep(width, ix, context, ceil, kb, ref):
     """Decode scoring alone (``scores``: the fp32 score rows) and with its top-k, without and
     with the scorer's prefetch (``score_prefetch``): where the time goes, and what the
@@ -418,17 +426,13 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
         try:
             shape = f"{width} index {hi}x{INDEX_D} {ix} decode T={rows} ctx={context}"
             if programs == 1:  # the scores alone (the segment select does not change them)
-                err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
-                r = _row(
-                    "scores",
-                    f"{shape} sweep prefetch={prefetch}",
-                    _bench(lambda: kb.scores(planes, q, w, bound, pages)),
-                    key_bytes + rows * n_comp * 4,
-                    flops,
-                    ceil,
+                args = (planes, q, w, bound, pages)
+                nbytes = key_bytes + rows * n_comp * 4
+                out.append(
+                    _scores_row(
+                        kb, args, want, f"{shape} sweep prefetch={prefetch}", nbytes, flops, ceil
+                    )
                 )
-                r["check"] = {"max_abs_err_vs_torch": err.item()}
-                out.append(r)
             out.append(
                 _row(
                     "score_topk",
@@ -506,16 +510,15 @@ def scorer_tile_sweep(width, context, ceil, kb, ref):
     for chunk, block in ((512, 32), (128, 32), (256, 32), (1024, 32), (256, 16), (512, 16)):
         kb.score_chunk, kb.score_block = chunk, block
         try:
-            err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
-            r = _row(
-                "scores",
+            r = _scores_row(
+                kb,
+                (planes, q, w, bound, pages),
+                want,
                 f"{shape} sweep score_chunk={chunk} score_block={block}",
-                _bench(lambda: kb.scores(planes, q, w, bound, pages)),
                 rows * n_comp * (pools.index_row_bytes() + 4),
                 2 * hi * INDEX_D * rows * n_comp,
                 ceil,
             )
-            r["check"] = {"max_abs_err_vs_torch": err.item()}
             r["config"] = {"score_chunk": chunk, "score_block": block}
         except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
             r = {"kernel": "scores", "shape": f"chunk={chunk} block={block}", "error": str(e)[:300]}
@@ -558,16 +561,11 @@ def _scorer_short_case(rows, context, ceil, kb, ref):
         chunk = kb.score_chunk_for(rows, n, kb.score_tile_rows(rows, hi), q.device)
         tag = f"decode T={rows} ctx={context} sweep score_fill_sms={int(fill)} (chunk {chunk})"
         try:
-            err = (kb.scores(planes, q, w, bound, pages) - want).abs().nan_to_num(0.0).max()
-            r = _row(
-                "scores",
-                f"flash index {hi}x{INDEX_D} fp8 {tag}",
-                _bench(lambda: kb.scores(planes, q, w, bound, pages)),
-                key_bytes + rows * n_comp * 4,
-                flops,
-                ceil,
+            nbytes = key_bytes + rows * n_comp * 4
+            args = (planes, q, w, bound, pages)
+            r = _scores_row(
+                kb, args, want, f"flash index {hi}x{INDEX_D} fp8 {tag}", nbytes, flops, ceil
             )
-            r["check"] = {"max_abs_err_vs_torch": err.item()}
             r["config"] = {"score_fill_sms": fill, "chunk": chunk}
             out.append(r)
             ids = kb.score_topk(planes, q, w, bound, pages, top, None)
