@@ -21,7 +21,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   ``dense_compiled`` with the torch backend for the pool-touching ops (the fused-dense issue's
   batch-1 target is stated for that backend);
 - ``compiled_split_two_launches``: ``compiled`` with each split-K linear summed by a second
-  launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process.
+  launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process;
+- ``compiled_pdl_off``: ``compiled`` with every kernel launched after the one before has ended
+  (``triton_common.PDL`` off): the dependent launches' A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -81,12 +83,17 @@ VARIANTS = {
     "compiled_torch_attention": ("torch", "triton", "grouped", True, "inductor"),
     "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
     "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_pdl_off": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
-GEMM_FLAGS = {"compiled_split_two_launches": {"SPLIT_ONE_LAUNCH": False}}
-"""Variants that also set ``triton_gemm`` module flags for their run (restored after it): the
-same step with a flag's other value, timed in the process that times the default."""
+GEMM_FLAGS = {
+    "compiled_split_two_launches": {"triton_gemm.SPLIT_ONE_LAUNCH": False},
+    "compiled_pdl_off": {"triton_common.PDL": "off"},
+}
+"""Variants that also set kernel-module flags (``module.NAME`` under
+``v41plan.runtime.kernels``) for their run, restored after it: the same step with a flag's
+other value, timed in the process that times the default."""
 
 
 def _backend_kernels() -> frozenset:
@@ -259,17 +266,21 @@ def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
 def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
     """Rows of one variant (see the module doc) with its ``GEMM_FLAGS`` set; fills
     ``ref_logits`` for the reference."""
-    from v41plan.runtime.kernels import triton_gemm
+    import importlib
 
     flags = GEMM_FLAGS.get(name, {})
-    saved = {k: getattr(triton_gemm, k) for k in flags}
+    where = {
+        k: (importlib.import_module(f"v41plan.runtime.kernels.{k.split('.')[0]}"), k.split(".")[1])
+        for k in flags
+    }
+    saved = {k: getattr(mod, attr) for k, (mod, attr) in where.items()}
     try:
         for k, v in flags.items():
-            setattr(triton_gemm, k, v)
+            setattr(*where[k], v)
         rows = _run_variant(name, spec, args, ceil, sizes, ref_logits)
     finally:
         for k, v in saved.items():
-            setattr(triton_gemm, k, v)
+            setattr(*where[k], v)
     for r in rows:
         r["gemm_flags"] = flags
     return rows

@@ -406,6 +406,14 @@ def main(argv=None) -> int:
         help="build integer stride arguments (names starting with 's') as multiples of 16, as "
         "a launch specializes them when they are: the code such a launch runs",
     )
+    ap.add_argument(
+        "--pdl",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="build the kernels that take PDL with this value (1: the dependent-launch gate, "
+        "2: also the weight prefetch before it)",
+    )
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: the kernels must be built compiled")
@@ -444,6 +452,8 @@ def main(argv=None) -> int:
                 )
             }
             sig = {n: "i32" if t == "i32:16" else t for n, t in sig.items()}
+            if "PDL" in kernel.arg_names and "PDL" not in cx:  # the launch's default is 0
+                cx, sig = {**cx, "PDL": args.pdl}, {**sig, "PDL": "constexpr"}
             src = ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
             opts = warps if isinstance(warps, dict) else {"num_warps": warps}
             k = triton.compile(src, target=target, options=opts)

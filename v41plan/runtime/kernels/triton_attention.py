@@ -23,6 +23,7 @@ from v41plan.runtime.kernels.triton_common import (
     e2m1_value,
     e4m3_value,
     e8m0_value,
+    pdl_enter,
 )
 
 LOG2E = 1.4426950408889634
@@ -169,6 +170,7 @@ def sparse_attention_kernel(
     F32_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
     DV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
     dtype (``out_ptr`` an int16 view for bf16); with ``SPLITS > 1`` the partials go to
@@ -178,6 +180,7 @@ def sparse_attention_kernel(
     block ahead too (0: no pipeline). ``DV`` < ``D`` (PREFETCH 0): the program accumulates
     output columns ``[dv * DV, (dv + 1) * DV)`` only (axis 1 is ``hb * (D // DV) + dv``): every
     program computes the whole logits, and its accumulator is ``[HB, DV]`` (``DV = D``: all)."""
+    pdl_enter(PDL)
     i = tl.program_id(0)
     NDV: tl.constexpr = D // DV
     VW: tl.constexpr = DV
@@ -411,11 +414,13 @@ def combine_kernel(
     HB: tl.constexpr,
     SPLITS: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Merge the splits of query row ``i``, heads block ``program_id(1)``, latent columns
     ``[program_id(2) * DC, + DC)``: ``sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``. A
     program per column chunk: at one query row the merge is otherwise a couple of programs
     reading every split's partial alone."""
+    pdl_enter(PDL)
     i = tl.program_id(0)
     hb = tl.program_id(1)
     c0 = tl.program_id(2) * DC

@@ -37,7 +37,7 @@ from v41plan.runtime.kernels import triton_attention as A
 from v41plan.runtime.kernels import triton_scatter as S
 from v41plan.runtime.kernels import triton_scorer as SC
 from v41plan.runtime.kernels.torch_ref import TorchBackend, plane_format
-from v41plan.runtime.kernels.triton_common import interpreted, next_pow2
+from v41plan.runtime.kernels.triton_common import interpreted, next_pow2, pdl_launch
 
 _FLOAT = (torch.float32, torch.bfloat16)
 _INTERPRETED = interpreted(S.ring_write_kernel)
@@ -377,6 +377,7 @@ class TritonBackend(TorchBackend):
             ROUND_BF16=fp4 and q.dtype == torch.bfloat16,
             DOT_BF16=self._dot_bf16(quant or q.dtype == torch.bfloat16),
             PREFETCH=self.score_prefetch,
+            **pdl_launch(q.device, t),
         )
 
     def _select(self, score, bound, k: int, out, block_rows: int = 0) -> None:
@@ -406,6 +407,7 @@ class TritonBackend(TorchBackend):
             CHUNK=min(self.select_chunk, next_pow2(elems)),
             KP=next_pow2(k),
             num_warps=self.select_warps if elems >= self.select_warps_from else 4,
+            **pdl_launch(score.device, t),
         )
 
     def select_segments_for(self, t: int, n: int, device) -> int:
@@ -719,6 +721,7 @@ class TritonBackend(TorchBackend):
             DV=cfg["DV"] or d,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            **pdl_launch(q.device, tq),
         )
         if splits > 1:
             chb, dc = min(16, next_pow2(h)), min(d, self.combine_columns)
@@ -735,6 +738,7 @@ class TritonBackend(TorchBackend):
                 SPLITS=splits,
                 OUT_BF16=out_bf16,
                 num_warps=4,
+                **pdl_launch(q.device, tq),
             )
 
 

@@ -69,7 +69,7 @@ import triton.language as tl
 from v41plan.model import quant as Q
 from v41plan.model.layers import HcParams
 from v41plan.runtime.kernels import dense_ref
-from v41plan.runtime.kernels.triton_common import arrival_counters
+from v41plan.runtime.kernels.triton_common import arrival_counters, pdl_enter, pdl_launch
 
 __all__ = [
     "INTERPRETED",
@@ -218,8 +218,10 @@ def _norm_rope_fp8_kernel(
     y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, eps,
     D: tl.constexpr, RD: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
     X_BF16: tl.constexpr, QUANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row of ``norm_rope_fp8``: RMSNorm, RoPE on the last ``RD`` lanes (pairs), FP8."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     grp = tl.arange(0, GROUPS)
     lane = tl.arange(0, BLOCK)
@@ -247,9 +249,11 @@ def _norm_rope_fp8_kernel(
 def _inverse_rope_groups_kernel(
     o_ptr, cos_ptr, sin_ptr, out_ptr, N, so_n, so_h,
     D: tl.constexpr, RD: tl.constexpr, HG: tl.constexpr, X_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, head) of ``inverse_rope_groups``: the head's ``D`` lanes with the inverse RoPE
     on the last ``RD`` (pairs), stored at ``out[head // HG, row, (head % HG) * D:]``."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     col = tl.arange(0, D)
@@ -335,8 +339,10 @@ def _hc_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     X_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``out [N, 4, D]`` = the expand of ``y [N, D]`` into ``X [N, 4, D]``."""
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = rows < N
@@ -614,6 +620,7 @@ def _mhc_site_kernel(
     N, hc_eps, norm_eps,
     D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One mHC site for ``BLOCK_N`` (1 or 2) tokens (hc = 4), optionally behind the previous
     expand: the decode form.
@@ -622,6 +629,7 @@ def _mhc_site_kernel(
     ``BLOCK_D = 32 * warps``): the mix products, both sums of squares and the collapse (stored
     unnormalized in ``x``). Then the prediction (``_site_predict``) and pass 2 (``_site_norm``).
     """
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     r64 = rows.to(tl.int64)
@@ -687,6 +695,7 @@ def _mhc_site_part_kernel(
     D: tl.constexpr, LANES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EXPAND: tl.constexpr, X_BF16: tl.constexpr, ITERS: tl.constexpr,
     QBLOCK: tl.constexpr, QUANT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 1 of the split site (decode): ``BLOCK_N`` tokens x the ``LANES`` lanes of split
     ``program_id(1)``: the expand (``EXPAND``, stored to ``X_out``), the collapse (stored
@@ -699,6 +708,7 @@ def _mhc_site_part_kernel(
     after a CTA barrier (so every thread's stores precede the release); the program that sees
     ``SPLIT - 1`` acquires them all and sets the count back to 0 for the next launch (the
     counters stay zero between launches, so graph replays need no reset)."""
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sp = tl.program_id(1)
     rmask = rows < N
@@ -846,7 +856,7 @@ def _launch_norm_rope(y, weight, eps, cos, sin, quant):
             y.contiguous(), weight.contiguous(), cos.float().contiguous(),
             sin.float().contiguous(), out, n, float(eps), D=d, RD=2 * cos.shape[-1],
             GROUPS=d // 32, BLOCK=32, X_BF16=y.dtype == torch.bfloat16, QUANT=bool(quant),
-            num_warps=4,
+            num_warps=4, **pdl_launch(y.device, n),
         )  # fmt: skip
     return out
 
@@ -873,6 +883,7 @@ def _launch_inverse_rope_groups(o, cos, sin, groups):
             o.stride(1), D=d, RD=2 * cos.shape[-1], HG=h // groups,
             X_BF16=o.dtype == torch.bfloat16, num_warps=4,
             enable_fp_fusion=False,  # products and sums rounded apart, as apply_rope's
+            **pdl_launch(o.device, n),
         )  # fmt: skip
     return out
 
@@ -1072,6 +1083,7 @@ def _launch_site(
             N, float(hc_eps), float(norm_eps), D=D, LANES=lanes, SPLIT=split, BLOCK_N=block_n,
             BLOCK_D=block_d, EXPAND=expand is not None, X_BF16=bf16, ITERS=int(iters),
             QBLOCK=qb, QUANT=quant_block is not None, ONE_LAUNCH=one, num_warps=warps,
+            **pdl_launch(dev, N),
         )  # fmt: skip
         if not one:
             _mhc_site_finish_kernel[(blocks,)](
@@ -1081,7 +1093,7 @@ def _launch_site(
                 X_BF16=bf16, num_warps=warps,
             )  # fmt: skip
     elif N:
-        kernel, extra = _mhc_site_kernel, {}
+        kernel, extra = _mhc_site_kernel, pdl_launch(dev, N)
         if mix != "products":
             kernel, extra = _mhc_site_dot_kernel, {"PRECISION": mix}
         kernel[(triton.cdiv(N, block_n),)](
@@ -1127,6 +1139,7 @@ def _launch_expand(y, X, post, C) -> torch.Tensor:
         _hc_expand_kernel[grid](
             y.contiguous(), X, post.contiguous(), C.contiguous(), out, N, D,
             BLOCK_N=block_n, BLOCK_D=block_d, X_BF16=X.dtype == torch.bfloat16, num_warps=4,
+            **pdl_launch(X.device, N),
         )  # fmt: skip
     return out
 

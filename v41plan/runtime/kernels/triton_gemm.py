@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from v41plan.runtime.kernels.triton_common import arrival_counters
+from v41plan.runtime.kernels.triton_common import arrival_counters, pdl_enter, pdl_launch
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
     act_quant_fp8,
@@ -427,6 +427,7 @@ def _w8a8_kernel(
     ONE_LAUNCH: tl.constexpr = False,
     A16: tl.constexpr = False,
     XO: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One ``[BM, BN]`` output tile of ``x @ W^T``; see ``w8a8_linear``. ``K`` is a compile-time
     constant: a weight's width, and the interpreter needs Python loop bounds. ``KG > 0``: ``x``
@@ -441,7 +442,8 @@ def _w8a8_kernel(
     float activations taken as they are (no quantizer; ``"bf16"`` or ``"fp32"`` mode), the
     weight-only product of ``w8a16_grouped``. ``XO > 0``: every ``XO`` output lanes read their
     own input, ``x_ptr + (lane // XO) * sxo`` (a block-diagonal product: ``BN`` divides
-    ``XO``)."""
+    ``XO``). ``PDL``: a dependent launch (``triton_common.pdl_launch``)."""
+    pdl_enter(PDL)
     m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
@@ -644,6 +646,7 @@ def _w8a8_swiglu_kernel(
     K_SPLIT: tl.constexpr,
     count_ptr=None,
     ONE_LAUNCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One ``[BM, BN]`` tile of the shared expert's ``h = swiglu(x W1^T, x W3^T)`` from
     pre-quantized ``x``, written as its FP8 activation codes (E4M3 + E8M0 per 32 lanes; ``BN``
@@ -651,6 +654,7 @@ def _w8a8_swiglu_kernel(
     partials of split ``program_id(1)`` into ``part [2, SPLIT_K, M, N]``, then
     ``_swiglu_split_sum_kernel`` ends the product, or with ``ONE_LAUNCH`` the tile's last
     split to arrive does (as in ``_w8a8_kernel``: its sums, bit for bit)."""
+    pdl_enter(PDL)
     rm, rn = tile_ids(M, N, BM, BN, GROUP_M)
     mmask = rm < M
     nmask = rn < N
@@ -917,7 +921,7 @@ def _launch_pointer(xk, xs, w, ws, y, cos, sin, cfg, x_strides, K, dot, **consts
         ONE_LAUNCH=one, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # the RoPE's products and sums round apart, as apply_rope's (the scale products of the
         # K loop multiply by powers of two: exact either way)
-        enable_fp_fusion=not rope, **consts,
+        enable_fp_fusion=not rope, **consts, **pdl_launch(y.device, M),
     )  # fmt: skip
     if split > 1 and not one:
         bm, bn = SUM_TILE
@@ -1044,7 +1048,7 @@ def w8a8_swiglu(
             DOT=DOT_MODES[dot], ROUND_BF16=dtype == torch.bfloat16, BM=cfg.block_m,
             BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
             K_SPLIT=k_split, count_ptr=count, ONE_LAUNCH=one, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=cfg.num_stages, **pdl_launch(h.device, M),
         )  # fmt: skip
         if split > 1 and not one:
             bm, bn = SWIGLU_SUM_TILE

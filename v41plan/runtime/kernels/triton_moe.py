@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from v41plan.model.quant import QuantWeight
 from v41plan.runtime.kernels.moe_torch import MoERows, align_rows, padded_rows
-from v41plan.runtime.kernels.triton_common import interpreted
+from v41plan.runtime.kernels.triton_common import interpreted, pdl_enter, pdl_launch
 from v41plan.runtime.kernels.triton_gemm import (
     DOT_MODES,
     default_dot,
@@ -149,6 +149,7 @@ def _align_rows_kernel(
     E: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
     GBLOCKS: tl.constexpr, ONE_HOT: tl.constexpr = False, EP: tl.constexpr = 1,
     RB: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``moe_torch.align_rows`` in one program: the ``nk`` flat rows (``BLOCK`` lanes) ranked
     within their local expert by a prefix sum per expert (the stable sort's order: token, then
@@ -158,6 +159,7 @@ def _align_rows_kernel(
     row in one prefix sum along the rows, the experts' padded ends in one along the experts,
     and each ``BM`` block's expert counts the ends at or below its start (``searchsorted``),
     where the loop runs ``E`` dependent steps: the same integers."""
+    pdl_enter(PDL)
     i = tl.arange(0, BLOCK)
     imask = i < nk
     e = tl.load(ids_ptr + i, mask=imask, other=0).to(tl.int64) - expert_first
@@ -228,7 +230,7 @@ def align_rows_fused(
         ids.reshape(nk).contiguous(), row_ids, pos, ends, be, nk, R, int(expert_first),
         E=expert_count, BM=block_m, BLOCK=block, RBLOCK=rblock,
         GBLOCKS=triton.next_power_of_2(-(-nk // block_m)), ONE_HOT=one_hot, EP=ep, RB=rb,
-        num_warps=8 if one_hot or block > 1024 else 4,
+        num_warps=8 if one_hot or block > 1024 else 4, **pdl_launch(dev, n),
     )  # fmt: skip
     return MoERows(row_ids, pos, ends, be, block_m)
 
@@ -376,9 +378,10 @@ def deinterleaved_rows(xb_ptr, rows, k0, rmask, sxm, K: tl.constexpr, BK: tl.con
 
 @triton.jit
 def _deinterleave_kernel(xq_ptr, xs_ptr, out_ptr, sxm, sxsm, som, D: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """One row's ``BLOCK`` lane pairs of FP8 activations (E4M3 bytes, E8M0 per 32) as their
     bf16 values, the even lanes to ``out[:, :D/2]`` and the odd ones to ``out[:, D/2:]``."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < D // 2
@@ -400,7 +403,15 @@ def deinterleave_fp8(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         xq8, xs8 = _bytes(xq), _bytes(xs)
         block = min(1024, triton.next_power_of_2(d // 2))
         _deinterleave_kernel[(n, triton.cdiv(d // 2, block))](
-            xq8, xs8, out, xq8.stride(0), xs8.stride(0), out.stride(0), D=d, BLOCK=block
+            xq8,
+            xs8,
+            out,
+            xq8.stride(0),
+            xs8.stride(0),
+            out.stride(0),
+            D=d,
+            BLOCK=block,
+            **pdl_launch(xq.device, n),
         )
     return out
 
@@ -555,11 +566,13 @@ def _gate_up_kernel(
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
     TMA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
     weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32). ``TMA``
     (``MoEConfig.tma``): ``xd`` the permuted deinterleaved rows ``[R, D]`` in ``[BM, BK/2]``
     blocks, ``w1d``/``w3d`` the codes as ``[El * I, D/2]`` in ``[BN, BK/2]`` blocks."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
@@ -695,11 +708,13 @@ def _down_kernel(
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
     TMA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
     stored in ``y``'s dtype (the compute dtype's rounding of a linear output). ``TMA``: ``ad``
     the deinterleaved intermediate ``[R, I]`` in ``[BM, BK/2]`` blocks, ``w2d`` the codes as
     ``[El * D, I/2]`` in ``[BN, BK/2]`` blocks."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
@@ -783,8 +798,10 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     HAS_ADD: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One token x ``BD`` lanes: its ``TOPK`` rows summed in slot order (+ the addend)."""
+    pdl_enter(PDL)
     n = tl.program_id(0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = rd < D
@@ -816,8 +833,9 @@ def moe_combine(
     a = add if add is not None else out
     grid = (n, triton.cdiv(D, BD))
     _combine_kernel[grid](
-        y_rows, pos, a, out, y_rows.stride(0), a.stride(0), out.stride(0), D, k, add is not None, BD
-    )
+        y_rows, pos, a, out, y_rows.stride(0), a.stride(0), out.stride(0), D, k,
+        add is not None, BD, **pdl_launch(out.device, n),
+    )  # fmt: skip
     return out
 
 
@@ -941,6 +959,7 @@ def grouped_moe_w4a8_stages(
         PAIRS=cfg.pairs,
         ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM,
         TMA=cfg.tma,
+        **pdl_launch(dev, n),
     )
     if R:
         nb = R // cfg.block_m

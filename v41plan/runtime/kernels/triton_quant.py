@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from v41plan.runtime.kernels.triton_common import pdl_enter, pdl_launch
+
 QUANT_BLOCK = 32
 """Lanes of one activation scale block (and of one weight scale block along K)."""
 
@@ -106,8 +108,10 @@ def _act_quant_kernel(
     ssm,
     BM: tl.constexpr,
     BKB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: ``BM`` rows x ``BKB`` 32-lane blocks of ``x`` -> E4M3 bytes + E8M0 bytes."""
+    pdl_enter(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1) * BKB + tl.arange(0, BKB)
     lane = tl.arange(0, 32)
@@ -136,5 +140,8 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BM, BKB = 16, 4
     grid = (triton.cdiv(M, BM), triton.cdiv(K // QUANT_BLOCK, BKB))
     if M:
-        _act_quant_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BM, BKB)
+        _act_quant_kernel[grid](
+            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BM, BKB,
+            **pdl_launch(x.device, M),
+        )  # fmt: skip
     return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)

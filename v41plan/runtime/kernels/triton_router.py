@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v41plan.runtime.kernels.triton_common import next_pow2
+from v41plan.runtime.kernels.triton_common import next_pow2, pdl_enter, pdl_launch
 
 SPLIT_GATE_ELEMS = 1 << 16
 """Gate elements above which the GEMV runs as its own launch over ``D`` slices (medium's 48 x
@@ -109,7 +109,9 @@ def _router_kernel(
     x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, D: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
@@ -121,9 +123,11 @@ def _router_kernel(
 def _gate_part_kernel(
     x_ptr, w_ptr, part_ptr, E: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     LANES: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Partial scores of row ``program_id(0)`` over lanes ``[s * LANES, (s + 1) * LANES)``,
     ``s = program_id(1)``, into ``part [N, S, BLOCK_E]``."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     sp = tl.program_id(1)
     offs_e = tl.arange(0, BLOCK_E)
@@ -137,8 +141,10 @@ def _select_kernel(
     part_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, S: tl.constexpr,
     S_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """A row's ``S`` partial scores summed (one fixed tree), then ``_select``."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
@@ -183,16 +189,17 @@ def moe_router(
         _router_kernel[(n,)](
             x, gate_w, gate_bias, ids, wts, float(scale), E=e, D=d,
             K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e, BLOCK_D=block_d, num_warps=8,
+            **pdl_launch(x.device, n),
         )  # fmt: skip
         return ids, wts
     splits, lanes, block_d = gate_splits(e, d)
     part = torch.empty(n, splits, block_e, dtype=torch.float32, device=x.device)
     _gate_part_kernel[(n, splits)](
         x, gate_w, part, E=e, D=d, S=splits, LANES=lanes, BLOCK_E=block_e, BLOCK_D=block_d,
-        num_warps=8,
+        num_warps=8, **pdl_launch(x.device, n),
     )  # fmt: skip
     _select_kernel[(n,)](
         part, gate_bias, ids, wts, float(scale), E=e, S=splits, S_PAD=next_pow2(splits),
-        K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e,
+        K=k, K_PAD=kp, NORM=bool(norm), BLOCK_E=block_e, **pdl_launch(x.device, n),
     )  # fmt: skip
     return ids, wts

@@ -28,6 +28,7 @@ from v41plan.runtime.kernels.triton_common import (
     e2m1_value,
     e4m3_value,
     e8m0_value,
+    pdl_enter,
     pow2,
     pow2ceil_exponent,
     round_e2m1,
@@ -265,6 +266,7 @@ def score_kernel(
     ROUND_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PREFETCH: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
     for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
@@ -273,6 +275,7 @@ def score_kernel(
     scale at byte ``D`` of the row; fp4: ``key_ptr`` the packed E2M1 values, ``ksc_ptr`` the E8M0
     scales plane. With ``ROWS > 1`` rows that read the same pages in this range (a prefill
     chunk's rows) share each key tile; rows of different requests are scored one by one."""
+    pdl_enter(PDL)
     t0 = tl.program_id(0) * ROWS
     c = tl.program_id(1)
     args = (q_ptr, s_q_row, s_q_head, w_ptr, s_w_row, bound_ptr, pages_ptr, s_pages_row)
@@ -319,6 +322,7 @@ def select_kernel(
     BLOCK_MODE: tl.constexpr,
     CHUNK: tl.constexpr,
     KP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Top-``K`` of row ``t``'s elements, ties to the smaller element. Ids mode: element ids
     ascending into ``out [T, K]`` (int64), -1 padded. Block mode (``G`` scores an element): the
@@ -328,6 +332,7 @@ def select_kernel(
     digit pass whose chosen bin holds exactly the elements still wanted ends the search: every
     key at or above that prefix is selected (no tie to break), and the digit passes left skip
     their reads of the row (distinct scores: usually the fourth)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     row_ptr = score_ptr + t * s_score_row
     if HAS_BOUND:
