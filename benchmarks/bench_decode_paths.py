@@ -23,7 +23,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``compiled_split_two_launches``: ``compiled`` with each split-K linear summed by a second
   launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process;
 - ``compiled_pdl_off``: ``compiled`` with every kernel launched after the one before has ended
-  (``triton_common.PDL`` off): the dependent launches' A/B.
+  (``triton_common.PDL`` off): the dependent launches' A/B;
+- ``compiled_separate_linears``: ``compiled`` with ``wq_a`` and ``wkv`` as two products
+  (``resident.JOINT_LINEARS`` off): the joint product's A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -84,16 +86,18 @@ VARIANTS = {
     "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
     "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_pdl_off": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_separate_linears": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
 GEMM_FLAGS = {
-    "compiled_split_two_launches": {"triton_gemm.SPLIT_ONE_LAUNCH": False},
-    "compiled_pdl_off": {"triton_common.PDL": "off"},
+    "compiled_split_two_launches": {"kernels.triton_gemm.SPLIT_ONE_LAUNCH": False},
+    "compiled_pdl_off": {"kernels.triton_common.PDL": "off"},
+    "compiled_separate_linears": {"resident.JOINT_LINEARS": False},
 }
-"""Variants that also set kernel-module flags (``module.NAME`` under
-``v41plan.runtime.kernels``) for their run, restored after it: the same step with a flag's
-other value, timed in the process that times the default."""
+"""Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
+run, restored after it: the same step with a flag's other value, timed in the process that
+times the default."""
 
 
 def _backend_kernels() -> frozenset:
@@ -270,7 +274,7 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
 
     flags = GEMM_FLAGS.get(name, {})
     where = {
-        k: (importlib.import_module(f"v41plan.runtime.kernels.{k.split('.')[0]}"), k.split(".")[1])
+        k: (importlib.import_module(f"v41plan.runtime.{k.rsplit('.', 1)[0]}"), k.rsplit(".", 1)[1])
         for k in flags
     }
     saved = {k: getattr(mod, attr) for k, (mod, attr) in where.items()}

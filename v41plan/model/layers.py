@@ -108,6 +108,17 @@ class LayerKernels:
     """``grouped_linear(weight, dtype) -> callable [G, N, in/G] -> [N, G * r]`` for a
     ``wo_a`` kept as published (``QuantWeight``); None: its values in ``dtype``."""
 
+    linear_pair: Any = None
+    """``linear_pair(w1, w2, dtype) -> (lin1, lin2, both) or None`` for two linears of one
+    input (``wq_a`` and ``wkv``): ``both(x) -> [N, out1 + out2]`` one product over the two
+    weights stacked, ``lin1``/``lin2`` over its halves (one copy of the bytes); None (or a None
+    result): two ``make_linear`` and no joint product."""
+
+    def make_pair(self, w1: Any, w2: Any, dtype: torch.dtype):
+        """``(lin1, lin2, both or None)``: see ``linear_pair``."""
+        pair = self.linear_pair(w1, w2, dtype) if self.linear_pair is not None else None
+        return pair or (self.make_linear(w1, dtype), self.make_linear(w2, dtype), None)
+
     def make_grouped(self, weight: Any, dtype: torch.dtype):
         """The grouped ``wo_a``: a tensor in ``dtype`` (the einsum / ``bmm`` reference), or the
         runtime's product over a weight kept as published."""
@@ -367,11 +378,14 @@ class Attention:
         a = acc_dtype(dtype)
         p = self.prefix + ".attn."
         lin = self.kernels.make_linear
-        self.wq_a = lin(w[p + "wq_a.weight"], dtype)
+        qa, kv = p + "wq_a.weight", p + "wkv.weight"
+        self.wq_a, self.wkv, self.wqkv_a = self.kernels.make_pair(w[qa], w[kv], dtype)
+        """``wq_a`` and ``wkv``; ``wqkv_a`` both as one product (``q_kv_inputs``) or None."""
+        if self.wqkv_a is not None:  # one copy of the bytes: the halves of the joint weight
+            w[qa], w[kv] = self.wq_a.weight, self.wkv.weight
         self.q_norm = w[p + "q_norm.weight"]
         self.wq_b = lin(w[p + "wq_b.weight"], dtype)
         self.H = self.wq_b.weight.shape[0] // self.d  # this rank's heads
-        self.wkv = lin(w[p + "wkv.weight"], dtype)
         self.kv_norm = w[p + "kv_norm.weight"]
         self.wo_a = self.kernels.make_grouped(w[p + "wo_a.weight"], dtype)
         self.wo_b = lin(w[p + "wo_b.weight"], dtype)
@@ -398,12 +412,30 @@ class Attention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q ``[N,H,d]`` with RoPE, qr ``[N,q_lora]`` the normed latent shared with the
         indexer)."""
-        qr = rms_norm(self.wq_a(x), self.q_norm, self.eps)
-        return self.wq_b(qr, rope=(cos, sin, self.d)).reshape(x.shape[0], self.H, self.d), qr
+        return self.q_path_from(self.wq_a(x), cos, sin)
+
+    def q_path_from(
+        self, qa: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q_path`` from ``wq_a``'s output ``qa [N, q_lora]``."""
+        qr = rms_norm(qa, self.q_norm, self.eps)
+        return self.wq_b(qr, rope=(cos, sin, self.d)).reshape(qa.shape[0], self.H, self.d), qr
+
+    def q_kv_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(wq_a(x), wkv(x))``: one product where the kernels joined them (``wqkv_a``; the
+        same products, the sums split over K by the joint weight's shape)."""
+        if self.wqkv_a is None:
+            return self.wq_a(x), self.wkv(x)
+        y = self.wqkv_a(x)
+        n = self.wq_a.out_features
+        return y[:, :n], y[:, n:]
 
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Window KV ``[N,d]``: wkv, kv_norm, RoPE, FP8 QAT over all lanes (block 32)."""
-        y = self.wkv(x)
+        return self.window_kv_from(self.wkv(x), cos, sin)
+
+    def window_kv_from(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``window_kv`` from ``wkv``'s output ``y [N, d]``."""
         if self.kernels.norm_rope_fp8 is not None:
             return self.kernels.norm_rope_fp8(y, self.kv_norm, self.eps, cos, sin)
         kv = rms_norm(y, self.kv_norm, self.eps)

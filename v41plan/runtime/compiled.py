@@ -58,11 +58,24 @@ def query(att, x, cos, sin, index: bool):
     """(q ``[N, H, d]``, index query ``[N, nih, ihd]`` or None, index head weights ``[N, nih]``
     or None): the query path and, on layers with an indexer, its query and head weights."""
     q, qr = att.q_path(x, cos, sin)
+    return (q, *_index_query(att, x, qr, cos, sin, index))
+
+
+def _index_query(att, x, qr, cos, sin, index: bool):
+    """(index query, head weights), or (None, None) on a layer without an indexer."""
     if not index:
-        return q, None, None
+        return None, None
     qi = apply_rope(att.idx_wq_b(qr).reshape(x.shape[0], att.nih, att.ihd), cos, sin)
-    wts = F.linear(x, att.idx_weights_proj) * att.idx_scale
-    return q, qi, wts
+    return qi, F.linear(x, att.idx_weights_proj) * att.idx_scale
+
+
+def attn_inputs(att, x, cos, sin, index: bool):
+    """(window-KV rows, q, index query or None, head weights or None) of the same rows, from
+    one ``wq_a``/``wkv`` product (``Attention.q_kv_inputs``): ``window_kv`` and ``query`` in
+    one region."""
+    qa, y = att.q_kv_inputs(x)
+    q, qr = att.q_path_from(qa, cos, sin)
+    return (att.window_kv_from(y, cos, sin), q, *_index_query(att, x, qr, cos, sin, index))
 
 
 def compress_project(att, x):
@@ -136,8 +149,8 @@ def head(X, pre, norm, head_w, eps: float):
 
 
 _PIECES = (
-    window_kv, query, compress_project, compressed_rows, output, moe_local, route, cos_sin,
-    engram, engram_rows, embed, head,
+    window_kv, query, attn_inputs, compress_project, compressed_rows, output, moe_local, route,
+    cos_sin, engram, engram_rows, embed, head,
 )  # fmt: skip
 
 
@@ -175,7 +188,8 @@ _COMPILED: dict[tuple[str, str, str], object] = {}
 
 
 TOKEN_ARGS = {
-    "window_kv": (1, 2, 3), "query": (1, 2, 3), "compress_project": (1,),
+    "window_kv": (1, 2, 3), "query": (1, 2, 3), "attn_inputs": (1, 2, 3),
+    "compress_project": (1,),
     "compressed_rows": (1, 2, 3, 4), "output": (1, 2, 3), "moe_local": (1, 2), "route": (1, 2),
     "cos_sin": (1,), "engram": (1, 2, 3), "engram_rows": (1, 2), "embed": (1,), "head": (0, 1),
     "hc_expand": (0, 1, 2, 3), "mhc_site": (0, 1), "mhc_expand_site": (0, 1, 2, 3, 4),

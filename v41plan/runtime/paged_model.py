@@ -486,9 +486,9 @@ class RuntimeModel:
         # the output projection's inverse RoPE as one kernel writing the grouped product's
         # operand (Inductor makes two to four kernels of it and a transposing copy)
         orope = self.dense.inverse_rope_groups if dense == "triton" else None
-        from v41plan.runtime.resident import grouped_linear
+        from v41plan.runtime.resident import grouped_linear, linear_pair
 
-        kernels = LayerKernels(q8, _linear_factory(q8), nrq, orope, grouped_linear)
+        kernels = LayerKernels(q8, _linear_factory(q8), nrq, orope, grouped_linear, linear_pair(q8))
         w = weights
         self.embed = w["embed.weight"]
         self.norm = w["norm.weight"]
@@ -1276,18 +1276,25 @@ class RuntimeModel:
             ("rope", info.ratio > 0, None if need is None else id(need)),
             lambda: self.pieces.cos_sin(att.rope, _take(fr.pos, need), self.dtype),
         )  # every layer of a RoPE kind has the same table
-        kv = self.pieces.window_kv(att, _take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
+        index = info.ratio > 0 and info.role in ("full", "reindex")
+        # every row both writes the ring and attends (decode, a whole chunk): one wq_a/wkv
+        # product where the kernels joined them
+        joint = att.wqkv_a is not None and l_rw is None and l_at is None
+        p = Pieces(need, at, rw, cp, ff, a_pre, a_post, a_C, xin, cos, sin)
+        p.extra = {"l_at": l_at, "l_cp": l_cp, "l_ff": l_ff}
+        if joint:
+            kv, p.q, p.qi, p.wts = self.pieces.attn_inputs(att, xin, cos, sin, index)
+        else:
+            kv = self.pieces.window_kv(att, _take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
         if rw is None:
             fr.kv = kv
         else:
             fr.kv[rw] = kv
-        p = Pieces(need, at, rw, cp, ff, a_pre, a_post, a_C, xin, cos, sin)
-        p.extra = {"l_at": l_at, "l_cp": l_cp, "l_ff": l_ff}
         if _count(at, n):
-            x = _take(xin, l_at)
-            c, s = _take(cos, l_at), _take(sin, l_at)
-            index = info.ratio > 0 and info.role in ("full", "reindex")
-            p.q, p.qi, p.wts = self.pieces.query(att, x, c, s, index)
+            if not joint:
+                x = _take(xin, l_at)
+                c, s = _take(cos, l_at), _take(sin, l_at)
+                p.q, p.qi, p.wts = self.pieces.query(att, x, c, s, index)
             p.o = torch.empty_like(p.q)
         if info.role == "full" and _count(cp, n):
             p.v, p.g = self.pieces.compress_project(att, _take(xin, l_cp))

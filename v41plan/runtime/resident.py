@@ -137,6 +137,59 @@ class ResidentLinear:
         return w8a8_linear(xq, self.weight.codes, self.weight.scales, self.dtype, x_scales=xs)
 
 
+def stack_fp8(w1: QuantWeight, w2: QuantWeight) -> QuantWeight | None:
+    """``w1`` over ``w2`` as one FP8 weight ``[out1 + out2, in]`` (their codes and their 32-row
+    scale blocks stacked; ``out1`` a multiple of 32, so no block straddles the two), or None
+    where the two do not stack."""
+    ok = (
+        isinstance(w1, QuantWeight)
+        and isinstance(w2, QuantWeight)
+        and w1.format == w2.format == "fp8"
+        and w1.codes.dim() == w2.codes.dim() == 2
+        and w1.shape[1] == w2.shape[1]
+        and w1.shape[0] % 32 == 0
+        and w1.device == w2.device
+    )
+    if not ok:
+        return None
+
+    def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # through bytes: not every float8 dtype has a cat kernel
+        return torch.cat([a.view(torch.uint8), b.view(torch.uint8)]).view(a.dtype)
+
+    return QuantWeight(cat(w1.codes, w2.codes), cat(w1.scales, w2.scales), "fp8")
+
+
+JOINT_LINEARS = True
+"""Whether ``linear_pair`` joins two linears of one input where it can (off: two products, as
+before; ``bench_decode_paths.py``'s ``compiled_separate_linears`` variant times the two)."""
+
+
+def linear_pair(quantizer=fake_fp8, impl: str = "auto"):
+    """``LayerKernels.linear_pair``: where the Triton GEMM serves two FP8 linears of one input
+    (``wq_a`` and ``wkv``), one ``ResidentLinear`` over them stacked (``stack_fp8``: one
+    quantizer and one GEMM launch instead of two each) and the two linears over its halves;
+    elsewhere None (two linears as before). ``impl`` is ``ResidentLinear``'s; forced
+    (``"triton"`` under the interpreter, ``"torch"``) the pair is joined there too (tests)."""
+
+    def make(w1, w2, dtype: torch.dtype):
+        both = stack_fp8(w1, w2) if JOINT_LINEARS else None
+        if both is None:
+            return None
+        joint = ResidentLinear(both, dtype, quantizer=quantizer, impl=impl)
+        if impl == "auto" and joint.impl != "triton":
+            return None
+        n1, b1 = w1.shape[0], w1.shape[0] // 32
+        halves = (
+            QuantWeight(both.codes[:n1], both.scales[:b1], "fp8"),
+            QuantWeight(both.codes[n1:], both.scales[b1:], "fp8"),
+        )
+        lin1, lin2 = (ResidentLinear(h, dtype, quantizer=quantizer, impl=impl) for h in halves)
+        return lin1, lin2, joint
+
+    return make
+
+
 class GroupedMoE:
     """``model.layers.MoE``'s arithmetic over the selected experts only (see the module doc).
 
