@@ -1,14 +1,16 @@
-"""Where the decode mHC site's time goes, on one GPU (MEDIUM widths).
+"""Where the decode mHC site's time goes, on one GPU (MEDIUM widths, or ``--spec``'s).
 
-    python3 benchmarks/probe_site.py [--tokens 1,64] [--out F]
+    python3 benchmarks/probe_site.py [--spec medium] [--tokens 1,64] [--no-gemm] [--out F]
 
-The site kernel takes about 28-34 us at one token whatever its tile (``sweep_decode_tiles.py``),
-far above its bytes. This times, per token count, the forms with parts taken away: the split
-form whole, its first pass alone (the finishing launch skipped), with one Sinkhorn iteration
-instead of the model's, without the FP8 epilogue; the products form with the model's iterations
-and with one. The differences say which part holds the time. Rows: ``ms`` (CUDA-graph replays),
-``floor_ms`` (the call's bytes over the copy bandwidth measured here) and ``of_floor``; writes
-JSON (``$OUT/probe_site.json`` or ``--out``).
+The site kernel takes far longer than its bytes at decode (14 us at one token at flash widths
+on an H100, 28-34 at medium widths before the split form). This times, per token count, the
+forms with parts taken away: the split form whole (one launch, its last program finishing),
+its first pass alone (two launches, the finishing one skipped), with one Sinkhorn iteration
+instead of the model's, without the FP8 epilogue, with 64 and 256 lanes a program instead of
+``SPLIT_LANES``; the products form with the model's iterations and with one. The differences
+say which part holds the time. Rows: ``ms`` (CUDA-graph replays), ``floor_ms`` (the call's bytes
+over the copy bandwidth measured here) and ``of_floor``; writes JSON (``$OUT/probe_site.json``
+or ``--out``).
 """
 
 from __future__ import annotations
@@ -94,20 +96,21 @@ def gemm_rows(cfg, rows: list, bw: float) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="medium")
     ap.add_argument("--tokens", default="1,64")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the W8A8 rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_site.py needs a CUDA device", file=sys.stderr)
         return 2
-    from medium_model import load_spec
-
+    from v41plan.geometry.resolve import resolve_spec
     from v41plan.model.config import config_from_cache_spec
     from v41plan.model.layers import HcParams
     from v41plan.runtime.kernels import triton_dense as td
     from v41plan.validation.provenance import provenance
 
-    cfg = config_from_cache_spec(load_spec())
+    cfg = config_from_cache_spec(resolve_spec(args.spec))
     D, hc, iters = cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters
     g = torch.Generator(device="cuda").manual_seed(0)
     mixes = (2 + hc) * hc
@@ -120,21 +123,28 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_bytes_per_s()
     rows: list[dict] = []
     forms = {"split": ("split", 1, 128, 4), "products": ("products", 1, 128, 4)}
+    forms["split64"] = ("split", 1, 64, 2)  # a program's lanes are at least its chunk
+    # (label, form, Sinkhorn iterations, FP8 epilogue, finishing launch skipped, lanes)
+    lanes0 = td.SPLIT_LANES
     cases = [
-        ("split whole", "split", iters, True, False),
-        ("split first pass alone", "split", iters, True, True),
-        ("split, 1 Sinkhorn iteration", "split", 1, True, False),
-        ("split, no FP8 epilogue", "split", iters, False, False),
-        ("products whole", "products", iters, True, False),
-        ("products, 1 Sinkhorn iteration", "products", 1, True, False),
+        ("split whole", "split", iters, True, False, lanes0),
+        ("split first pass alone", "split", iters, True, True, lanes0),
+        ("split, 1 Sinkhorn iteration", "split", 1, True, False, lanes0),
+        ("split, no FP8 epilogue", "split", iters, False, False, lanes0),
+        ("split, 64 lanes a program (2 warps)", "split64", iters, True, False, 64),
+        ("split, 256 lanes a program", "split", iters, True, False, 256),
+        ("products whole", "products", iters, True, False, lanes0),
+        ("products, 1 Sinkhorn iteration", "products", 1, True, False, lanes0),
     ]
-    saved = list(td.SITE_CONFIGS)
+    saved = list(td.SITE_CONFIGS), list(td.SITE_CONFIGS_WIDE), td.SPLIT_ONE_LAUNCH
     finish = td._mhc_site_finish_kernel
     for N in [int(t) for t in args.tokens.split(",")]:
         X = torch.randn(N, hc, D, generator=g, device="cuda").to(torch.bfloat16)
         pre = torch.rand(N, hc, generator=g, device="cuda") + cfg.hc_eps
-        for label, form, its, quant, skip in cases:
-            td.SITE_CONFIGS[:] = [(1 << 62, forms[form])]
+        for label, form, its, quant, skip, lanes in cases:
+            td.SITE_CONFIGS[:] = td.SITE_CONFIGS_WIDE[:] = [(1 << 62, forms[form])]
+            td.SPLIT_ONE_LAUNCH = not skip  # alone: two launches, the second skipped
+            td.SPLIT_LANES = lanes
             td._mhc_site_finish_kernel = _Skipped() if skip else finish
             fn = td.mhc_site_fp8 if quant else td.mhc_site
             try:
@@ -152,13 +162,15 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a failing case is a row
                 rows.append({"case": label, "tokens": N, "error": f"{type(exc).__name__}: {exc}"})
             finally:
-                td.SITE_CONFIGS[:] = saved
+                td.SITE_CONFIGS[:], td.SITE_CONFIGS_WIDE[:] = saved[0], saved[1]
+                td.SPLIT_ONE_LAUNCH, td.SPLIT_LANES = saved[2], lanes0
                 td._mhc_site_finish_kernel = finish
-    gemm_rows(cfg, rows, bw)
+    if not args.no_gemm:
+        gemm_rows(cfg, rows, bw)
     report = {
         "provenance": provenance(),
         "device": torch.cuda.get_device_name(),
-        "spec": "medium",
+        "spec": args.spec,
         "copy_bytes_per_s": bw,
         "rows": rows,
     }
