@@ -22,8 +22,8 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   batch-1 target is stated for that backend);
 - ``compiled_split_two_launches``: ``compiled`` with each split-K linear summed by a second
   launch (``triton_gemm.SPLIT_ONE_LAUNCH`` off, ``GEMM_FLAGS``): its A/B in one process;
-- ``compiled_pdl_off``: ``compiled`` with every kernel launched after the one before has ended
-  (``triton_common.PDL`` off): the dependent launches' A/B;
+- ``compiled_pdl_on``: ``compiled`` with the decode-sized launches of the Triton kernels as
+  dependent launches (``triton_common.PDL`` on): their A/B;
 - ``compiled_separate_linears``: ``compiled`` with ``wq_a`` and ``wkv`` as two products
   (``resident.JOINT_LINEARS`` off): the joint product's A/B.
 
@@ -85,14 +85,14 @@ VARIANTS = {
     "compiled_torch_attention": ("torch", "triton", "grouped", True, "inductor"),
     "dense_compiled_torch_attention": ("torch", "triton", "dense", False, "inductor"),
     "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_pdl_off": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_pdl_on": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_separate_linears": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
 GEMM_FLAGS = {
     "compiled_split_two_launches": {"kernels.triton_gemm.SPLIT_ONE_LAUNCH": False},
-    "compiled_pdl_off": {"kernels.triton_common.PDL": "off"},
+    "compiled_pdl_on": {"kernels.triton_common.PDL": "on"},
     "compiled_separate_linears": {"resident.JOINT_LINEARS": False},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their

@@ -84,6 +84,8 @@ def test_pdl_launch_rules(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     on = {"PDL": True, "launch_pdl": True}
+    assert triton_common.pdl_launch(_Dev(), 1) == ({} if triton_common.PDL == "off" else on)
+    monkeypatch.setattr(triton_common, "PDL", "on")
     assert triton_common.pdl_launch(_Dev(), 1) == on
     assert triton_common.pdl_launch(_Dev(), triton_common.PDL_MAX_ROWS) == on
     assert triton_common.pdl_launch(_Dev(), triton_common.PDL_MAX_ROWS + 1) == {}

@@ -50,8 +50,10 @@ quantizer launches (``benchmarks/probe_pdl.py``, H100): one row 3.38 -> 3.28 ms,
 5.90 ms (slower), hence ``PDL_MAX_ROWS``. Asking L2 for each program's weight slice before the
 wait lost at both (3.86 / 6.80 ms)."""
 
-PDL = "on"
-"""The mode launches use on CUDA devices that have it (sm_90+; see ``pdl_mode``)."""
+PDL = "off"
+"""The mode launches use on CUDA devices that have it (sm_90+; see ``pdl_mode``;
+``V41PLAN_PDL=on`` for a process). Off until a whole decode step has run with it on a
+device: only the W8A8 chain of ``probe_pdl.py`` has."""
 
 PDL_MAX_ROWS = 16
 """Token rows up to which a launch is a dependent one (see ``PDL_MODES``)."""
@@ -59,7 +61,7 @@ PDL_MAX_ROWS = 16
 
 def pdl_mode(device) -> str:
     """The ``PDL_MODES`` entry launches on ``device`` use: ``PDL`` on a CUDA device of compute
-    capability 9.0 or later (``V41PLAN_PDL=off`` turns it off for a process), ``"off"``
+    capability 9.0 or later (``V41PLAN_PDL`` overrides ``PDL`` for a process), ``"off"``
     elsewhere (the CPU interpreter, older GPUs, ROCm)."""
     import os
 
