@@ -7,7 +7,8 @@ Each layer runs flash_slice's five W8A8 linears at decode shapes (``wq_a``, ``wq
 weights (nothing stays in L2 between layers): 400 launches a replay at 40 layers, the pattern
 of the decode step's linears. One CUDA graph per ``triton_common.PDL_MODES`` entry (off, on),
 with ``PDL_MAX_ROWS`` raised to the row count so that every row count is timed both ways, timed
-by replays; the "on" outputs are compared bit for bit with the "off" graph's. Rows: ``ms``,
+by replays; the "on" outputs are compared bit for bit with the "off" graph's. Then ``wq_a`` and
+``wkv`` as two products against one joint product (``joint_rows``, PDL off). Rows: ``ms``,
 ``floor_ms`` (the weights' bytes over the copy rate measured here), ``of_floor``; writes JSON
 (``$OUT/probe_pdl.json`` or ``--out``).
 """
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm_moe import _fp8_weight, time_ms
 from ceilings import copy_bandwidth_bytes_per_s
 from report_io import write_report
+
+from v41plan.model.quant import QuantWeight
 
 SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192)}
 SHAPES["w2"] = (5120, 2304)
@@ -48,6 +51,43 @@ def chain(weights: list[dict], inputs: dict[str, torch.Tensor]):
         return out
 
     return run
+
+
+def joint_rows(weights: list[dict], row_counts: list[int], bw: float, rows: list) -> None:
+    """``wq_a`` and ``wkv`` of every layer as two W8A8 products against one over their stacked
+    weight (``resident.linear_pair``), PDL off: 80 against 40 GEMM launches (and quantizer
+    launches) a replay; the joint output's halves against the two products (``max_abs_diff``:
+    other K splits, so float32 summation order only)."""
+    from v41plan.runtime.resident import linear_pair
+
+    pairs = [
+        linear_pair()(QuantWeight(*w["wq_a"], "fp8"), QuantWeight(*w["wkv"], "fp8"), torch.bfloat16)
+        for w in weights
+    ]
+    n1 = SHAPES["wq_a"][0]
+    wbytes = sum(c.numel() + s.numel() for w in weights for k in ("wq_a", "wkv") for c, s in [w[k]])
+    for m in row_counts:
+        x = torch.randn(m, 5120, device="cuda").to(torch.bfloat16)
+        forms = {
+            "separate": lambda x=x: [(a(x), b(x)) for a, b, _ in pairs],
+            "joint": lambda x=x: [(y[:, :n1], y[:, n1:]) for y in (j(x) for _, _, j in pairs)],
+        }
+        ref = [tuple(t.float() for t in ab) for ab in forms["separate"]()]
+        for name, fn in forms.items():
+            got = fn()
+            diff = max(
+                float((g.float() - r).abs().max())
+                for gr, rr in zip(got, ref, strict=True)
+                for g, r in zip(gr, rr, strict=True)
+            )
+            ms, how = time_ms(fn)
+            fl = wbytes / bw * 1e3
+            rows.append(
+                {"kernel": "wq_a + wkv", "rows": m, "layers": len(weights), "form": name,
+                 "ms": ms, "timing": how, "floor_ms": fl, "of_floor": fl / ms,
+                 "max_abs_diff": diff, "same_bits_as_off": None}
+            )  # fmt: skip
+            print(f"{m:>4} {name:>9} {ms:>8.3f} {fl:>7.3f} {fl / ms:>8.3f}  diff {diff:.3g}")
 
 
 def main(argv=None) -> int:
@@ -94,6 +134,8 @@ def main(argv=None) -> int:
                      "launches": 10 * args.layers, "same_bits_as_off": same}
                 )  # fmt: skip
                 print(f"{m:>4} {mode:>9} {ms:>8.3f} {floor_ms:>7.3f} {floor_ms / ms:>8.3f}  {same}")
+        tc.PDL = "off"
+        joint_rows(weights, [int(r) for r in args.rows.split(",")], bw, rows)
     finally:
         tc.PDL, tc.PDL_MAX_ROWS = saved
     report = {
