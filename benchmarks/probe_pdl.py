@@ -135,7 +135,11 @@ def main(argv=None) -> int:
                 )  # fmt: skip
                 print(f"{m:>4} {mode:>9} {ms:>8.3f} {floor_ms:>7.3f} {floor_ms / ms:>8.3f}  {same}")
         tc.PDL = "off"
-        joint_rows(weights, [int(r) for r in args.rows.split(",")], bw, rows)
+        try:
+            joint_rows(weights, [int(r) for r in args.rows.split(",")], bw, rows)
+        except Exception as exc:  # noqa: BLE001 - the chain's rows are kept, the error is a row
+            rows.append({"kernel": "wq_a + wkv", "error": f"{type(exc).__name__}: {exc}"})
+            print(rows[-1])
     finally:
         tc.PDL, tc.PDL_MAX_ROWS = saved
     report = {
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     write_report(report, args.out, "probe_pdl.json")
-    bad = [r for r in rows if r["same_bits_as_off"] is False]
+    bad = [r for r in rows if r.get("same_bits_as_off") is False or "error" in r]
     return 1 if bad else 0
 
 
