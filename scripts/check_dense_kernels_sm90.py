@@ -7,11 +7,12 @@ forms of ``SITE_CONFIGS`` with and without the fused expand and quantizer, the q
 and dequantized forms, the expand), bf16 and float32 streams, at the given hidden size, through
 Triton's whole pipeline down to a cubin (Triton's bundled ``ptxas``). Prints registers, spill
 bytes and the layout conversions left inside each loop, flags ``wgmma-serialized`` (ptxas made
-every wgmma wait for the one before) and ``div64 n`` (64-bit integer divisions or remainders:
-called routines), with ``--loop-histogram`` the SASS of each kernel's longest loop, and exits 1
-if any variant
-fails to compile: the interpreter runs the kernels' arithmetic, not the GPU compiler, so this is
-the check that catches what only the compiler refuses. ``--quick``: one variant of each kernel.
+every wgmma wait for the one before), ``div64 n`` (64-bit integer divisions or remainders:
+called routines) and ``loop-fchk n`` (IEEE float divisions inside loops: each a branch region
+with its slow-path call, so they do not overlap), with ``--loop-histogram`` the SASS of each
+kernel's longest loop, and exits 1 if any variant fails to compile: the interpreter runs the
+kernels' arithmetic, not the GPU compiler, so this is the check that catches what only the
+compiler refuses. ``--quick``: one variant of each kernel.
 Must run without ``TRITON_INTERPRET`` (the kernels are then built compiled). Pointer arguments
 are compiled as 16-byte aligned, as Triton specializes a launch's tensors; integer arguments
 stay general (a launch whose strides are multiples of 16 gets wider loads than shown here),
@@ -354,9 +355,9 @@ def _resources(cubin: bytes, cuobjdump: str) -> str:
     return " ".join(w for w in line.split() if w.startswith(("REG:", "STACK:")))
 
 
-def _loop_histogram(cubin: bytes, cuobjdump: str) -> str:
-    """The SASS of the kernel's longest loop (the span of its longest backward branch):
-    instructions, register moves (``MOV``, ``IMAD.MOV``) and the most frequent opcodes."""
+def _loops(cubin: bytes, cuobjdump: str) -> list[list[str]]:
+    """The SASS of each of the kernel's loops (the span of each backward branch), the opcodes
+    without their predicates."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -368,12 +369,24 @@ def _loop_histogram(cubin: bytes, cuobjdump: str) -> str:
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:  # the opcode without its predicate
             ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))))
-    body: list[str] = []
+    loops = []
     for addr, text in ins:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            span = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            body = span if len(span) > len(body) else body
+            loops.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
+    return loops
+
+
+def _loop_fchk(cubin: bytes, cuobjdump: str) -> int:
+    """IEEE division checks (``FCHK``, each guarding a branch to the slow path) inside loops:
+    every one is a branch region of its own, so the loop's divisions cannot overlap."""
+    return sum(t.startswith("FCHK") for loop in _loops(cubin, cuobjdump) for t in loop)
+
+
+def _loop_histogram(cubin: bytes, cuobjdump: str) -> str:
+    """The SASS of the kernel's longest loop (the span of its longest backward branch):
+    instructions, register moves (``MOV``, ``IMAD.MOV``) and the most frequent opcodes."""
+    body: list[str] = max(_loops(cubin, cuobjdump), key=len, default=[])
     if not body:
         return "loop none"
     ops = Counter(t.split()[0].split(".")[0] for t in body)
@@ -467,10 +480,11 @@ def main(argv=None) -> int:
         ptx = k.asm["ptx"]
         serial = "wgmma.mma_async" in ptx and _wgmma_serialized(ptx, ptxas, args.arch)
         div64 = _div64(ptx)
+        fchk = _loop_fchk(k.asm["cubin"], cuobjdump)
         print(
             f"ok   {name}: {_resources(k.asm['cubin'], cuobjdump)} "
             f"loop-layout-conversions {conv or 0}{' wgmma-serialized' if serial else ''}"
-            f"{f' div64 {div64}' if div64 else ''}"
+            f"{f' div64 {div64}' if div64 else ''}{f' loop-fchk {fchk}' if fchk else ''}"
         )
         if args.loop_histogram:
             print(f"     {_loop_histogram(k.asm['cubin'], cuobjdump)}")

@@ -433,13 +433,22 @@ def _col(t, jj, c: tl.constexpr):
 
 
 @triton.jit
+def _recip(s):
+    """``1 / s`` within an ulp for a positive normal ``s``: the approximate reciprocal
+    (``div.full``) and one Newton step, no branch. An IEEE division compiles to the same
+    reciprocal plus a check and a call of the slow path, each inside its own branch region, so
+    no two divisions overlap: 8 a Sinkhorn iteration took 0.31 us of the flash site (H100,
+    ``reports/gpu/probe_site_flash_h100_9cf8666.json``)."""
+    r = tl.fdiv(1.0, s, ieee_rounding=False)
+    return tl.fma(r, tl.fma(-s, r, 1.0), r)
+
+
+@triton.jit
 def _norm4(a, b, c, d, eps):
     """``(a, b, c, d) / (a + b + c + d + eps)``, elementwise over the token vectors, as four
-    products with one correctly rounded reciprocal: a Sinkhorn iteration's eight normalizations
-    issue 8 IEEE divisions instead of 32 (on the H200 the 32 took about 1 us an iteration,
-    ``benchmarks/probe_site.py``), at most one more rounding per value (within the module's
-    ``64u * iters`` bound of ``C``)."""
-    r = tl.div_rn(1.0, (((a + b) + c) + d) + eps)
+    products with one reciprocal (``_recip``): at most an ulp and a rounding more per value
+    than the divisions (within the module's ``64u * iters`` bound of ``C``)."""
+    r = _recip((((a + b) + c) + d) + eps)
     return a * r, b * r, c * r, d * r
 
 
@@ -451,13 +460,8 @@ def _softmax4(a, b, c, d, eps):
     b = tl.exp(b - m)
     c = tl.exp(c - m)
     d = tl.exp(d - m)
-    s = ((a + b) + c) + d
-    return (
-        tl.div_rn(a, s) + eps,
-        tl.div_rn(b, s) + eps,
-        tl.div_rn(c, s) + eps,
-        tl.div_rn(d, s) + eps,
-    )
+    r = _recip(((a + b) + c) + d)  # the sum is at least 1 (the largest term is exp(0))
+    return a * r + eps, b * r + eps, c * r + eps, d * r + eps
 
 
 @triton.jit
