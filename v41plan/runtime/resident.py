@@ -173,12 +173,13 @@ def linear_pair(quantizer=fake_fp8, impl: str = "auto"):
     (``"triton"`` under the interpreter, ``"torch"``) the pair is joined there too (tests)."""
 
     def make(w1, w2, dtype: torch.dtype):
-        both = stack_fp8(w1, w2) if JOINT_LINEARS else None
+        served = all(triton_ready(w, w.device, dtype) for w in (w1, w2))
+        if not JOINT_LINEARS or (impl == "auto" and not served):
+            return None  # (checked before stacking: the torch path would dequantize it)
+        both = stack_fp8(w1, w2)
         if both is None:
             return None
         joint = ResidentLinear(both, dtype, quantizer=quantizer, impl=impl)
-        if impl == "auto" and joint.impl != "triton":
-            return None
         n1, b1 = w1.shape[0], w1.shape[0] // 32
         halves = (
             QuantWeight(both.codes[:n1], both.scales[:b1], "fp8"),
