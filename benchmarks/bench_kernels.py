@@ -491,17 +491,24 @@ def select_rows(context, ceil, kb, ref):
     return out
 
 
+def _decode_scores_inputs(rows: int, context: int, heads: int, seed: int):
+    """Pools of ``rows`` requests over ``context`` tokens (fp8 index plane), their index
+    queries and head weights, the ratio-2 rows each sees and its bound:
+    ``(pools, q, w, n_comp, bound)``."""
+    pools = Pools(rows, context // PAGE, "bf16", "fp8")
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(rows, heads, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(rows, heads, generator=g, device=DEV, dtype=torch.bfloat16)
+    n_comp = context // 2
+    return pools, q, w, n_comp, torch.full((rows,), n_comp, device=DEV)
+
+
 def scorer_tile_sweep(width, context, ceil, kb, ref):
     """Decode scores alone (fp8 plane) over the keys a program covers (``score_chunk``: more
     programs, fewer tiles each) and the keys a tile holds (``score_block``)."""
     _, hi = WIDTHS[width]
     rows = SIZES["decode_rows"]
-    pools = Pools(rows, context // PAGE, "bf16", "fp8")
-    g = torch.Generator(device=DEV).manual_seed(2)
-    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
-    n_comp = context // 2
-    bound = torch.full((rows,), n_comp, device=DEV)
+    pools, q, w, n_comp, bound = _decode_scores_inputs(rows, context, hi, 2)
     pages, planes = pools.tables, pools.index
     want = ref.scores(planes, q, w, bound, pages)
     shape = f"{width} index {hi}x{INDEX_D} fp8 decode T={rows} ctx={context}"
@@ -543,12 +550,7 @@ def _scorer_short_case(rows, context, ceil, kb, ref):
     """``scorer_short_sweep``'s rows at ``rows`` decode rows over ``context`` tokens."""
     _, hi = WIDTHS["flash"]
     out = []
-    pools = Pools(rows, context // PAGE, "bf16", "fp8")
-    g = torch.Generator(device=DEV).manual_seed(4)
-    q = torch.randn(rows, hi, INDEX_D, generator=g, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(rows, hi, generator=g, device=DEV, dtype=torch.bfloat16)
-    n_comp = context // 2
-    bound = torch.full((rows,), n_comp, device=DEV)
+    pools, q, w, n_comp, bound = _decode_scores_inputs(rows, context, hi, 4)
     pages, planes = pools.tables, pools.index
     n = pages.shape[1] * planes[0].shape[1]
     want = ref.scores(planes, q, w, bound, pages)
