@@ -19,6 +19,7 @@
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 #   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
+#   DECODE_BATCHES=1 ...   # the decode batch sizes (default 1,64)
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
@@ -76,7 +77,7 @@ fi
 if has decode; then
     # two variants (a flag's A/B) take about 2 x 200 s
     run decode 560 python3 benchmarks/bench_decode_paths.py --spec flash_slice \
-        --checkpoint "$CKPT" --variants "${DECODE_VARIANTS:-compiled}" --batch-sizes 1,64 \
+        --checkpoint "$CKPT" --variants "${DECODE_VARIANTS:-compiled}" --batch-sizes "${DECODE_BATCHES:-1,64}" \
         --kernel-table 12 --out "$OUT/bench_decode_flash_slice.json"
 fi
 if has attn1; then  # batch-1 flash decode attention: head blocks and key splits
