@@ -7,7 +7,9 @@ on an H100, 28-34 at medium widths before the split form). This times, per token
 forms with parts taken away: the split form whole (one launch, its last program finishing),
 its first pass alone (two launches, the finishing one skipped), with one Sinkhorn iteration
 instead of the model's, without the FP8 epilogue, with 64 and 256 lanes a program instead of
-``SPLIT_LANES``; the products form with the model's iterations and with one. The differences
+``SPLIT_LANES``, and (as the runtime runs it, no FP8 epilogue) with the finishing program's
+norm pass in wider chunks (``NORM_CHUNK_LANES``); the products form with the model's
+iterations and with one. The differences
 say which part holds the time. Rows: ``ms`` (CUDA-graph replays), ``floor_ms`` (the call's bytes
 over the copy bandwidth measured here) and ``of_floor``; writes JSON (``$OUT/probe_site.json``
 or ``--out``).
@@ -124,28 +126,34 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     forms = {"split": ("split", 1, 128, 4), "products": ("products", 1, 128, 4)}
     forms["split64"] = ("split", 1, 64, 2)  # a program's lanes are at least its chunk
-    # (label, form, Sinkhorn iterations, FP8 epilogue, finishing launch skipped, lanes)
-    lanes0 = td.SPLIT_LANES
+    # (label, form, Sinkhorn iterations, FP8 epilogue, finishing launch skipped, lanes, lanes a
+    # round trip of the finishing program's norm pass)
+    lanes0, chunk0 = td.SPLIT_LANES, td.NORM_CHUNK_LANES
     cases = [
-        ("split whole", "split", iters, True, False, lanes0),
-        ("split first pass alone", "split", iters, True, True, lanes0),
-        ("split, 1 Sinkhorn iteration", "split", 1, True, False, lanes0),
-        ("split, no FP8 epilogue", "split", iters, False, False, lanes0),
-        ("split, 64 lanes a program (2 warps)", "split64", iters, True, False, 64),
-        ("split, 256 lanes a program", "split", iters, True, False, 256),
-        ("products whole", "products", iters, True, False, lanes0),
-        ("products, 1 Sinkhorn iteration", "products", 1, True, False, lanes0),
+        ("split whole", "split", iters, True, False, lanes0, chunk0),
+        ("split first pass alone", "split", iters, True, True, lanes0, chunk0),
+        ("split, 1 Sinkhorn iteration", "split", 1, True, False, lanes0, chunk0),
+        ("split, no FP8 epilogue", "split", iters, False, False, lanes0, chunk0),
+        ("split, 64 lanes a program (2 warps)", "split64", iters, True, False, 64, chunk0),
+        ("split, 256 lanes a program", "split", iters, True, False, 256, chunk0),
+        ("products whole", "products", iters, True, False, lanes0, chunk0),
+        ("products, 1 Sinkhorn iteration", "products", 1, True, False, lanes0, chunk0),
+    ]
+    # the runtime's sites (no FP8 epilogue) with the norm pass in fewer, wider round trips
+    cases += [
+        (f"split, no FP8 epilogue, norm {c} lanes a trip", "split", iters, False, False, lanes0, c)
+        for c in (2048, 4096, 8192)
     ]
     saved = list(td.SITE_CONFIGS), list(td.SITE_CONFIGS_WIDE), td.SPLIT_ONE_LAUNCH
     finish = td._mhc_site_finish_kernel
     for N in [int(t) for t in args.tokens.split(",")]:
         X = torch.randn(N, hc, D, generator=g, device="cuda").to(torch.bfloat16)
         pre = torch.rand(N, hc, generator=g, device="cuda") + cfg.hc_eps
-        for label, form, its, quant, skip, lanes in cases:
+        for label, form, its, quant, skip, lanes, chunk in cases:
             # a finite bound: the split form sizes its arrival counters from the tables
             td.SITE_CONFIGS[:] = td.SITE_CONFIGS_WIDE[:] = [(4096, forms[form])]
             td.SPLIT_ONE_LAUNCH = not skip  # alone: two launches, the second skipped
-            td.SPLIT_LANES = lanes
+            td.SPLIT_LANES, td.NORM_CHUNK_LANES = lanes, chunk
             td._mhc_site_finish_kernel = _Skipped() if skip else finish
             fn = td.mhc_site_fp8 if quant else td.mhc_site
             try:
@@ -165,6 +173,7 @@ def main(argv=None) -> int:
             finally:
                 td.SITE_CONFIGS[:], td.SITE_CONFIGS_WIDE[:] = saved[0], saved[1]
                 td.SPLIT_ONE_LAUNCH, td.SPLIT_LANES = saved[2], lanes0
+                td.NORM_CHUNK_LANES = chunk0
                 td._mhc_site_finish_kernel = finish
     if not args.no_gemm:
         gemm_rows(cfg, rows, bw)

@@ -98,6 +98,7 @@ def _variants(td, hidden: int, quick: bool) -> list[tuple[str, object, dict, dic
                     "EXPAND": expand,
                     "QUANT": quant,
                     "X_BF16": xdt == "*bf16",
+                    "NORM_CHUNK": block_d * td.NORM_UNROLL,
                 }
                 if mix == "split":
                     out += _split_variants(td, xdt, hidden, block_d, warps, expand, quant)
@@ -317,7 +318,8 @@ def _split_variants(td, xdt, hidden, block_d, warps, expand, quant) -> list:
     sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in fin_ptrs}
     sig["codes_ptr"] = "*u8"
     sig.update({"N": "i32", "hc_eps": "fp32", "norm_eps": "fp32"})
-    cx = {"D": hidden, "ITERS": 20, "SPLIT": split, "BLOCK_N": 1, "BLOCK_D": block_d}
+    cx = {"D": hidden, "ITERS": 20, "SPLIT": split, "BLOCK_N": 1}
+    cx["NORM_CHUNK"] = td.norm_chunk(hidden, block_d)
     cx.update({"QBLOCK": 32, "QUANT": quant, "X_BF16": xdt == "*bf16"})
     sig.update(dict.fromkeys(cx, "constexpr"))
     out.append(

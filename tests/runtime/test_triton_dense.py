@@ -381,6 +381,24 @@ def test_split_site_one_launch_equals_two_and_leaves_the_counters_zero(monkeypat
     assert int(td._COUNTERS[X.device][-1].abs().sum()) == 0
 
 
+def test_split_site_norm_chunk_keeps_the_bits(split_form, monkeypatch):
+    # the finishing program's norm pass in 32-lane round trips (3 at D = 96) or one 128-lane
+    # trip (its last 32 lanes masked): the same values, codes and scales
+    X, pre_in, p, w, y = _site_inputs(5, 96, seed=29)
+    _, post, C, _ = ref.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    outs = []
+    for lanes in (32, 128):
+        monkeypatch.setattr(td, "NORM_CHUNK_LANES", lanes)
+        assert td.norm_chunk(96, 32) == lanes
+        outs.append(
+            td.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+        )
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    monkeypatch.setattr(td, "NORM_CHUNK_LANES", 1024)
+    assert td.norm_chunk(5120, 128) == 1024 and td.norm_chunk(64, 32) == 64
+
+
 def test_split_site_is_batch_invariant(split_form):
     # each token's sums run in the same order whatever the batch: one token alone equals its row
     X, pre_in, p, w, y = _site_inputs(9, 96, seed=21)

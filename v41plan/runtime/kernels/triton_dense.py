@@ -537,22 +537,34 @@ def _pow2_ceil(n):
     return triton.next_power_of_2(int(n))
 
 
-NORM_UNROLL = tl.constexpr(8)
-"""``_site_norm`` walks ``x`` in chunks of this many ``BLOCK_D`` lanes: each chunk's loads wait
-once, so the pass costs ``D / (8 * BLOCK_D)`` round trips (5 at hidden 5120), not 40."""
+NORM_UNROLL = 8
+"""The norm pass (``_site_norm``) of the one-launch forms (``products``, the dot forms) walks
+``x`` in chunks of this many ``BLOCK_D`` lanes: each chunk's loads wait once, so the pass costs
+``D / (8 * BLOCK_D)`` round trips, not ``D / BLOCK_D``."""
+
+NORM_CHUNK_LANES = 1024
+"""Lanes of ``x`` the split form's finishing program (one or two tokens) normalizes a round
+trip, as ``norm_chunk`` rounds it: ``D / chunk`` round trips (5 at hidden 5120 and 1024 lanes).
+The chunk does not change a value's arithmetic (the same bits at every chunk)."""
+
+
+def norm_chunk(D: int, block_d: int) -> int:
+    """``NORM_CHUNK_LANES`` as the split form's ``_site_norm`` chunk: a power of two, at least
+    ``block_d`` (a multiple of 32), at most ``D`` rounded up to a power of two."""
+    return max(block_d, min(_next_pow2(NORM_CHUNK_LANES), _next_pow2(D)))
 
 
 @triton.jit
 def _site_norm(
     xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr,
+    D: tl.constexpr, CHUNK: tl.constexpr, QBLOCK: tl.constexpr,
     QUANT: tl.constexpr, X_BF16: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: RMSNorm of the collapse ``x`` pass 1 stored (sums of squares ``xs [BN]``), in
-    place, and its FP8 quant. Other threads wrote ``x``: a barrier first, loads through L2."""
+    place, and its FP8 quant, ``CHUNK`` lanes a round trip (``norm_chunk``). Other threads
+    wrote ``x``: a barrier first, loads through L2."""
     tl.debug_barrier()
     rx = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(xs, 1.0 * D) + norm_eps))
-    CHUNK: tl.constexpr = BLOCK_D * NORM_UNROLL
     G: tl.constexpr = CHUNK // QBLOCK
     gi = tl.arange(0, G)
     lane = tl.arange(0, QBLOCK)
@@ -624,7 +636,7 @@ def _mhc_site_kernel(
     N, hc_eps, norm_eps,
     D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
-    PDL: tl.constexpr = False,
+    NORM_CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One mHC site for ``BLOCK_N`` (1 or 2) tokens (hc = 4), optionally behind the previous
     expand: the decode form.
@@ -647,7 +659,7 @@ def _mhc_site_kernel(
     )  # fmt: skip
     _site_norm(
         tl.sum(tl.sum(xs, axis=2), axis=1), r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr,
-        norm_eps, D, BLOCK_D, QBLOCK, QUANT, X_BF16,
+        norm_eps, D, NORM_CHUNK, QBLOCK, QUANT, X_BF16,
     )  # fmt: skip
 
 
@@ -661,7 +673,7 @@ def _site_finish(
     part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
     r64, rmask, hc_eps, norm_eps,
     D: tl.constexpr, ITERS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+    NORM_CHUNK: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 of the split site for the tokens ``r64``: the partials summed by one fixed tree
     (the same sums at every batch width), the prediction (``_site_predict``) and the norm and
@@ -686,8 +698,8 @@ def _site_finish(
         norm_eps, D, ITERS,
     )  # fmt: skip
     _site_norm(
-        xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D, BLOCK_D, QBLOCK, QUANT,
-        X_BF16,
+        xs, r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D, NORM_CHUNK, QBLOCK,
+        QUANT, X_BF16,
     )  # fmt: skip
 
 
@@ -699,7 +711,7 @@ def _mhc_site_part_kernel(
     D: tl.constexpr, LANES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EXPAND: tl.constexpr, X_BF16: tl.constexpr, ITERS: tl.constexpr,
     QBLOCK: tl.constexpr, QUANT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    PDL: tl.constexpr = False,
+    NORM_CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 1 of the split site (decode): ``BLOCK_N`` tokens x the ``LANES`` lanes of split
     ``program_id(1)``: the expand (``EXPAND``, stored to ``X_out``), the collapse (stored
@@ -736,7 +748,7 @@ def _mhc_site_part_kernel(
             _site_finish(
                 part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr,
                 codes_ptr, scales_ptr, r64, rmask, hc_eps, norm_eps, D, ITERS, SPLIT, BLOCK_N,
-                BLOCK_D, QBLOCK, QUANT, X_BF16,
+                NORM_CHUNK, QBLOCK, QUANT, X_BF16,
             )  # fmt: skip
 
 
@@ -745,7 +757,7 @@ def _mhc_site_finish_kernel(
     part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr, scales_ptr,
     N, hc_eps, norm_eps,
     D: tl.constexpr, ITERS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
+    NORM_CHUNK: tl.constexpr, QBLOCK: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 of the split site as its own launch (``SPLIT_ONE_LAUNCH`` off)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -753,7 +765,7 @@ def _mhc_site_finish_kernel(
     _site_finish(
         part_ptr, base_ptr, scale_ptr, w_ptr, pre_ptr, post_ptr, C_ptr, x_ptr, codes_ptr,
         scales_ptr, rows.to(tl.int64), rmask, hc_eps, norm_eps, D, ITERS, SPLIT, BLOCK_N,
-        BLOCK_D, QBLOCK, QUANT, X_BF16,
+        NORM_CHUNK, QBLOCK, QUANT, X_BF16,
     )  # fmt: skip
 
 
@@ -764,7 +776,7 @@ def _mhc_site_dot_kernel(
     N, hc_eps, norm_eps,
     D: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QBLOCK: tl.constexpr, EXPAND: tl.constexpr, QUANT: tl.constexpr, X_BF16: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, NORM_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """``_mhc_site_kernel`` for 16 tokens or more per program (prefill): the mix GEMM is a
     ``tl.dot`` per stream and chunk on ``[BN, BD]`` tiles, so ``fn`` is read once per
@@ -807,7 +819,7 @@ def _mhc_site_dot_kernel(
     )  # fmt: skip
     _site_norm(
         tl.sum(xs, axis=1), r64, rmask, w_ptr, x_ptr, codes_ptr, scales_ptr, norm_eps, D,
-        BLOCK_D, QBLOCK, QUANT, X_BF16,
+        NORM_CHUNK, QBLOCK, QUANT, X_BF16,
     )  # fmt: skip
 
 
@@ -1087,14 +1099,14 @@ def _launch_site(
             N, float(hc_eps), float(norm_eps), D=D, LANES=lanes, SPLIT=split, BLOCK_N=block_n,
             BLOCK_D=block_d, EXPAND=expand is not None, X_BF16=bf16, ITERS=int(iters),
             QBLOCK=qb, QUANT=quant_block is not None, ONE_LAUNCH=one, num_warps=warps,
-            **pdl_launch(dev, N),
+            NORM_CHUNK=norm_chunk(D, block_d), **pdl_launch(dev, N),
         )  # fmt: skip
         if not one:
             _mhc_site_finish_kernel[(blocks,)](
                 part, base, scale, norm_weight, pre, post, C, x, codes, scales,
                 N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters), SPLIT=split,
-                BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb, QUANT=quant_block is not None,
-                X_BF16=bf16, num_warps=warps,
+                BLOCK_N=block_n, NORM_CHUNK=norm_chunk(D, block_d), QBLOCK=qb,
+                QUANT=quant_block is not None, X_BF16=bf16, num_warps=warps,
             )  # fmt: skip
     elif N:
         kernel, extra = _mhc_site_kernel, pdl_launch(dev, N)
@@ -1106,7 +1118,7 @@ def _launch_site(
             N, float(hc_eps), float(norm_eps), D=D, ITERS=int(iters),
             BLOCK_N=block_n, BLOCK_D=block_d, QBLOCK=qb,
             EXPAND=expand is not None, QUANT=quant_block is not None,
-            X_BF16=bf16, num_warps=warps, **extra,
+            X_BF16=bf16, NORM_CHUNK=block_d * NORM_UNROLL, num_warps=warps, **extra,
         )  # fmt: skip
     return (
         X_out if expand is not None else None,
