@@ -25,9 +25,7 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``compiled_pdl_on``: ``compiled`` with the decode-sized launches of the Triton kernels as
   dependent launches (``triton_common.PDL`` on): their A/B;
 - ``compiled_separate_linears``: ``compiled`` with ``wq_a`` and ``wkv`` as two products
-  (``resident.JOINT_LINEARS`` off): the joint product's A/B;
-- ``compiled_wide_split2``: ``compiled`` with twice the K splits of the wide W8A8 linears at
-  up to 16 rows (``triton_gemm.WIDE_FEW_ROWS_SPLIT_FACTOR`` 2): its A/B.
+  (``resident.JOINT_LINEARS`` off): the joint product's A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -89,7 +87,6 @@ VARIANTS = {
     "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_pdl_on": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_separate_linears": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_wide_split2": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -97,7 +94,6 @@ GEMM_FLAGS = {
     "compiled_split_two_launches": {"kernels.triton_gemm.SPLIT_ONE_LAUNCH": False},
     "compiled_pdl_on": {"kernels.triton_common.PDL": "on"},
     "compiled_separate_linears": {"resident.JOINT_LINEARS": False},
-    "compiled_wide_split2": {"kernels.triton_gemm.WIDE_FEW_ROWS_SPLIT_FACTOR": 2},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

@@ -64,23 +64,6 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, wc, ws, dot: str, u_out: floa
     return float(((y.double().cpu() - exact).abs() / bound).max())
 
 
-def test_wide_few_rows_split_factor(monkeypatch):
-    """``WIDE_FEW_ROWS_SPLIT_FACTOR`` multiplies the splits of wide weights at up to 16 rows
-    where there is more than one, and nothing else: narrow weights and 17-64 rows keep theirs
-    (so no batch size gains a change of a row's sums), a whole-K launch stays whole."""
-    from v41plan.runtime.kernels import triton_gemm as tg
-
-    shapes = ((1280, 5120), (512, 5120), (5120, 8192), (5120, 2304), (32768, 1024))
-    before = {(N, K, M): tg.default_config(M, N, K, "fp8") for N, K in shapes for M in (1, 16, 17)}
-    monkeypatch.setattr(tg, "WIDE_FEW_ROWS_SPLIT_FACTOR", 2)
-    for (N, K, M), cfg in before.items():
-        got = tg.default_config(M, N, K, "fp8").split_k
-        boosted = N > 2048 and M <= 16 and cfg.split_k > 1
-        assert got == min(2 * cfg.split_k, K // tg.SPLIT_MIN_LANES) if boosted else cfg.split_k
-    assert tg.default_config(1, 5120, 8192, "fp8").split_k == 8  # wo_b: 4 -> 8
-    assert tg.default_config(1, 32768, 1024, "fp8").split_k == 1  # wq_b: whole
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_act_quant_is_fake_fp8_bit_for_bit(dtype):
     x = _activations(37, 96, 0).to(dtype)

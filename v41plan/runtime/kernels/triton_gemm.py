@@ -88,24 +88,12 @@ def _programs_wanted() -> int:
     return 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-WIDE_FEW_ROWS_SPLIT_FACTOR = 1
-"""Splits of a wide weight's (more than 2048 outputs) launch of up to 16 rows, times the
-``split_k_for`` count where that is more than one (``wo_b``: 4 -> 8; ``wq_b`` stays whole).
-Those launches run 16-row tiles whose bits already differ from the 64-row tiles of 17-64
-rows, so the factor adds no batch size at which a row's sums change. 1: off. At 2 the one-row
-tile sweep took ``wo_b`` 24.6 -> 21.3 us and ``shared.w2`` 9.6 -> 9.8 (H100,
-``reports/gpu/bench_gemm_moe_decode_tiles_h100_ff13909.json``); ``bench_decode_paths.py``'s
-``compiled_wide_split2`` variant times it in a whole step."""
-
-
-def split_k_for(N: int, K: int, cfg: GemmConfig, factor: int = 1) -> int:
+def split_k_for(N: int, K: int, cfg: GemmConfig) -> int:
     """K splits of a decode launch (up to 64 rows) of ``cfg``'s tiles: enough programs to stream
-    the weight with one row block (see ``GemmConfig.split_k``), times ``factor`` where that is
-    more than one split, each split over at least ``SPLIT_MIN_LANES`` lanes. It does not depend
-    on the rows: a row's sums are the same at every decode batch size of one tile shape."""
+    the weight with one row block (see ``GemmConfig.split_k``), each split over at least
+    ``SPLIT_MIN_LANES`` lanes. It does not depend on the rows: a row's sums are the same at
+    every decode batch size."""
     want = triton.cdiv(_programs_wanted(), triton.cdiv(N, cfg.block_n))
-    if want > 1:
-        want *= factor
     return max(1, min(want, K // SPLIT_MIN_LANES))
 
 
@@ -132,8 +120,6 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
             cfg = GemmConfig(16, 32, 64 if fp8 else 128, num_warps=4, num_stages=4)
         elif M <= 16:
             cfg = GemmConfig(16, 64, 64 if fp8 else 128, num_warps=4, num_stages=4)
-            split = split_k_for(N, K, cfg, WIDE_FEW_ROWS_SPLIT_FACTOR)
-            return dataclasses.replace(cfg, split_k=split)
         else:
             cfg = GemmConfig(64, 64, bk, num_warps=4, num_stages=4)
         return dataclasses.replace(cfg, split_k=split_k_for(N, K, cfg))
