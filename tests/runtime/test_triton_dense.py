@@ -395,8 +395,9 @@ def test_split_site_norm_chunk_keeps_the_bits(split_form, monkeypatch):
         )
     for a, b in zip(*outs, strict=True):
         assert torch.equal(_bits(a), _bits(b))
-    monkeypatch.setattr(td, "NORM_CHUNK_LANES", 1024)
-    assert td.norm_chunk(5120, 128) == 1024 and td.norm_chunk(64, 32) == 64
+    monkeypatch.setattr(td, "NORM_CHUNK_LANES", 8192)
+    assert td.norm_chunk(5120, 128) == 8192 and td.norm_chunk(1024, 128) == 1024
+    assert td.norm_chunk(64, 32) == 64
 
 
 def test_split_site_is_batch_invariant(split_form):
