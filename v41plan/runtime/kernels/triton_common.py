@@ -53,8 +53,9 @@ wait lost at both (3.86 / 6.80 ms)."""
 PDL = "off"
 """The mode launches use on CUDA devices that have it (sm_90+; see ``pdl_mode``;
 ``V41PLAN_PDL=on`` for a process). Off: the batch-1 flash_slice decode step ran slower with it
-(12.79 against 12.44 ms, H100, ``reports/gpu/bench_decode_flash_slice_pdl_split2_h100_2af20f1.json``),
-though the W8A8 chain of ``probe_pdl.py`` alone ran faster at one row."""
+(12.79 against 12.44 ms, H100,
+``reports/gpu/bench_decode_flash_slice_pdl_split2_h100_2af20f1.json``), though the W8A8
+chain of ``probe_pdl.py`` alone ran faster at one row."""
 
 PDL_MAX_ROWS = 16
 """Token rows up to which a launch is a dependent one (see ``PDL_MODES``)."""
