@@ -309,10 +309,17 @@ def _split_variants(td, xdt, hidden, block_d, warps, expand, quant) -> list:
     part_ptrs += ["X_out_ptr", "x_ptr", "part_ptr"]
     sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in part_ptrs}
     sig["N"] = "i32"
+    for n in ("base_ptr", "scale_ptr", "w_ptr", "pre_ptr", "post_ptr", "C_ptr", "scales_ptr"):
+        sig[n] = xdt if n in STREAM_PTRS else "*fp32"
+    sig.update({"codes_ptr": "*u8", "count_ptr": "*i32", "hc_eps": "fp32", "norm_eps": "fp32"})
+    # the shipped one-launch form: pass 1 and, in the last program, the finish (its registers
+    # are the kernel's)
     cx = {"D": hidden, "LANES": lanes, "SPLIT": split, "BLOCK_N": 1, "BLOCK_D": block_d}
-    cx.update({"EXPAND": expand, "X_BF16": xdt == "*bf16"})
+    cx.update({"EXPAND": expand, "X_BF16": xdt == "*bf16", "ITERS": 20, "QBLOCK": 32})
+    cx.update({"QUANT": quant, "ONE_LAUNCH": True, "NORM_CHUNK": td.norm_chunk(hidden, block_d)})
     sig.update(dict.fromkeys(cx, "constexpr"))
-    out = [(f"mhc_site split part {xdt} expand={expand}", td._mhc_site_part_kernel, sig, cx, warps)]
+    name = f"mhc_site split part {xdt} expand={expand} quant={quant}"
+    out = [(name, td._mhc_site_part_kernel, sig, cx, warps)]
     fin_ptrs = ["part_ptr", "base_ptr", "scale_ptr", "w_ptr", "pre_ptr", "post_ptr", "C_ptr"]
     fin_ptrs += ["x_ptr", "codes_ptr", "scales_ptr"]
     sig = {n: (xdt if n in STREAM_PTRS else "*fp32") for n in fin_ptrs}
