@@ -9,6 +9,7 @@ here before the kernel modules are imported) with float32 dot operands.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -200,6 +201,41 @@ def test_triton_w4a8_equals_the_torch_grouped_moe(tiny):
         cfg, shard, LAYER, torch.float32, tp=Partial(1, 2), impl="triton", dot="fp32"
     )(x.to(DEV))[0]
     assert _rel(p_got.cpu(), p_ref) <= 1e-5
+
+
+def test_shared_expert_on_a_side_stream_gives_the_same_bits(tiny, monkeypatch):
+    """``SHARED_EXPERT_STREAM``: the shared expert forked before the routed stages and joined
+    before the combine: the same kernels on the same inputs (a recording stand-in for the
+    stream on the CPU; on CUDA the device's side stream, graph-captured in
+    tests/gpu/test_shared_stream_gpu.py)."""
+    from v41plan.runtime import resident
+
+    cfg, _, res = tiny
+    dev_res = {k: v.to(DEV) for k, v in res.items() if k.startswith(LAYER + ".ffn.")}
+    moe = GroupedMoE(cfg, dev_res, LAYER, torch.float32, impl="triton", dot="fp32")
+    x = _x(cfg, 5, torch.float32, seed=9).to(DEV)
+    want, ids = moe(x)
+    events = []
+
+    class Recording:
+        def fork(self):
+            events.append("fork")
+            return contextlib.nullcontext()
+
+        def join(self):
+            events.append("join")
+
+    calls = []
+    shared = moe.shared_expert
+    monkeypatch.setattr(moe, "shared_expert", lambda *a: calls.append(events[:]) or shared(*a))
+    monkeypatch.setattr(resident, "shared_expert_stream", lambda device: Recording())
+    got, gids = moe(x)
+    assert events == ["fork", "join"] and calls == [["fork"]]  # inside the fork
+    assert torch.equal(gids, ids) and torch.equal(got, want)
+    if DEV == "cpu":  # the flag asks for a stream on CUDA devices only
+        monkeypatch.undo()
+        monkeypatch.setattr(resident, "SHARED_EXPERT_STREAM", True)
+        assert resident.shared_expert_stream(torch.device("cpu")) is None
 
 
 def test_forced_decision_check_accepts_the_kernel_and_catches_planted_faults(tiny):

@@ -17,6 +17,7 @@ either arrangement: dequantized tensors (the CPU reference) or ``QuantWeight``s 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -191,6 +192,50 @@ def linear_pair(quantizer=fake_fp8, impl: str = "auto"):
     return make
 
 
+SHARED_EXPERT_STREAM = False
+"""Whether the Triton path runs the shared expert (its gate/up and ``w2``) on a side stream of
+the device (``SideStream``) while the routed experts' permutation, gate/up and down run on the
+current one, joining before the combine that adds it: the same kernels on the same inputs, so
+the same bits; in a CUDA graph the two branches become parallel nodes. Off until a decode step
+has timed it (``bench_decode_paths.py``'s ``compiled_shared_stream`` variant)."""
+
+
+class SideStream:
+    """A second stream of one CUDA device for work that may overlap the current stream's:
+    ``fork()`` runs its block there, after everything queued so far on the current stream;
+    ``join()`` makes the current stream wait for it. Each fork starts behind the current
+    stream, so a tensor the side stream allocated and the current stream read after a join is
+    free for the side stream's next fork to reuse (no ``record_stream``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def fork(self):
+        """Run the block on the side stream, behind the current stream's queued work."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """Make the current stream wait for the side stream's queued work."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+_SIDE_STREAMS: dict[torch.device, SideStream] = {}
+
+
+def shared_expert_stream(device: torch.device) -> SideStream | None:
+    """The side stream the shared expert runs on (``SHARED_EXPERT_STREAM``, CUDA), else None.
+    One per device, made at its first use (the warm-up before any capture)."""
+    if not SHARED_EXPERT_STREAM or device.type != "cuda":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = SideStream(device)
+    return _SIDE_STREAMS[device]
+
+
 class GroupedMoE:
     """``model.layers.MoE``'s arithmetic over the selected experts only (see the module doc).
 
@@ -265,34 +310,34 @@ class GroupedMoE:
         ids, wts = self.route(x, forced_ids)
         return self.experts(x, ids, wts), ids
 
+    def shared_expert(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """The Triton path's shared expert on the FP8 input (``act_quant_fp8``'s codes and
+        scales): gate/up, SwiGLU and the FP8 codes of ``h`` in one GEMM, then ``w2``."""
+        from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
+
+        w1, w3 = ((s.weight.codes, s.weight.scales) for s in (self.s1, self.s3))
+        hq, hs = w8a8_swiglu(xq, xs, w1, w3, self.limit, self.dtype)
+        return self.s2.quantized(hq, hs)
+
     def experts(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
         """Routed + shared experts of a routing (``route``'s ids and weights), all-reduced,
         ``[N, D]`` in dtype."""
         a = acc_dtype(self.dtype)
         if self.impl == "triton":
-            from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
-            from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8
+            from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8_stages, moe_combine
             from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
             xq, xs = act_quant_fp8(x.to(self.dtype))  # quantized once: routed and shared
-            # the shared expert: gate/up, SwiGLU and the FP8 codes of h in one GEMM, then w2
-            w1, w3 = ((s.weight.codes, s.weight.scales) for s in (self.s1, self.s3))
-            hq, hs = w8a8_swiglu(xq, xs, w1, w3, self.limit, self.dtype)
-            shared = self.s2.quantized(hq, hs)
-            y = grouped_moe_w4a8(
-                xq,
-                xs,
-                ids,
-                wts,
-                self.w1,
-                self.w3,
-                self.w2,
-                self.expert_first,
-                self.limit,
-                self.dtype,
-                add=shared,
-                dot=self.dot,
-            )
+            side = shared_expert_stream(x.device)
+            with side.fork() if side is not None else contextlib.nullcontext():
+                shared = self.shared_expert(xq, xs)
+            st = grouped_moe_w4a8_stages(
+                xq, xs, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit,
+                self.dtype, self.dot,
+            )  # fmt: skip
+            if side is not None:
+                side.join()
+            y = moe_combine(st.y_rows, st.rows.pos, ids.shape[1], shared)
             return self.tp.all_reduce(y).to(self.dtype)
         xq = self.quantizer(x, 32).to(self.dtype)
         y = grouped_moe_torch(
