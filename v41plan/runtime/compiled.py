@@ -260,15 +260,20 @@ class DensePieces:
 
     def moe(self, moe, x, forced):
         """(MoE output ``[N, D]`` in its dtype, expert ids): the dense MoE compiled whole, a
-        grouped MoE's router compiled and its experts (the grouped product) eager."""
+        grouped MoE's router compiled and its experts (the grouped product) eager, what needs
+        no routing begun before the router (``GroupedMoE.begin``)."""
         if isinstance(moe, MoE):
             y, ids = self.moe_local(moe, x, forced)
             return moe.tp.all_reduce(y).to(moe.dtype), ids
+        if not self.ranged:
+            begun = moe.begin(x)
+            ids, wts = self.route(moe, x, forced)
+            return moe.finish(begun, ids, wts), ids
+        with torch.profiler.record_function(BACKEND_RANGE + "moe"):  # profiles as a backend op
+            begun = moe.begin(x)
         ids, wts = self.route(moe, x, forced)
-        if self.ranged:  # the grouped product profiles as a backend op
-            with torch.profiler.record_function(BACKEND_RANGE + "moe"):
-                return moe.experts(x, ids, wts), ids
-        return moe.experts(x, ids, wts), ids
+        with torch.profiler.record_function(BACKEND_RANGE + "moe"):
+            return moe.finish(begun, ids, wts), ids
 
 
 def compiled_dense(dense, backend: str | None):

@@ -307,8 +307,9 @@ class GroupedMoE:
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output ``[N, D]`` in dtype, selected expert ids ``[N, k]``)."""
+        begun = self.begin(x)
         ids, wts = self.route(x, forced_ids)
-        return self.experts(x, ids, wts), ids
+        return self.finish(begun, ids, wts), ids
 
     def shared_expert(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """The Triton path's shared expert on the FP8 input (``act_quant_fp8``'s codes and
@@ -319,18 +320,30 @@ class GroupedMoE:
         hq, hs = w8a8_swiglu(xq, xs, w1, w3, self.limit, self.dtype)
         return self.s2.quantized(hq, hs)
 
-    def experts(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
-        """Routed + shared experts of a routing (``route``'s ids and weights), all-reduced,
-        ``[N, D]`` in dtype."""
+    def begin(self, x: torch.Tensor) -> Any:
+        """What needs no routing, started before it (``finish`` takes the result): on the
+        Triton path the input quantized once (routed and shared experts read it) and the shared
+        expert launched, on the side stream with ``SHARED_EXPERT_STREAM`` (so it overlaps the
+        router too); elsewhere ``x`` itself."""
+        if self.impl != "triton":
+            return x
+        from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+        xq, xs = act_quant_fp8(x.to(self.dtype))
+        side = shared_expert_stream(x.device)
+        with side.fork() if side is not None else contextlib.nullcontext():
+            shared = self.shared_expert(xq, xs)
+        return xq, xs, shared, side
+
+    def finish(self, begun: Any, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """Routed + shared experts of a routing (``route``'s ids and weights) from ``begin``'s
+        result, the shared expert joined (after the side stream's work, where it ran there),
+        all-reduced, ``[N, D]`` in dtype."""
         a = acc_dtype(self.dtype)
         if self.impl == "triton":
             from v41plan.runtime.kernels.triton_moe import grouped_moe_w4a8_stages, moe_combine
-            from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
-            xq, xs = act_quant_fp8(x.to(self.dtype))  # quantized once: routed and shared
-            side = shared_expert_stream(x.device)
-            with side.fork() if side is not None else contextlib.nullcontext():
-                shared = self.shared_expert(xq, xs)
+            xq, xs, shared, side = begun
             st = grouped_moe_w4a8_stages(
                 xq, xs, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit,
                 self.dtype, self.dot,
@@ -339,7 +352,7 @@ class GroupedMoE:
                 side.join()
             y = moe_combine(st.y_rows, st.rows.pos, ids.shape[1], shared)
             return self.tp.all_reduce(y).to(self.dtype)
-        xq = self.quantizer(x, 32).to(self.dtype)
+        xq = self.quantizer(begun, 32).to(self.dtype)
         y = grouped_moe_torch(
             xq, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit, self.mm_impl,
             quantizer=self.quantizer,
