@@ -87,7 +87,8 @@ def census(
         (ML.Linear, "__call__", "linear"), (ML.Attention, "output_local", "output"),
         (ML.Rope, "cos_sin", "rope"), (ML.MoE, "local", "moe"),
     ] if compile_backend is None else []  # fmt: skip
-    methods.append((RS.GroupedMoE, "experts", "moe"))  # eager at either level
+    # eager at either level: what needs no routing (before the router), then the experts
+    methods += [(RS.GroupedMoE, "begin", "moe"), (RS.GroupedMoE, "finish", "moe")]
     for obj, name, label in methods:
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, _labelled(getattr(obj, name), "MODEL::" + label))
