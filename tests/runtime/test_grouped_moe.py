@@ -218,19 +218,29 @@ def test_shared_expert_on_a_side_stream_gives_the_same_bits(tiny, monkeypatch):
     events = []
 
     class Recording:
+        @contextlib.contextmanager
         def fork(self):
             events.append("fork")
-            return contextlib.nullcontext()
+            yield
+            events.append("forked")
 
         def join(self):
             events.append("join")
 
-    calls = []
     shared = moe.shared_expert
-    monkeypatch.setattr(moe, "shared_expert", lambda *a: calls.append(events[:]) or shared(*a))
+    monkeypatch.setattr(
+        moe, "shared_expert", lambda *a: events.append("shared") or shared(*a)
+    )  # fmt: skip
+    from v41plan.runtime.kernels import triton_moe
+
+    combine = triton_moe.moe_combine
+    monkeypatch.setattr(
+        triton_moe, "moe_combine", lambda *a: events.append("combine") or combine(*a)
+    )  # fmt: skip
     monkeypatch.setattr(resident, "shared_expert_stream", lambda device: Recording())
     got, gids = moe(x)
-    assert events == ["fork", "join"] and calls == [["fork"]]  # inside the fork
+    # launched inside the fork, joined before the combine that adds it
+    assert events == ["fork", "shared", "forked", "join", "combine"]
     assert torch.equal(gids, ids) and torch.equal(got, want)
     if DEV == "cpu":  # the flag asks for a stream on CUDA devices only
         monkeypatch.undo()
