@@ -209,6 +209,7 @@ def test_shared_expert_on_a_side_stream_gives_the_same_bits(tiny, monkeypatch):
     stream on the CPU; on CUDA the device's side stream, graph-captured in
     tests/gpu/test_shared_stream_gpu.py)."""
     from v41plan.runtime import resident
+    from v41plan.runtime.kernels import triton_moe
 
     cfg, _, res = tiny
     dev_res = {k: v.to(DEV) for k, v in res.items() if k.startswith(LAYER + ".ffn.")}
@@ -231,8 +232,6 @@ def test_shared_expert_on_a_side_stream_gives_the_same_bits(tiny, monkeypatch):
     monkeypatch.setattr(
         moe, "shared_expert", lambda *a: events.append("shared") or shared(*a)
     )  # fmt: skip
-    from v41plan.runtime.kernels import triton_moe
-
     combine = triton_moe.moe_combine
     monkeypatch.setattr(
         triton_moe, "moe_combine", lambda *a: events.append("combine") or combine(*a)
