@@ -196,9 +196,9 @@ SHARED_EXPERT_STREAM = False
 """Whether the Triton path runs the shared expert (its gate/up and ``w2``) on a side stream of
 the device (``SideStream``) while the router and the routed experts' permutation, gate/up and
 down run on the current one, joining before the combine that adds it: the same kernels on the
-same inputs, so
-the same bits; in a CUDA graph the two branches become parallel nodes. Off until a decode step
-has timed it (``bench_decode_paths.py``'s ``compiled_shared_stream`` variant)."""
+same inputs, so the same bits; in a CUDA graph the two branches become parallel nodes. Off
+until a decode step has timed it (``bench_decode_paths.py``'s ``compiled_shared_stream``
+variant)."""
 
 
 class SideStream:
