@@ -14,12 +14,14 @@
 # flash decode attention's sweep forms at 64 rows and one row,
 # $OUT/bench_kernels_attn_sweep.json) and "ncu" (Nsight Compute's counters of the routed
 # experts' and two W8A8 decode launches, benchmarks/probe_decode_kernels.py,
-# $OUT/ncu_decode_kernels.csv; Firecracker machines only). On an H100 too (35 GB resident).
+# $OUT/ncu_decode_kernels.csv; Firecracker machines only) and "streams" (the GPU test of the
+# shared expert on a side stream). On an H100 too (35 GB resident).
 # STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
 #   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
 #   DECODE_BATCHES=1 ...   # the decode batch sizes (default 1,64)
+#   STEPS="streams ckpt decode" DECODE_VARIANTS=compiled,compiled_shared_stream ...
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
@@ -52,6 +54,9 @@ if has checks; then  # the GPU tests of the LM head, the router, the split site,
         tests/gpu/test_triton_dense_gpu.py -k "head or router or split"
     run checks-attention 120 python3 -m pytest -q tests/runtime/test_triton_kernels.py \
         -k "attention or window"
+fi
+if has streams; then  # the shared expert on a side stream: the same bits, eager and replayed
+    run streams 120 python3 -m pytest -q tests/gpu/test_shared_stream_gpu.py
 fi
 if has sweep; then
     run sweep 360 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --sweep --no-main \
