@@ -381,7 +381,12 @@ def sweep_rows(
     ``MoEConfig`` tiles. ``{}`` marks the shipped default."""
     import dataclasses
 
-    from v41plan.runtime.kernels.triton_gemm import GemmConfig, default_config, w8a8_linear
+    from v41plan.runtime.kernels.triton_gemm import (
+        GemmConfig,
+        default_config,
+        split_k_for,
+        w8a8_linear,
+    )
     from v41plan.runtime.kernels.triton_moe import (
         MoEConfig,
         default_moe_config,
@@ -393,6 +398,7 @@ def sweep_rows(
     D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     shapes = {
         "wq_a": (cfg.q_lora_rank, D),
+        "wq_a+wkv": (cfg.q_lora_rank + d, D),
         "wq_b": (H * d, cfg.q_lora_rank),
         "wkv": (d, D),
         "wo_b": (D, cfg.o_groups * cfg.o_lora_rank),
@@ -646,6 +652,32 @@ def sweep_rows(
                 _sweep_row(rows, f"tiles w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
                 if rows[-1].get("ms") is not None and c.split_k == base.split_k:
                     rows[-1]["bit_identical"] = bool(torch.equal(fn(), ref))
+    for name, (N, K) in shapes.items() if "w8a8_decode_tma" in parts else ():
+        # decode rows by TMA descriptors (GemmConfig.tma, with the pointer kernel's K splits):
+        # the fp8 mode at 16 and 64 rows a tile, the bf16 mode's exact operands at wide steps
+        wc, ws = _fp8_weight(N, K)
+        for Md in (1, 64):
+            xq, xs, floor_ms = _decode_rows(Md, N, K, wc, ws, ceil)
+            base = default_config(Md, N, K, "fp8")
+            forms = [  # (dot, block_m, block_n, block_k, stages)
+                ("fp8", 16, 64, 32, 4), ("fp8", 16, 64, 32, 8), ("fp8", 16, 32, 32, 6),
+                ("fp8", 64, 64, 32, 4), ("fp8", 64, 128, 32, 4), ("bf16", 16, 64, 128, 4),
+                ("bf16", 64, 64, 128, 4), ("bf16", 64, 128, 64, 4),
+            ]  # fmt: skip
+            cands = [("fp8", base)]
+            for dot, bm, bn, bk, st in forms:
+                c = GemmConfig(bm, bn, bk, num_warps=4, num_stages=st, tma=True)
+                cands.append((dot, dataclasses.replace(c, split_k=split_k_for(N, K, c))))
+            ref = w8a8_linear(xq, wc, ws, torch.bfloat16, xs, config=base)
+            for dot, c in cands:
+                tag = f"{dot} {c.block_m}x{c.block_n}x{c.block_k} s{c.num_stages}"
+                tag += f" split {c.split_k}" + (" tma" if c.tma else " {}")
+                fn = lambda a=(xq, wc, ws, torch.bfloat16, xs, dot), c=c: w8a8_linear(*a, config=c)
+                _sweep_row(rows, f"tma w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
+                if rows[-1].get("ms") is not None:
+                    rows[-1]["max_rel_diff"] = float(
+                        (fn().float() - ref.float()).abs().max() / ref.float().abs().max()
+                    )
     if "swiglu_launch" in parts:  # the shared expert's split-K end: its own launch or a second
         from v41plan.runtime.kernels import triton_gemm
         from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
@@ -710,7 +742,8 @@ def main(argv=None) -> int:
         default="w8a8,w8a8_decode,moe",
         help="the sweep's parts: w8a8 (prefill tiles), w8a8_decode (split-K), w8a8_decode_tiles "
         "(decode rows' tiles at the default's splits), w8a8_decode_bf16 (17-64 rows in the bf16 "
-        "mode), swiglu_launch (the shared expert's split-K end in one launch or two), moe, "
+        "mode), w8a8_decode_tma (decode rows by TMA descriptors, split K), "
+        "swiglu_launch (the shared expert's split-K end in one launch or two), moe, "
         "moe_kernels (the routed experts' kernels one by one), moe_occupancy (decode forms: a "
         "register cap, narrower tiles, shorter K steps)",
     )

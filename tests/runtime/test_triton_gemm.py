@@ -199,6 +199,42 @@ def test_tma_bf16_mode_scales_the_operands_not_the_products(block_k):
     assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), "bf16", 2.0**-8) <= 1.0
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_tma_tiles_split_k_as_the_pointer_kernel(monkeypatch, one_launch):
+    """``GemmConfig.tma`` with ``split_k``: each split's partial over its own lanes, the splits
+    summed in split order in the launch's last split (``SPLIT_ONE_LAUNCH``) or by the sum
+    kernel: the pointer kernel's result at the same splits, bit for bit, in the ``"fp8"``
+    (``"fp32"`` on the CPU) mode; in the ``"bf16"`` mode at 64-lane steps whose splits end
+    inside a step (the next split's lanes take the scale 0) against the pointer kernel's exact
+    operands at the same step and splits."""
+    from v41plan.runtime.kernels import triton_gemm
+
+    monkeypatch.setattr(triton_gemm, "SPLIT_ONE_LAUNCH", one_launch)
+    M, K, N = 5, 480, 96  # 15 scale blocks: 3 splits of 5 blocks (160 lanes), 2 of 8 and 7
+    x = _activations(M, K, 27).to(DEV)
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(28)) * 0.05
+    w[:, 200:232] *= 300.0
+    wc, ws = quantize_fp8_weight(w)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    xq, xs = act_quant_fp8(x)
+    warps = 1 if DEV == "cpu" else 4
+    fp8 = "fp32" if DEV == "cpu" else "fp8"
+    for split in (3, 2):
+        ptr = GemmConfig(16, 32, 32, num_warps=warps, num_stages=1, split_k=split)
+        tma = GemmConfig(16, 32, 32, num_warps=warps, num_stages=3, split_k=split, tma=True)
+        want = w8a8_linear(xq, wc, ws, torch.float32, x_scales=xs, dot=fp8, config=ptr)
+        got = w8a8_linear(xq, wc, ws, torch.float32, x_scales=xs, dot=fp8, config=tma)
+        assert torch.equal(got, want), split
+        assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), fp8, 2.0**-24) <= 1.0
+    ref_dot = "fp32" if DEV == "cpu" else "bf16"
+    ptr = GemmConfig(16, 32, 64, num_warps=warps, num_stages=1, split_k=3)
+    tma = GemmConfig(16, 32, 64, num_warps=warps, num_stages=3, split_k=3, tma=True)
+    want = w8a8_linear(xq, wc, ws, torch.float32, x_scales=xs, dot=ref_dot, config=ptr)
+    got = w8a8_linear(xq, wc, ws, torch.float32, x_scales=xs, dot="bf16", config=tma)
+    assert torch.equal(got, want)
+    assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), "bf16", 2.0**-24) <= 1.0
+
+
 def test_tma_tiles_refuse_what_they_do_not_read(monkeypatch):
     from v41plan.runtime.kernels import triton_gemm
 

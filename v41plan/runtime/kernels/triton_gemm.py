@@ -72,9 +72,9 @@ class GemmConfig:
     tma: bool = False
     """Read the operand tiles by tensor-memory (TMA) descriptors (``_w8a8_tma_kernel``): no
     per-element address or mask arithmetic, tiles land in shared memory ready for the tensor
-    cores. Pre-quantized, ungrouped input, one K split, ``block_n`` a multiple of 32; the
-    ``"fp8"`` or ``"fp32"`` mode at ``block_k`` 32 (the same sums as without it), or the
-    ``"bf16"`` mode at any multiple of 32."""
+    cores. Pre-quantized, ungrouped input, ``block_n`` a multiple of 32, any ``split_k`` (the
+    pointer kernel's splits and their end); the ``"fp8"`` or ``"fp32"`` mode at ``block_k`` 32
+    (the same sums as without it), or the ``"bf16"`` mode at any multiple of 32."""
 
 
 SPLIT_MIN_LANES = 512
@@ -497,20 +497,27 @@ def _w8a8_kernel(
 @triton.jit
 def _tma_bf16_steps(
     x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K: tl.constexpr, sxsm, swsn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, k_lo=0,
+    K_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     """The ``"bf16"`` mode's K loop over TMA tiles: each ``BK``-lane step's E4M3 codes times
     their block scales (one byte a row and 32-lane block for the activations, one a 32 x 32
     block for the weight), exact in bf16 (a 4-bit significand times a power of two), then one
     bf16 dot into the float32 accumulator, which stays in the tensor cores between steps (no
     per-block scaling of partial products: the dots need no wait). ``F32_DOT``: the same
-    operands widened to float32 (the interpreter, whose bf16 dot is not exact)."""
+    operands widened to float32 (the interpreter, whose bf16 dot is not exact). ``K_SPLIT >
+    0``: lanes ``k_lo .. k_lo + K_SPLIT`` only (a K split); a step's lanes past the split take
+    the scale 0, so their codes (the next split's) add nothing."""
     nb: tl.constexpr = BK // 32
     mb: tl.constexpr = BN // 32
+    LANES: tl.constexpr = K if K_SPLIT == 0 else K_SPLIT
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(0, K, BK):
+    for kk in range(0, LANES, BK):
+        kb = k_lo + kk
         kbi = kb // 32 + tl.arange(0, nb)
         klive = kbi * 32 < K  # a block past K has no scale byte (its codes read as zeros)
+        if K_SPLIT > 0:
+            klive &= kk + tl.arange(0, nb) * 32 < K_SPLIT
         fx = tl.load(
             xs_ptr + rm[:, None] * sxsm + kbi[None, :],
             mask=mmask[:, None] & klive[None, :],
@@ -534,10 +541,11 @@ def _tma_bf16_steps(
 
 @triton.jit
 def _w8a8_tma_kernel(
-    x_desc, xs_ptr, w_desc, ws_ptr, y_ptr, cos_ptr, sin_ptr, M, N, K: tl.constexpr, sxsm, swsn,
-    sym, scm, DOT: tl.constexpr, OUT_BF16: tl.constexpr, HEAD_D: tl.constexpr,
-    ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-    BK: tl.constexpr = 32, F32_DOT: tl.constexpr = False,
+    x_desc, xs_ptr, w_desc, ws_ptr, y_ptr, cos_ptr, sin_ptr, part_ptr, count_ptr, M, N,
+    K: tl.constexpr, sxsm, swsn, sym, scm, DOT: tl.constexpr, OUT_BF16: tl.constexpr,
+    HEAD_D: tl.constexpr, ROPE_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    GROUP_M: tl.constexpr, BK: tl.constexpr = 32, F32_DOT: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, K_SPLIT: tl.constexpr = 0, ONE_LAUNCH: tl.constexpr = False,
 ):  # fmt: skip
     """``_w8a8_kernel`` on pre-quantized codes with its operand tiles read by TMA descriptors
     (``x_desc``: E4M3 ``[M, K]`` in ``[BM, BK]`` blocks, ``w_desc``: ``[N, K]`` in ``[BN, BK]``;
@@ -545,7 +553,9 @@ def _w8a8_tma_kernel(
     one dot scaled as in the ``"fp8"`` mode, so the sums are ``_w8a8_kernel``'s at ``BK = 32``
     bit for bit; the scale bytes of a block are loaded one block ahead (their latency then
     overlaps the dot before), the weight's as one byte per 32-row block (``BN`` a multiple of
-    32), broadcast to the lanes. ``"bf16"`` (``_tma_bf16_steps``): ``BK`` lanes a dot."""
+    32), broadcast to the lanes. ``"bf16"`` (``_tma_bf16_steps``): ``BK`` lanes a dot.
+    ``SPLIT_K > 1``: split ``program_id(1)`` of ``K_SPLIT`` lanes into ``part``, ended as
+    ``_w8a8_kernel``'s splits are (``ONE_LAUNCH``, or ``_split_sum_kernel``)."""
     m0, n0 = tile_origin(M, N, BM, BN, GROUP_M)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
@@ -553,22 +563,51 @@ def _w8a8_tma_kernel(
     mmask = rm < M
     nmask = rn < N
     bmask = rb * 32 < N
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(1) * K_SPLIT
+    else:
+        k_lo = 0
+    LANES: tl.constexpr = K if SPLIT_K == 1 else K_SPLIT
     if DOT == 1:
         acc = _tma_bf16_steps(
             x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K, sxsm, swsn, BM, BN,
-            BK, F32_DOT,
+            BK, F32_DOT, k_lo, 0 if SPLIT_K == 1 else K_SPLIT,
         )  # fmt: skip
+    else:
+        acc = _tma_fp8_blocks(
+            x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K, sxsm, swsn, BM, BN,
+            DOT, k_lo, LANES,
+        )  # fmt: skip
+    if SPLIT_K > 1:
+        store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
+        if ONE_LAUNCH:  # noqa: SIM102 (a compile-time branch: no counting without it)
+            if last_split_arrived(count_ptr, SPLIT_K):
+                acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
+                store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
+                             OUT_BF16, HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+    else:
         store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
                      HEAD_D, ROPE_D, BM, BN)  # fmt: skip
-        return
+
+
+@triton.jit
+def _tma_fp8_blocks(
+    x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K: tl.constexpr, sxsm, swsn,
+    BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, k_lo, LANES: tl.constexpr,
+):  # fmt: skip
+    """The ``"fp8"`` / ``"fp32"`` modes' K loop over TMA tiles, lanes ``k_lo .. k_lo + LANES``:
+    each 32-lane block one dot scaled by its two scales, the next block's scale bytes loaded
+    one block ahead."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    fx = tl.load(xs_ptr + rm * sxsm, mask=mmask, other=0)
-    fw = tl.load(ws_ptr + rb * swsn, mask=bmask, other=0)
-    for kb in range(0, K, 32):
+    fx = tl.load(xs_ptr + rm * sxsm + k_lo // 32, mask=mmask & (k_lo < K), other=0)
+    fw = tl.load(ws_ptr + rb * swsn + k_lo // 32, mask=bmask & (k_lo < K), other=0)
+    for kk in range(0, LANES, 32):
+        kb = k_lo + kk
         sx = e8m0_value(fx)
         sw = e8m0_value(fw)
-        # the next block's scales (none past K: a neighbour's byte or 0xFF is no scale)
-        live = kb + 32 < K
+        # the next block's scales (none past K or the split: a neighbour's byte or 0xFF is no
+        # scale)
+        live = (kb + 32 < K) & (kk + 32 < LANES)
         fx = tl.load(xs_ptr + rm * sxsm + kb // 32 + 1, mask=mmask & live, other=0)
         fw = tl.load(ws_ptr + rb * swsn + kb // 32 + 1, mask=bmask & live, other=0)
         a = x_desc.load([m0, kb])
@@ -582,8 +621,7 @@ def _w8a8_tma_kernel(
             af = a.to(tl.float32) * sx[:, None]
             bf = b.to(tl.float32) * sl[:, None]
             acc += tl.dot(af, tl.trans(bf), input_precision="ieee")
-    store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
-                 HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+    return acc
 
 
 @triton.jit
@@ -870,16 +908,15 @@ def w8a8_linear(
         if cos.dtype != torch.float32 or N % head_d or cfg.block_n % 2 or head_d % 2:
             raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
         cos, sin = cos.contiguous(), sin.contiguous()
-    split = _splits(K, cfg)[0]
+    split, k_split = _splits(K, cfg)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
     if cfg.tma:
         bk_ok = cfg.block_k == QUANT_BLOCK or dot == "bf16"
-        if quant_x or grouped or split > 1 or not bk_ok:
+        if quant_x or grouped or not bk_ok:
             raise ValueError(
-                "w8a8_linear: GemmConfig.tma takes pre-quantized, ungrouped input, one K split "
-                f"and block_k {QUANT_BLOCK} outside the bf16 mode (quantized input: "
-                f"{not quant_x}, grouped: {grouped}, splits: {split}, block_k: {cfg.block_k}, "
-                f"dot: {dot})"
+                "w8a8_linear: GemmConfig.tma takes pre-quantized, ungrouped input and block_k "
+                f"{QUANT_BLOCK} outside the bf16 mode (quantized input: {not quant_x}, "
+                f"grouped: {grouped}, block_k: {cfg.block_k}, dot: {dot})"
             )
         if cfg.block_n % QUANT_BLOCK:
             raise ValueError(
@@ -888,13 +925,19 @@ def w8a8_linear(
         e4m3 = torch.float8_e4m3fn
         xd = TensorDescriptor.from_tensor(xk.view(e4m3), [cfg.block_m, cfg.block_k])
         wd = TensorDescriptor.from_tensor(w.view(e4m3), [cfg.block_n, cfg.block_k])
-        _w8a8_tma_kernel[grid[:1]](
-            xd, xs, wd, ws, y, cos, sin, M, N, K, xs.stride(0), ws.stride(0), y.stride(0),
-            cos.stride(0), DOT=DOT_MODES[dot], OUT_BF16=out_dtype == torch.bfloat16, HEAD_D=head_d,
-            ROPE_D=rope_d, BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m, BK=cfg.block_k,
-            F32_DOT=x.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=y.device)
+        one = split > 1 and SPLIT_ONE_LAUNCH
+        count = split_counters(y.device, grid[0]) if one else part
+        _w8a8_tma_kernel[grid](
+            xd, xs, wd, ws, y, cos, sin, part, count, M, N, K, xs.stride(0), ws.stride(0),
+            y.stride(0), cos.stride(0), DOT=DOT_MODES[dot], OUT_BF16=out_dtype == torch.bfloat16,
+            HEAD_D=head_d, ROPE_D=rope_d, BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
+            BK=cfg.block_k, F32_DOT=x.device.type == "cpu", SPLIT_K=split, K_SPLIT=k_split,
+            ONE_LAUNCH=one, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=rope is None,
         )  # fmt: skip
+        if split > 1 and not one:
+            _sum_splits(part, y, cos, sin, split, head_d, rope_d)
         return y
     return _launch_pointer(
         xk, xs, w, ws, y, cos, sin, cfg, (xk.stride(0), sxg, 0, xs.stride(0)), K, dot,
@@ -924,13 +967,20 @@ def _launch_pointer(xk, xs, w, ws, y, cos, sin, cfg, x_strides, K, dot, **consts
         enable_fp_fusion=not rope, **consts, **pdl_launch(y.device, M),
     )  # fmt: skip
     if split > 1 and not one:
-        bm, bn = SUM_TILE
-        _split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-            part, y, cos, sin, M, N, y.stride(0), cos.stride(0), S=split, OUT_BF16=out_bf16,
-            HEAD_D=consts["HEAD_D"], ROPE_D=consts["ROPE_D"], BM=bm, BN=bn,
-            enable_fp_fusion=not rope,
-        )  # fmt: skip
+        _sum_splits(part, y, cos, sin, split, consts["HEAD_D"], consts["ROPE_D"])
     return y
+
+
+def _sum_splits(part, y, cos, sin, split: int, head_d: int, rope_d: int) -> None:
+    """``_split_sum_kernel``: a split-K linear's ``split`` partials ``part [split, M, N]`` summed
+    in split order into ``y``, with its epilogue (the RoPE where ``rope_d > 0``)."""
+    M, N = y.shape
+    bm, bn = SUM_TILE
+    _split_sum_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        part, y, cos, sin, M, N, y.stride(0), cos.stride(0), S=split,
+        OUT_BF16=y.dtype == torch.bfloat16, HEAD_D=head_d, ROPE_D=rope_d, BM=bm, BN=bn,
+        enable_fp_fusion=rope_d == 0,
+    )  # fmt: skip
 
 
 A16_BMM_ROWS = 512
