@@ -652,9 +652,10 @@ def sweep_rows(
                 _sweep_row(rows, f"tiles w8a8 {name} M={Md} {tag}", fn, floor_ms, c, deadline)
                 if rows[-1].get("ms") is not None and c.split_k == base.split_k:
                     rows[-1]["bit_identical"] = bool(torch.equal(fn(), ref))
-    for name, (N, K) in shapes.items() if "w8a8_decode_tma" in parts else ():
+    for name in ("wq_b", "wo_b", "shared.w2", "wq_a+wkv") if "w8a8_decode_tma" in parts else ():
         # decode rows by TMA descriptors (GemmConfig.tma, with the pointer kernel's K splits):
         # the fp8 mode at 16 and 64 rows a tile, the bf16 mode's exact operands at wide steps
+        N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
         for Md in (1, 64):
             xq, xs, floor_ms = _decode_rows(Md, N, K, wc, ws, ceil)
