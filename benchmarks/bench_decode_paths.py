@@ -27,7 +27,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``compiled_separate_linears``: ``compiled`` with ``wq_a`` and ``wkv`` as two products
   (``resident.JOINT_LINEARS`` off): the joint product's A/B;
 - ``compiled_shared_stream``: ``compiled`` with the shared expert on a side stream beside the
-  routed experts (``resident.SHARED_EXPERT_STREAM`` on): its A/B.
+  routed experts (``resident.SHARED_EXPERT_STREAM`` on): its A/B;
+- ``compiled_decode_tma``: ``compiled`` with the W8A8 decode launches reading their tiles by
+  TMA descriptors (``triton_gemm.DECODE_TMA`` on; the same tiles, splits and sums): its A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -90,6 +92,7 @@ VARIANTS = {
     "compiled_pdl_on": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_separate_linears": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_shared_stream": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_decode_tma": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -98,6 +101,7 @@ GEMM_FLAGS = {
     "compiled_pdl_on": {"kernels.triton_common.PDL": "on"},
     "compiled_separate_linears": {"resident.JOINT_LINEARS": False},
     "compiled_shared_stream": {"resident.SHARED_EXPERT_STREAM": True},
+    "compiled_decode_tma": {"kernels.triton_gemm.DECODE_TMA": True},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

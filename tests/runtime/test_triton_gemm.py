@@ -235,6 +235,53 @@ def test_tma_tiles_split_k_as_the_pointer_kernel(monkeypatch, one_launch):
     assert _bound_check(got, x.cpu(), wc.cpu(), ws.cpu(), "bf16", 2.0**-24) <= 1.0
 
 
+def test_decode_tma_keeps_the_pointer_kernels_bits(monkeypatch):
+    """``DECODE_TMA``: pre-quantized decode rows (1 to 64) take ``default_config``'s tiles and
+    splits by TMA descriptors, with the pointer kernel's result bit for bit; float input (its
+    own quantizer launch first) too; more than 64 rows stay as they were. On the CPU the
+    interpreter's tiles are replaced by decode-like ones at 32-lane steps (its ``"fp32"``
+    mode sums per step) with K splits."""
+    from v41plan.runtime.kernels import triton_gemm
+
+    if DEV == "cpu":
+        monkeypatch.setattr(
+            triton_gemm,
+            "default_config",
+            lambda M, N, K, dot: GemmConfig(16 if M <= 16 else 64, 32, 32, 1, 1, split_k=3),
+        )
+
+    launched = []
+    real = triton_gemm._w8a8_tma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    K, N = 1280, 96
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(29)) * 0.05
+    wc, ws = quantize_fp8_weight(w)
+    wc, ws = wc.to(DEV), ws.to(DEV)
+    for M in (1, 5, 64):
+        x = _activations(max(M, 3), K, 30 + M)[-M:].contiguous().to(DEV)
+        xq, xs = act_quant_fp8(x)
+        monkeypatch.setattr(triton_gemm, "DECODE_TMA", False)
+        want = w8a8_linear(xq, wc, ws, torch.bfloat16, x_scales=xs)
+        monkeypatch.setattr(triton_gemm, "DECODE_TMA", True)
+        monkeypatch.setattr(triton_gemm, "_w8a8_tma_kernel", Spy())
+        launched.clear()
+        assert torch.equal(w8a8_linear(xq, wc, ws, torch.bfloat16, x_scales=xs), want), M
+        assert torch.equal(w8a8_linear(x, wc, ws, torch.bfloat16), want), M
+        assert len(launched) == 2, M
+        monkeypatch.setattr(triton_gemm, "_w8a8_tma_kernel", real)
+    launched.clear()
+    monkeypatch.setattr(triton_gemm, "_w8a8_tma_kernel", Spy())
+    monkeypatch.setattr(triton_gemm, "PREFILL_TMA_TILE", None)
+    xq, xs = act_quant_fp8(_activations(65, K, 99).to(DEV))
+    w8a8_linear(xq, wc, ws, torch.bfloat16, x_scales=xs)  # prefill rows: the pointer kernel
+    assert launched == []
+
+
 def test_tma_tiles_refuse_what_they_do_not_read(monkeypatch):
     from v41plan.runtime.kernels import triton_gemm
 

@@ -766,6 +766,14 @@ scripts/check_dense_kernels_sm90.py; 8K rows of ``wq_b`` 2.47 -> 1.67 ms, of ``w
 1.77, reports/gpu/bench_gemm_moe_sweep3.json). None: the pointer kernel's ``default_config``."""
 
 
+DECODE_TMA = False
+"""Whether an ``"fp8"`` launch on pre-quantized decode rows (up to 64) reads its operand tiles
+by TMA descriptors (``tma_ready``: sm_90+, aligned operands): ``default_config``'s tiles and K
+splits with ``GemmConfig.tma`` at 32-lane steps (the ``"fp8"`` mode's sums at any step), so
+every row keeps the pointer kernel's sums, bit for bit. (The ``"fp32"`` mode takes it only at
+32-lane steps, its sums being per step: the interpreter's tests.) Off: the pointer kernel."""
+
+
 def tma_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``x``'s and ``w``'s codes can be read by TMA descriptors: a CUDA device of
     compute capability 9 or more (or Triton's interpreter), 16-byte aligned rows and bases."""
@@ -887,6 +895,17 @@ def w8a8_linear(
         and tma_ready(x, w_codes)
     ):
         cfg = PREFILL_TMA_TILE
+    elif (
+        config is None
+        and DECODE_TMA
+        and M <= 64
+        and (dot == "fp8" or (dot == "fp32" and cfg.block_k == QUANT_BLOCK))
+        and not quant_x
+        and not grouped
+        and cfg.block_n % QUANT_BLOCK == 0
+        and tma_ready(x, w_codes)
+    ):
+        cfg = dataclasses.replace(cfg, block_k=QUANT_BLOCK, tma=True)
     if cfg.block_k % QUANT_BLOCK:
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
     if grouped:
