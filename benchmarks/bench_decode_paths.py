@@ -26,8 +26,8 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   dependent launches (``triton_common.PDL`` on): their A/B;
 - ``compiled_separate_linears``: ``compiled`` with ``wq_a`` and ``wkv`` as two products
   (``resident.JOINT_LINEARS`` off): the joint product's A/B;
-- ``compiled_shared_stream``: ``compiled`` with the shared expert on a side stream beside the
-  routed experts (``resident.SHARED_EXPERT_STREAM`` on): its A/B;
+- ``compiled_one_stream``: ``compiled`` with the shared expert on the current stream, not on
+  a side stream beside the routed experts (``resident.SHARED_EXPERT_STREAM`` off): its A/B;
 - ``compiled_decode_tma``: ``compiled`` with the W8A8 decode launches reading their tiles by
   TMA descriptors (``triton_gemm.DECODE_TMA`` on; the same tiles, splits and sums): its A/B.
 
@@ -91,7 +91,7 @@ VARIANTS = {
     "compiled_split_two_launches": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_pdl_on": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_separate_linears": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_shared_stream": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_one_stream": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_tma": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
@@ -100,7 +100,7 @@ GEMM_FLAGS = {
     "compiled_split_two_launches": {"kernels.triton_gemm.SPLIT_ONE_LAUNCH": False},
     "compiled_pdl_on": {"kernels.triton_common.PDL": "on"},
     "compiled_separate_linears": {"resident.JOINT_LINEARS": False},
-    "compiled_shared_stream": {"resident.SHARED_EXPERT_STREAM": True},
+    "compiled_one_stream": {"resident.SHARED_EXPERT_STREAM": False},
     "compiled_decode_tma": {"kernels.triton_gemm.DECODE_TMA": True},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
