@@ -56,7 +56,9 @@ class _Recorder:
     def __getattr__(self, name):
         fn = getattr(self.pieces, name)
         if name == "moe":  # MoE goes through its own pieces (moe_local / route)
-            return lambda moe, x, forced: type(self.pieces).moe(self, moe, x, forced)
+            return lambda moe, x, forced, codes=None: type(self.pieces).moe(
+                self, moe, x, forced, codes
+            )
 
         def call(*args):
             saved = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]

@@ -185,6 +185,16 @@ def test_fused_epilogue_and_expand(N, dtype):
     want_codes, want_scales = ref.fp8_act_quant(ffn[4].cpu())
     assert torch.equal(_bits(ffn[5].cpu()), _bits(want_codes))
     assert torch.equal(_bits(ffn[6].cpu()), _bits(want_scales))
+    # E8M0 scale bytes (what the W8A8 GEMM reads): act_quant_fp8's codes and scales
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    args = (hc, iters, HC_EPS, NORM_EPS)
+    site = td.mhc_site_fp8(X, pre_in, p, w, *args, e8m0=True)
+    ffn = td.mhc_expand_site_fp8(y, X, post, C, pre, p, w, *args, e8m0=True)
+    for got in (site[3:], ffn[4:]):
+        want_q, want_s = act_quant_fp8(got[0])
+        assert torch.equal(_bits(got[1]), _bits(want_q))
+        assert torch.equal(got[2].view(torch.uint8), want_s.view(torch.uint8))
 
 
 @pytest.mark.parametrize("N", [1, 5, 16])

@@ -229,6 +229,63 @@ def test_fast_path_under_the_interpreter_matches_reference():
     assert lines[-1] == "fallbacks []", lines
 
 
+_SITE_CODES_RUN = r"""
+import hashlib, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[1])
+import torch
+from v41plan.runtime.kernels import triton_common
+triton_common.patch_interpreter()
+from v41plan.model.checkpoint import LoadedCheckpoint, random_state
+from v41plan.runtime import paged_model, resident
+from v41plan.runtime.kernels import triton_gemm, triton_quant
+from runtime import paged_helpers as H
+# the Triton path of the resident weights on the CPU (the interpreter)
+resident.triton_ready = lambda w, dev, dt: isinstance(w, resident.QuantWeight) and dt in (
+    torch.bfloat16, torch.float32)
+quantizer = triton_quant.act_quant_fp8
+launches = []
+def counted(x):
+    launches.append(x.shape)
+    return quantizer(x)
+triton_quant.act_quant_fp8 = triton_gemm.act_quant_fp8 = counted
+spec, cfg, _, eng = H.model("tiny")
+w = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0)).process(torch.bfloat16, resident=True)
+ids = H.token_ids(9, 1)
+for codes in (False, True):
+    paged_model.SITE_CODES = codes
+    m = H.RuntimeModel(spec, w, eng, cfg=cfg, num_pages=24, max_tokens=64, table_width=12,
+                       dtype=torch.bfloat16, dense="triton", moe="grouped")
+    assert m.attn[0].wqkv_a.reads_codes and m.moe[0].reads_codes
+    launches.clear()
+    m.reset_slot(0)
+    a = m.forward(H.step(spec, [(0, range(8), 6, 0, 6, "prefill", True)]), ids[:6]).logits
+    digest = hashlib.sha256(a.float().numpy().tobytes()).hexdigest()
+    print("run", codes, len(m.attn), len(launches), digest, bool(torch.isfinite(a).all()))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA: tests/gpu runs the compiled kernels")
+def test_sites_quantize_for_the_products_that_read_codes():
+    """``SITE_CODES``: with the Triton dense kernels and resident weights on their Triton path
+    (the interpreter, bf16), each layer's two sites hand their output's FP8 codes and E8M0
+    scales to the joint ``wq_a``/``wkv`` product and the grouped MoE: two quantizer launches
+    fewer a layer and the same logits, bit for bit (about 40 s)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-c", _SITE_CODES_RUN, str(ROOT / "tests")],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("run ")]
+    assert [r[0] for r in runs] == ["False", "True"], res.stdout
+    (_, layers, off, sum_off, ok_off), (_, _, on, sum_on, ok_on) = runs
+    assert ok_off == ok_on == "True"
+    assert int(off) - int(on) == 2 * int(layers), runs
+    assert sum_off == sum_on, runs
+
+
 def test_random_weights_amplify_op_differences():
     """Why the Triton backend is held to op-by-op parity and not to whole-forward logits:
     perturbing only the torch reference's attention outputs by 6e-7 relative noise (the size of

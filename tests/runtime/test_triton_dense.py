@@ -307,6 +307,27 @@ def test_fused_fp8_epilogue_quantizes_the_site_output(dtype, N):
     assert torch.equal(_bits(got[5]), _bits(want[0])) and torch.equal(_bits(got[6]), _bits(want[1]))
 
 
+@pytest.mark.parametrize("N", [1, 5, 19])
+def test_site_codes_with_e8m0_scales_are_the_w8a8_quantizers(N):
+    """``e8m0=True``: the site's codes and scales are ``act_quant_fp8(x)``'s (E4M3 codes, E8M0
+    scale bytes: what the W8A8 GEMM reads), bit for bit, in both site forms and in the torch
+    reference (which the op falls back to)."""
+    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
+
+    X, pre_in, p, w, _ = _site_inputs(N, 96, seed=11, dtype=torch.bfloat16)
+    y = torch.randn(N, 96).to(torch.bfloat16)
+    _, post, C, *_ = td.mhc_site(X, pre_in, p, w, HC, ITERS, HC_EPS, NORM_EPS)
+    args = (HC, ITERS, HC_EPS, NORM_EPS)
+    for mod in (td, ref):
+        site = mod.mhc_site_fp8(X, pre_in, p, w, *args, e8m0=True)
+        ffn = mod.mhc_expand_site_fp8(y, X, post, C, pre_in, p, w, *args, e8m0=True)
+        for x, codes, scales in (site[3:], ffn[4:]):
+            assert scales.dtype == torch.float8_e8m0fnu and scales.shape == (N, 3)
+            want_q, want_s = act_quant_fp8(x)
+            assert torch.equal(_bits(codes), _bits(want_q))
+            assert torch.equal(scales.view(torch.uint8), want_s.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_expand_within_the_stated_bound(dtype):
     X, pre_in, p, w, y = _site_inputs(37, 96, seed=11, dtype=dtype)

@@ -421,12 +421,19 @@ class Attention:
         qr = rms_norm(qa, self.q_norm, self.eps)
         return self.wq_b(qr, rope=(cos, sin, self.d)).reshape(qa.shape[0], self.H, self.d), qr
 
-    def q_kv_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def q_kv_inputs(
+        self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(wq_a(x), wkv(x))``: one product where the kernels joined them (``wqkv_a``; the
-        same products, the sums split over K by the joint weight's shape)."""
+        same products, the sums split over K by the joint weight's shape). ``quantized``: ``x``'s
+        FP8 codes and E8M0 scales, which a joint product that reads them takes instead of
+        quantizing ``x`` again (``wqkv_a.quantized``)."""
         if self.wqkv_a is None:
             return self.wq_a(x), self.wkv(x)
-        y = self.wqkv_a(x)
+        if quantized is not None and getattr(self.wqkv_a, "reads_codes", False):
+            y = self.wqkv_a.quantized(*quantized)
+        else:
+            y = self.wqkv_a(x)
         n = self.wq_a.out_features
         return y[:, :n], y[:, n:]
 

@@ -69,11 +69,11 @@ def _index_query(att, x, qr, cos, sin, index: bool):
     return qi, F.linear(x, att.idx_weights_proj) * att.idx_scale
 
 
-def attn_inputs(att, x, cos, sin, index: bool):
+def attn_inputs(att, x, cos, sin, index: bool, xq=None, xs=None):
     """(window-KV rows, q, index query or None, head weights or None) of the same rows, from
-    one ``wq_a``/``wkv`` product (``Attention.q_kv_inputs``): ``window_kv`` and ``query`` in
-    one region."""
-    qa, y = att.q_kv_inputs(x)
+    one ``wq_a``/``wkv`` product (``Attention.q_kv_inputs``; ``xq``/``xs``: ``x``'s FP8 codes
+    and E8M0 scales, made by the site before it): ``window_kv`` and ``query`` in one region."""
+    qa, y = att.q_kv_inputs(x, None if xq is None else (xq, xs))
     q, qr = att.q_path_from(qa, cos, sin)
     return (att.window_kv_from(y, cos, sin), q, *_index_query(att, x, qr, cos, sin, index))
 
@@ -188,7 +188,7 @@ _COMPILED: dict[tuple[str, str, str], object] = {}
 
 
 TOKEN_ARGS = {
-    "window_kv": (1, 2, 3), "query": (1, 2, 3), "attn_inputs": (1, 2, 3),
+    "window_kv": (1, 2, 3), "query": (1, 2, 3), "attn_inputs": (1, 2, 3, 5, 6),
     "compress_project": (1,),
     "compressed_rows": (1, 2, 3, 4), "output": (1, 2, 3), "moe_local": (1, 2), "route": (1, 2),
     "cos_sin": (1,), "engram": (1, 2, 3), "engram_rows": (1, 2), "embed": (1,), "head": (0, 1),
@@ -258,19 +258,20 @@ class DensePieces:
         first-launch autotuning not included)."""
         return _BACKENDS[self.backend].compile_s if self.backend in _BACKENDS else 0.0
 
-    def moe(self, moe, x, forced):
+    def moe(self, moe, x, forced, quantized=None):
         """(MoE output ``[N, D]`` in its dtype, expert ids): the dense MoE compiled whole, a
         grouped MoE's router compiled and its experts (the grouped product) eager, what needs
-        no routing begun before the router (``GroupedMoE.begin``)."""
+        no routing begun before the router (``GroupedMoE.begin``, with ``quantized``: ``x``'s
+        FP8 codes and E8M0 scales where its site made them)."""
         if isinstance(moe, MoE):
             y, ids = self.moe_local(moe, x, forced)
             return moe.tp.all_reduce(y).to(moe.dtype), ids
         if not self.ranged:
-            begun = moe.begin(x)
+            begun = moe.begin(x, quantized)
             ids, wts = self.route(moe, x, forced)
             return moe.finish(begun, ids, wts), ids
         with torch.profiler.record_function(BACKEND_RANGE + "moe"):  # profiles as a backend op
-            begun = moe.begin(x)
+            begun = moe.begin(x, quantized)
         ids, wts = self.route(moe, x, forced)
         with torch.profiler.record_function(BACKEND_RANGE + "moe"):
             return moe.finish(begun, ids, wts), ids

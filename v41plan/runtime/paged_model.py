@@ -61,6 +61,13 @@ from v41plan.runtime.staging import Layout, Workspace, build_layout
 ALL = None
 """A row set holding every row of the width (a sub-step or stage that runs every row)."""
 
+SITE_CODES = True
+"""Whether an mHC site whose output feeds a product that reads FP8 codes (the joint
+``wq_a``/``wkv`` linear, the grouped MoE; ``reads_codes``) quantizes that output in its own
+epilogue (``mhc_site_fp8``/``mhc_expand_site_fp8`` with E8M0 scales, the Triton dense kernels),
+so the product takes the codes instead of a quantizer launch of its own: the same codes (the
+same quantizer, bit for bit), two launches fewer a layer. False: the products quantize."""
+
 _PER_REQUEST = (
     "forward_start",
     "forward_end",
@@ -1268,22 +1275,29 @@ class RuntimeModel:
                 fr.X[need] = new
         att = self.attn[L]
         Xn = _take(fr.X, need)
-        a_pre, a_post, a_C, xin = self.dense.mhc_site(
+        # every row both writes the ring and attends (decode, a whole chunk): one wq_a/wkv
+        # product where the kernels joined them
+        joint = att.wqkv_a is not None and l_rw is None and l_at is None
+        site = (
             Xn, _take(fr.pre, need), self.hc_attn[L], self.attn_norm[L],
             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps,
         )  # fmt: skip
+        codes = None
+        if joint and self._site_codes(att.wqkv_a):
+            a_pre, a_post, a_C, xin, *codes = self.dense.mhc_site_fp8(*site, e8m0=True)
+        else:
+            a_pre, a_post, a_C, xin = self.dense.mhc_site(*site)
         cos, sin = fr.once(
             ("rope", info.ratio > 0, None if need is None else id(need)),
             lambda: self.pieces.cos_sin(att.rope, _take(fr.pos, need), self.dtype),
         )  # every layer of a RoPE kind has the same table
         index = info.ratio > 0 and info.role in ("full", "reindex")
-        # every row both writes the ring and attends (decode, a whole chunk): one wq_a/wkv
-        # product where the kernels joined them
-        joint = att.wqkv_a is not None and l_rw is None and l_at is None
         p = Pieces(need, at, rw, cp, ff, a_pre, a_post, a_C, xin, cos, sin)
         p.extra = {"l_at": l_at, "l_cp": l_cp, "l_ff": l_ff}
         if joint:
-            kv, p.q, p.qi, p.wts = self.pieces.attn_inputs(att, xin, cos, sin, index)
+            kv, p.q, p.qi, p.wts = self.pieces.attn_inputs(
+                att, xin, cos, sin, index, *(codes or (None, None))
+            )
         else:
             kv = self.pieces.window_kv(att, _take(xin, l_rw), _take(cos, l_rw), _take(sin, l_rw))
         if rw is None:
@@ -1336,6 +1350,12 @@ class RuntimeModel:
             )
         return cand
 
+    def _site_codes(self, consumer) -> bool:
+        """Whether a site feeding ``consumer`` quantizes its output in its epilogue
+        (``SITE_CODES``: the Triton dense kernels, a consumer that reads FP8 codes)."""
+        reads = getattr(consumer, "reads_codes", False)
+        return SITE_CODES and self.dense.name == "triton" and reads
+
     def layer_post(self, L: int, si: StepInputs, fr: Frame, p: Pieces) -> None:
         """Dense piece after attention: output projection, mHC expand, the FFN site (mHC, norm,
         MoE, expand); updates the frame's streams and ``pre``."""
@@ -1348,12 +1368,19 @@ class RuntimeModel:
         att = self.attn[L]
         y = att.tp.all_reduce(self.pieces.output(att, p.o, _take(p.cos, l_at), _take(p.sin, l_at)))
         site = (self.hc_ffn[L], self.ffn_norm[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        moe = self.moe[L]
+        quantize = self._site_codes(moe)
+        codes = None
         if at is None and ff is None and p.need is None:
             # every row runs both sublayers (decode, replay off): the expand and the FFN site in
             # one call
-            Xf, f_pre, f_post, f_C, xf = self.dense.mhc_expand_site(
-                y, fr.X, p.a_post, p.a_C, p.a_pre, *site, eps
-            )
+            expand = (y, fr.X, p.a_post, p.a_C, p.a_pre, *site, eps)
+            if quantize:
+                Xf, f_pre, f_post, f_C, xf, *codes = self.dense.mhc_expand_site_fp8(
+                    *expand, e8m0=True
+                )
+            else:
+                Xf, f_pre, f_post, f_C, xf = self.dense.mhc_expand_site(*expand)
             fr.X = Xf
         else:
             new = self.dense.hc_expand(
@@ -1366,12 +1393,16 @@ class RuntimeModel:
             if _count(ff, fr.X.shape[0]) == 0:
                 return
             Xf = _take(fr.X, ff)
-            f_pre, f_post, f_C, xf = self.dense.mhc_site(Xf, _take(p.a_pre, l_ff), *site, eps)
+            ffn_site = (Xf, _take(p.a_pre, l_ff), *site, eps)
+            if quantize:
+                f_pre, f_post, f_C, xf, *codes = self.dense.mhc_site_fp8(*ffn_site, e8m0=True)
+            else:
+                f_pre, f_post, f_C, xf = self.dense.mhc_site(*ffn_site)
         flat_ff = ff if fr.full else fr.rows[_take(self._arange[: fr.X.shape[0]], ff)]
         forced = self.forced_experts.get(L)
         if forced is not None:
             forced = _take(forced.to(self.device), flat_ff)
-        yf, ids = self.pieces.moe(self.moe[L], xf, forced)
+        yf, ids = self.pieces.moe(moe, xf, forced, codes)
         self._routed[L] = (flat_ff, ids)
         new = self.dense.hc_expand(yf, Xf, f_post, f_C)
         if ff is None:

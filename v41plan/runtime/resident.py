@@ -106,6 +106,12 @@ class ResidentLinear:
         return self.weight.shape[0]
 
     @property
+    def reads_codes(self) -> bool:
+        """Whether ``quantized`` serves this linear: its input's FP8 codes and E8M0 scales made
+        by the producer (the Triton path, with the activation quantizer)."""
+        return self.impl == "triton" and self.act_quant
+
+    @property
     def reads_groups(self) -> bool:
         """Whether ``x`` may be ``[N, G, in/G]`` with any row and group strides (the Triton
         GEMM reads it in place; else the caller flattens it)."""
@@ -133,6 +139,10 @@ class ResidentLinear:
     def quantized(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """The product of an already-quantized input (``act_quant_fp8``: E4M3 ``[N, in]``,
         E8M0 ``[N, in/32]``) on the Triton path: no second quantization."""
+        if torch.compiler.is_compiling():  # inside a compiled region: the opaque custom op
+            from v41plan.runtime.kernels.ops import w8a8_linear as op
+
+            return op(xq, self.weight.codes, self.weight.scales, self.dtype, x_scales=xs)
         from v41plan.runtime.kernels.triton_gemm import w8a8_linear
 
         return w8a8_linear(xq, self.weight.codes, self.weight.scales, self.dtype, x_scales=xs)
@@ -322,16 +332,26 @@ class GroupedMoE:
         hq, hs = w8a8_swiglu(xq, xs, w1, w3, self.limit, self.dtype)
         return self.s2.quantized(hq, hs)
 
-    def begin(self, x: torch.Tensor) -> Any:
+    @property
+    def reads_codes(self) -> bool:
+        """Whether ``begin`` takes ``x``'s FP8 codes and E8M0 scales made before it (the
+        Triton path: an mHC site's epilogue quantizes its output as ``act_quant_fp8`` does)."""
+        return self.impl == "triton"
+
+    def begin(self, x: torch.Tensor, quantized: tuple | None = None) -> Any:
         """What needs no routing, started before it (``finish`` takes the result): on the
-        Triton path the input quantized once (routed and shared experts read it) and the shared
-        expert launched, on the side stream with ``SHARED_EXPERT_STREAM`` (so it overlaps the
-        router too); elsewhere ``x`` itself."""
+        Triton path the input quantized once (routed and shared experts read it; ``quantized``:
+        ``x``'s codes and E8M0 scales, made by its producer, where ``x`` is in ``dtype``) and
+        the shared expert launched, on the side stream with ``SHARED_EXPERT_STREAM`` (so it
+        overlaps the router too); elsewhere ``x`` itself."""
         if self.impl != "triton":
             return x
         from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
-        xq, xs = act_quant_fp8(x.to(self.dtype))
+        if quantized is not None and x.dtype == self.dtype:
+            xq, xs = quantized
+        else:
+            xq, xs = act_quant_fp8(x.to(self.dtype))
         side = shared_expert_stream(x.device)
         with side.fork() if side is not None else contextlib.nullcontext():
             shared = self.shared_expert(xq, xs)

@@ -111,10 +111,18 @@ def mhc_site_fp8(
     hc_eps: float,
     norm_eps: float,
     block: int = 32,
+    e8m0: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """``mhc_site`` plus ``fp8_act_quant(x)``: ``(pre, post, C, x, codes, scales)``."""
+    """``mhc_site`` plus ``fp8_act_quant(x)``: ``(pre, post, C, x, codes, scales)``
+    (``e8m0``: the scales as E8M0 bytes, the W8A8 GEMM's input format)."""
     pre, post, C, x = mhc_site(X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps)
-    return (pre, post, C, x, *fp8_act_quant(x, block))
+    return (pre, post, C, x, *_codes(x, block, e8m0))
+
+
+def _codes(x: torch.Tensor, block: int, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_act_quant(x, block)``, its scales as E8M0 bytes where ``e8m0``."""
+    codes, scales = fp8_act_quant(x, block)
+    return codes, Q.e8m0_encode(scales) if e8m0 else scales
 
 
 def mhc_expand_site(
@@ -149,13 +157,14 @@ def mhc_expand_site_fp8(
     hc_eps: float,
     norm_eps: float,
     block: int = 32,
+    e8m0: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``mhc_expand_site`` plus ``fp8_act_quant(x)``: ``(X2, pre, post, C, x, codes, scales)``
-    (the FFN site: its ``x`` feeds the W8A8 experts)."""
+    (the FFN site: its ``x`` feeds the W8A8 experts; ``e8m0`` as in ``mhc_site_fp8``)."""
     out = mhc_expand_site(
         y, X, post_prev, C_prev, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps
     )
-    return (*out, *fp8_act_quant(out[4], block))
+    return (*out, *_codes(out[4], block, e8m0))
 
 
 class TorchDense:

@@ -25,14 +25,15 @@ def register() -> None:
     def w8a8_linear(
         x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, out_dtype: torch.dtype,
         cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, head_dim: int = 0,
+        x_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         from v41plan.runtime.kernels.triton_gemm import w8a8_linear as kernel
 
         rope = None if cos is None or sin is None else (cos, sin, head_dim)
-        return kernel(x, w_codes, w_scales, out_dtype, rope=rope)
+        return kernel(x, w_codes, w_scales, out_dtype, x_scales, rope=rope)
 
     @w8a8_linear.register_fake
-    def _(x, w_codes, w_scales, out_dtype, cos=None, sin=None, head_dim=0):
+    def _(x, w_codes, w_scales, out_dtype, cos=None, sin=None, head_dim=0, x_scales=None):
         return x.new_empty((x.shape[0], w_codes.shape[0]), dtype=out_dtype)
 
     @torch.library.custom_op("v41plan::w8a16_grouped", mutates_args=())
@@ -86,11 +87,15 @@ def w8a8_linear(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     head_dim: int = 0,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``triton_gemm.w8a8_linear`` through the custom op (what a compiled region calls); ``x``
-    ``[M, K]`` or ``[M, G, K/G]``, with the RoPE epilogue when ``cos``/``sin`` are given."""
+    ``[M, K]`` or ``[M, G, K/G]``, with the RoPE epilogue when ``cos``/``sin`` are given; with
+    ``x_scales`` (E8M0 ``[M, K/32]``), ``x`` holds E4M3 codes already quantized."""
     register()
-    return torch.ops.v41plan.w8a8_linear(x, w_codes, w_scales, out_dtype, cos, sin, head_dim)
+    return torch.ops.v41plan.w8a8_linear(
+        x, w_codes, w_scales, out_dtype, cos, sin, head_dim, x_scales
+    )
 
 
 def w8a16_grouped(

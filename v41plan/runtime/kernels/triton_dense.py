@@ -588,6 +588,8 @@ def _site_norm(
             tl.store(codes_ptr + off, code.to(tl.uint8), mask=m3)
             grp = d0 // QBLOCK + gi
             smask = rmask[:, None] & (grp[None, :] < ngroups)
+            if scales_ptr.dtype.element_ty == tl.uint8:  # E8M0 bytes: the exponent field
+                sc = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
             tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], sc, mask=smask)
 
 
@@ -1062,9 +1064,10 @@ def _launch_site(
     iters: int,
     expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     quant_block: int | None,
+    e8m0: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Run the site kernel: ``(X_out or None, pre, post, C, x, codes or None, scales or
-    None)``."""
+    None)``; ``e8m0``: the scales as E8M0 bytes (``float8_e8m0fnu``), not float32."""
     N, hc, D = X.shape
     dev = X.device
     f32 = torch.float32
@@ -1080,7 +1083,8 @@ def _launch_site(
     x = torch.empty((N, D), dtype=X.dtype, device=dev)
     qb = quant_block or 32
     codes = torch.empty((N, D), dtype=torch.uint8, device=dev) if quant_block else x
-    scales = torch.empty((N, D // qb), dtype=f32, device=dev) if quant_block else pre
+    sdt = torch.uint8 if e8m0 else f32
+    scales = torch.empty((N, D // qb), dtype=sdt, device=dev) if quant_block else pre
     if expand is not None:
         y, post_prev, C_prev = expand
         y = y.contiguous()
@@ -1131,7 +1135,7 @@ def _launch_site(
         C,
         x,
         codes.view(torch.float8_e4m3fn) if quant_block else None,
-        scales if quant_block else None,
+        (scales.view(torch.float8_e8m0fnu) if e8m0 else scales) if quant_block else None,
     )
 
 
@@ -1265,21 +1269,26 @@ def _(y, X, post, C):
     return X.new_empty(X.shape)  # contiguous, as the kernel's output
 
 
-def _empty_codes(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_dtype(e8m0: bool) -> torch.dtype:
+    """The site's scale format: E8M0 bytes or float32 powers of two."""
+    return torch.float8_e8m0fnu if e8m0 else torch.float32
+
+
+def _empty_codes(X: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The (codes, scales) placeholders of a site run without the quantizer: ``[N, 0]``."""
     n = X.shape[0]
     return (
         X.new_empty((n, 0), dtype=torch.float8_e4m3fn),
-        X.new_empty((n, 0), dtype=torch.float32),
+        X.new_empty((n, 0), dtype=_scale_dtype(e8m0)),
     )
 
 
-def _site_fake(X, quant_block):
+def _site_fake(X, quant_block, e8m0=False):
     n, hc, D = X.shape
     f32 = torch.float32
     qb = quant_block if quant_block > 0 else None
     codes = X.new_empty((n, D if qb else 0), dtype=torch.float8_e4m3fn)
-    scales = X.new_empty((n, D // qb if qb else 0), dtype=f32)
+    scales = X.new_empty((n, D // qb if qb else 0), dtype=_scale_dtype(e8m0))
     return (
         X.new_empty((n, hc), dtype=f32),
         X.new_empty((n, hc), dtype=f32),
@@ -1290,14 +1299,17 @@ def _site_fake(X, quant_block):
     )
 
 
-def _site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb):
+def _site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb, e8m0=False):
     """The torch composition behind the site op (operands the kernel does not cover)."""
     hc = X.shape[1]
     p = _params(fn, base, scale)
     if qb:
-        return dense_ref.mhc_site_fp8(X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps, qb)
+        *out, codes, scales = dense_ref.mhc_site_fp8(
+            X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps, qb
+        )
+        return (*out, codes, Q.e8m0_encode(scales) if e8m0 else scales)
     out = dense_ref.mhc_site(X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps)
-    return (*out, *_empty_codes(X))
+    return (*out, *_empty_codes(X, e8m0))
 
 
 @torch.library.custom_op("v41plan::mhc_site", mutates_args=())
@@ -1312,23 +1324,26 @@ def _mhc_site_op(
     norm_eps: float,
     iters: int,
     quant_block: int,
+    e8m0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, C, x, codes, scales) of one site; ``quant_block`` 0: no quantizer (codes
-    and scales ``[N, 0]``)."""
+    and scales ``[N, 0]``); ``e8m0``: the scales as E8M0 bytes (what the W8A8 GEMM reads)."""
     qb = quant_block if quant_block > 0 else None
     if _site_kernel_ok(X, X.shape[-1], X.shape[1], qb) and fn.dtype == torch.float32:
         _, pre, post, C, x, codes, scales = _launch_site(
-            X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, None, qb
+            X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, None, qb, e8m0
         )
         if qb is None:
-            codes, scales = _empty_codes(X)
+            codes, scales = _empty_codes(X, e8m0)
         return pre, post, C, x, codes, scales
-    return tuple(_site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb))
+    return tuple(
+        _site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb, e8m0)
+    )
 
 
 @_mhc_site_op.register_fake
-def _(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, quant_block):
-    return _site_fake(X, quant_block)
+def _(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, quant_block, e8m0=False):
+    return _site_fake(X, quant_block, e8m0)
 
 
 @torch.library.custom_op("v41plan::mhc_expand_site", mutates_args=())
@@ -1346,6 +1361,7 @@ def _mhc_expand_site_op(
     norm_eps: float,
     iters: int,
     quant_block: int,
+    e8m0: bool = False,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -1364,19 +1380,22 @@ def _mhc_expand_site_op(
     ):
         X2, pre, post, C, x, codes, scales = _launch_site(
             X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters,
-            (y, post_prev, C_prev), qb,
+            (y, post_prev, C_prev), qb, e8m0,
         )  # fmt: skip
         if qb is None:
-            codes, scales = _empty_codes(X)
+            codes, scales = _empty_codes(X, e8m0)
         return X2, pre, post, C, x, codes, scales
     X2 = dense_ref.hc_expand(y, X, post_prev, C_prev)
-    site = _site_ref(X2, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb)
+    site = _site_ref(X2, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb, e8m0)
     return (X2, *site)
 
 
 @_mhc_expand_site_op.register_fake
-def _(y, X, post_prev, C_prev, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb):
-    return (X.new_empty(X.shape), *_site_fake(X, qb))
+def _(
+    y, X, post_prev, C_prev, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, qb,
+    e8m0=False,
+):  # fmt: skip
+    return (X.new_empty(X.shape), *_site_fake(X, qb, e8m0))
 
 
 # --- drop-in wrappers (the torch functions' call shapes) ------------------------------------
@@ -1466,14 +1485,16 @@ def mhc_site_fp8(
     hc_eps: float,
     norm_eps: float,
     block: int = 32,
+    e8m0: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``dense_ref.mhc_site_fp8`` in one kernel: ``(pre, post, C, x, codes, scales)``, the
-    codes and scales being ``fp8_act_quant(x, block)``."""
+    codes and scales being ``fp8_act_quant(x, block)`` (``e8m0``: the scales as E8M0 bytes,
+    the W8A8 GEMM's input format)."""
     if hc != X.shape[1]:
         raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
     return tuple(
         torch.ops.v41plan.mhc_site(
-            X, pre_in, p.fn, p.base, p.scale, norm_weight, hc_eps, norm_eps, iters, block
+            X, pre_in, p.fn, p.base, p.scale, norm_weight, hc_eps, norm_eps, iters, block, e8m0
         )
     )
 
@@ -1514,15 +1535,16 @@ def mhc_expand_site_fp8(
     hc_eps: float,
     norm_eps: float,
     block: int = 32,
+    e8m0: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``dense_ref.mhc_expand_site_fp8`` in one kernel: ``(X2, pre, post, C, x, codes,
-    scales)``."""
+    scales)`` (``e8m0`` as in ``mhc_site_fp8``)."""
     if hc != X.shape[1]:
         raise ValueError(f"hc {hc} does not match the streams' shape {tuple(X.shape)}")
     return tuple(
         torch.ops.v41plan.mhc_expand_site(
             y, X, post_prev, C_prev, pre_in, p.fn, p.base, p.scale, norm_weight,
-            hc_eps, norm_eps, iters, block,
+            hc_eps, norm_eps, iters, block, e8m0,
         )
     )  # fmt: skip
 
