@@ -156,18 +156,26 @@ def _gemm_variants(hidden: int) -> list:
         cx.update({"GROUP_M": 8, "SPLIT_K": split, "K_SPLIT": -(-(hidden // 32) // split) * 32})
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"w8a8 bk={bk}{name}", tg._w8a8_kernel, sig, cx, warps))
-    # the prefill tile by TMA descriptors, plain and with RoPE, and the bf16 mode's 64 lanes
-    for rope, dot, bk in ((False, 2, 32), (True, 2, 32), (False, 1, 64)):
-        sig = {"x_desc": f"tensordesc<fp8e4nv[128, {bk}]>", "xs_ptr": "*u8"}
-        sig.update({"w_desc": f"tensordesc<fp8e4nv[128, {bk}]>", "ws_ptr": "*u8"})
+    # the prefill tile by TMA descriptors, plain and with RoPE, and the bf16 mode's 64 lanes;
+    # a decode tile by TMA with K splits ending in the launch (DECODE_TMA)
+    tma_forms = [(False, 2, 32, 128, 128, 1, 8), (True, 2, 32, 128, 128, 1, 8)]
+    tma_forms += [(False, 1, 64, 128, 128, 1, 8), (False, 2, 32, 16, 64, 4, 4)]
+    for rope, dot, bk, bm, bn, split, warps in tma_forms:
+        sig = {"x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "xs_ptr": "*u8"}
+        sig.update({"w_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>", "ws_ptr": "*u8"})
         sig.update({"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"})
+        sig.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
         sig.update({"M": i32, "N": i32, "K": "constexpr"})
         sig.update(dict.fromkeys(("sxsm", "swsn", "sym", "scm"), i32))
         cx = {"K": hidden, "DOT": dot, "OUT_BF16": True, "HEAD_D": 512 if rope else 0}
-        cx.update({"ROPE_D": 64 if rope else 0, "BM": 128, "BN": 128, "GROUP_M": 8, "BK": bk})
+        cx.update({"ROPE_D": 64 if rope else 0, "BM": bm, "BN": bn, "GROUP_M": 8, "BK": bk})
+        k_split = -(-(hidden // 32) // split) * 32 if split > 1 else 0
+        cx.update({"F32_DOT": False, "SPLIT_K": split, "K_SPLIT": k_split})
+        cx["ONE_LAUNCH"] = split > 1
         sig.update(dict.fromkeys(cx, "constexpr"))
-        name = f"w8a8 tma 128x128x{bk}{' rope' if rope else ''}{' bf16' if dot == 1 else ''}"
-        out.append((name, tg._w8a8_tma_kernel, sig, cx, 8))
+        name = f"w8a8 tma {bm}x{bn}x{bk}{' rope' if rope else ''}{' bf16' if dot == 1 else ''}"
+        name += f" split {split}" if split > 1 else ""
+        out.append((name, tg._w8a8_tma_kernel, sig, cx, warps))
     sig = {"part_ptr": "*fp32", "y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     sig.update(dict.fromkeys(("M", "N", "sym", "scm"), i32))
     cx = {"S": 4, "OUT_BF16": True, "HEAD_D": 512, "ROPE_D": 64, "BM": 16, "BN": 128}
