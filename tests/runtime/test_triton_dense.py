@@ -307,6 +307,16 @@ def test_fused_fp8_epilogue_quantizes_the_site_output(dtype, N):
     assert torch.equal(_bits(got[5]), _bits(want[0])) and torch.equal(_bits(got[6]), _bits(want[1]))
 
 
+def test_site_codes_only_where_a_program_holds_one_token(monkeypatch):
+    """``codes_in_parallel`` (where ``paged_model.SITE_CODES`` quantizes in the site): the split
+    form's one token a program, up to 16 tokens at every width (the shipped site forms), never
+    beyond."""
+    monkeypatch.setattr(td, "SITE_CONFIGS", SHIPPED_SITE_CONFIGS)
+    for D in (96, 1024, 5120):
+        assert all(td.codes_in_parallel(n, D) for n in (1, 2, 8, 16))
+        assert not any(td.codes_in_parallel(n, D) for n in (17, 64, 2048))
+
+
 @pytest.mark.parametrize("N", [1, 5, 19])
 def test_site_codes_with_e8m0_scales_are_the_w8a8_quantizers(N):
     """``e8m0=True``: the site's codes and scales are ``act_quant_fp8(x)``'s (E4M3 codes, E8M0

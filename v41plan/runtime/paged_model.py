@@ -64,9 +64,10 @@ ALL = None
 SITE_CODES = True
 """Whether an mHC site whose output feeds a product that reads FP8 codes (the joint
 ``wq_a``/``wkv`` linear, the grouped MoE; ``reads_codes``) quantizes that output in its own
-epilogue (``mhc_site_fp8``/``mhc_expand_site_fp8`` with E8M0 scales, the Triton dense kernels),
-so the product takes the codes instead of a quantizer launch of its own: the same codes (the
-same quantizer, bit for bit), two launches fewer a layer. False: the products quantize."""
+epilogue (``mhc_site_fp8``/``mhc_expand_site_fp8`` with E8M0 scales, the Triton dense kernels)
+where that epilogue runs one token a program (``triton_dense.codes_in_parallel``: up to 16
+rows), so the product takes the codes instead of a quantizer launch of its own: the same codes
+(the same quantizer, bit for bit), two launches fewer a layer. False: the products quantize."""
 
 _PER_REQUEST = (
     "forward_start",
@@ -1283,7 +1284,7 @@ class RuntimeModel:
             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps,
         )  # fmt: skip
         codes = None
-        if joint and self._site_codes(att.wqkv_a):
+        if joint and self._site_codes(att.wqkv_a, Xn.shape[0], Xn.shape[-1]):
             a_pre, a_post, a_C, xin, *codes = self.dense.mhc_site_fp8(*site, e8m0=True)
         else:
             a_pre, a_post, a_C, xin = self.dense.mhc_site(*site)
@@ -1350,11 +1351,14 @@ class RuntimeModel:
             )
         return cand
 
-    def _site_codes(self, consumer) -> bool:
-        """Whether a site feeding ``consumer`` quantizes its output in its epilogue
-        (``SITE_CODES``: the Triton dense kernels, a consumer that reads FP8 codes)."""
+    def _site_codes(self, consumer, rows: int, width: int) -> bool:
+        """Whether a site over ``rows`` tokens of ``width`` lanes feeding ``consumer`` quantizes
+        its output in its epilogue (``SITE_CODES``: the Triton dense kernels, a consumer that
+        reads FP8 codes, one token a finishing program)."""
+        if not (SITE_CODES and self.dense.name == "triton"):
+            return False
         reads = getattr(consumer, "reads_codes", False)
-        return SITE_CODES and self.dense.name == "triton" and reads
+        return reads and self.dense.codes_in_parallel(rows, width)
 
     def layer_post(self, L: int, si: StepInputs, fr: Frame, p: Pieces) -> None:
         """Dense piece after attention: output projection, mHC expand, the FFN site (mHC, norm,
@@ -1369,7 +1373,7 @@ class RuntimeModel:
         y = att.tp.all_reduce(self.pieces.output(att, p.o, _take(p.cos, l_at), _take(p.sin, l_at)))
         site = (self.hc_ffn[L], self.ffn_norm[L], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         moe = self.moe[L]
-        quantize = self._site_codes(moe)
+        quantize = self._site_codes(moe, _count(ff, fr.X.shape[0]), fr.X.shape[-1])
         codes = None
         if at is None and ff is None and p.need is None:
             # every row runs both sublayers (decode, replay off): the expand and the FFN site in

@@ -997,6 +997,17 @@ def site_config(N: int, D: int = 0) -> tuple[str, int, int, int]:
     return next(cfg for bound, cfg in table if N <= bound)
 
 
+def codes_in_parallel(N: int, D: int) -> bool:
+    """Whether the site's FP8 epilogue (``mhc_site_fp8``) runs one token a program for ``N``
+    tokens of width ``D`` (the split form up to 16 tokens), so quantizing in it costs each
+    token's finishing program alone, in parallel. Where a program holds more tokens it costs
+    more than the quantizer launch it saves (flash_slice at 64 tokens: the sites 2.04 -> 2.84
+    ms a step against 80 quantizer launches fewer, 29.80 -> 30.35 ms; at one token 11.32 ->
+    11.20, H100, reports/gpu/bench_decode_flash_slice_b*_site_codes_h100_9ab6a02.json)."""
+    mix, tokens = site_config(N, D)[:2]
+    return mix == "split" and tokens == 1
+
+
 SPLIT_LANES = 128
 """Lanes of ``D`` per program of the split site's first pass (``"split"``): ``D / 128``
 programs per token (8 at hidden 1024)."""
@@ -1563,3 +1574,4 @@ class TritonDense:
     mhc_site_fp8 = staticmethod(mhc_site_fp8)
     mhc_expand_site = staticmethod(mhc_expand_site)
     mhc_expand_site_fp8 = staticmethod(mhc_expand_site_fp8)
+    codes_in_parallel = staticmethod(codes_in_parallel)
