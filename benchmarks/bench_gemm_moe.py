@@ -272,6 +272,7 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
     """One MoE layer at decode batch 64 and an 8K prefill, against its floor and two peers."""
     from v41plan.model.layers import MoE
     from v41plan.model.quant import weight_nbytes
+    from v41plan.runtime.kernels.triton_moe import default_moe_dot
     from v41plan.runtime.resident import GroupedMoE
 
     res, deq = _moe_layer(cfg)
@@ -288,14 +289,15 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
     report["resident_bytes"] = weight_nbytes(res)
     report["bf16_bytes"] = weight_nbytes(deq)
     report["checkpoint_bytes"] = report["resident_bytes"]  # one layer's published tensors
-    ours = {"fp8": GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="fp8")}
-    if not quick:
-        ours["bf16"] = GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot="bf16")
+    # the runtime's dot mode first (--quick: it alone), then the other
+    first = default_moe_dot(torch.device("cuda"))
+    modes = [first] + ([] if quick else [m for m in ("fp8", "bf16") if m != first])
+    ours = {m: GroupedMoE(cfg, res, "layers.0", torch.bfloat16, dot=m) for m in modes}
     grouped = GroupedMoE(cfg, deq, "layers.0", torch.bfloat16, impl="torch", mm_impl="grouped_mm")
     dense = MoE(cfg, deq, "layers.0", torch.bfloat16)
     for label, n in (("decode64", 64), ("prefill8k", 8192)):
         x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
-        ids = ours["fp8"].route(x)[0]
+        ids = ours[first].route(x)[0]
         e_act = int(torch.unique(ids).numel())
         nbytes = e_act * expert_bytes + fixed_bytes + n * D * 2 * 2
         flops = 2 * n * (k + 1) * 3 * D * I + 2 * n * E * D
