@@ -32,7 +32,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   TMA descriptors (``triton_gemm.DECODE_TMA`` on; the same tiles, splits and sums): its A/B;
 - ``compiled_no_site_codes``: ``compiled`` with the joint ``wq_a``/``wkv`` product and the
   grouped MoE quantizing their input in launches of their own, not taking the codes the mHC
-  sites' epilogues make (``paged_model.SITE_CODES`` off): its A/B.
+  sites' epilogues make (``paged_model.SITE_CODES`` off): its A/B;
+- ``compiled_folded_scales``: ``compiled`` with the routed experts' FP4 decode multiplying by
+  the scale times ``2**126`` in one instruction (``triton_moe.FOLDED_SCALES`` on): its A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -97,6 +99,7 @@ VARIANTS = {
     "compiled_one_stream": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_tma": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_folded_scales": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -107,6 +110,7 @@ GEMM_FLAGS = {
     "compiled_one_stream": {"resident.SHARED_EXPERT_STREAM": False},
     "compiled_decode_tma": {"kernels.triton_gemm.DECODE_TMA": True},
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
+    "compiled_folded_scales": {"kernels.triton_moe.FOLDED_SCALES": True},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

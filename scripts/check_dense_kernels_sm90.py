@@ -200,11 +200,13 @@ def _gemm_variants(hidden: int) -> list:
     moe_forms = [(2, 128, False, False, False), (1, 128, False, False, False)]
     moe_forms += [(1, 256, False, False, False), (1, 128, True, False, False)]
     moe_forms += [(1, 256, False, True, False), (1, 128, True, True, False)]
-    moe_forms += [(1, 512, False, True, True)]
+    moe_forms += [(1, 512, False, True, True), (1, 256, False, "folded", False)]
     for dot, bk, prefetch, pairs, tma in moe_forms:
         mode = ("fp8" if dot == 2 else "bf16") + (" prefetch" if prefetch else "")
         mode += (" pairs" if pairs else "") + (" tma" if tma else "")
-        flags = {"PREFETCH": prefetch, "PAIRS": pairs, "ASM": pairs, "TMA": tma}
+        mode += " folded" if pairs == "folded" else ""
+        asm = 2 if pairs == "folded" else int(bool(pairs))
+        flags = {"PREFETCH": prefetch, "PAIRS": bool(pairs), "ASM": asm, "TMA": tma}
         ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8"}
         ptrs.update({"w3_ptr": "*u8", "s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32"})
         ptrs.update({"rw_ptr": "*fp32", "act_ptr": "*u8", "acts_ptr": "*u8"})

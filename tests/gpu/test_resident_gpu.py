@@ -141,7 +141,7 @@ def test_grouped_w4a8_equals_the_torch_grouped_moe(dot, pairs):
     relative on the output, so no output tolerance separates that from a fault): there the
     forced-decision check of ``tests/runtime/moe_forced.py`` decides. ``MoEConfig.pairs`` in
     the bf16 mode decodes by inline PTX: its bits equal those of the same loop decoding by
-    Triton's operations."""
+    Triton's operations, and with the scales folded into the decode (``FOLDED_SCALES``)."""
     import dataclasses
 
     from tests.runtime.moe_forced import assert_forced_decisions, forced_decision_report
@@ -171,6 +171,15 @@ def test_grouped_w4a8_equals_the_torch_grouped_moe(dot, pairs):
         live = st.rows.row_ids >= 0
         assert torch.equal(st.act[live], ops.act[live])
         assert torch.equal(st.y_rows[live], ops.y_rows[live])
+        # the scales folded into the decode (E2M1_PAIRS_FOLDED_ASM): the same bits
+        assert triton_moe.scales_fold(w1, w3, w2)
+        triton_moe.FOLDED_SCALES = True
+        try:
+            folded = grouped_moe_w4a8_stages(*args, dot=dot, config=cfg, folds=True)
+        finally:
+            triton_moe.FOLDED_SCALES = False
+        assert torch.equal(st.act[live], folded.act[live])
+        assert torch.equal(st.y_rows[live], folded.y_rows[live])
     deq = [w.dequantize(torch.float32) for w in (w1, w3, w2)]
     ref = grouped_moe_torch(fake_fp8(x, 32), ids, wts, *deq, 0, 10.0, impl="gather")
     err = _rel_fro(got, ref)

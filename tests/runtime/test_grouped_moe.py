@@ -630,3 +630,21 @@ def test_decode_tiles_cap_registers_on_nvidia_only(monkeypatch, hip):
     assert one.max_registers == (128 if hip is None else None)
     assert wide.max_registers is None
     assert (one.block_n, wide.block_n, one.pairs, wide.pairs) == (32, 64, True, True)
+
+
+def test_scales_fold_takes_fields_1_to_128_only():
+    """``scales_fold``: the asm decode may fold a weight's scales times ``2**126`` into one
+    multiply only where every E8M0 field is in ``[1, 128]`` (``2**(field - 1)`` is a bf16
+    value; byte 0 is no scale). The runtime's experts are checked at load."""
+    from v41plan.model.quant import QuantWeight
+    from v41plan.runtime.kernels.triton_moe import FOLD_MAX_FIELD, scales_fold
+
+    def w(fields):
+        s = torch.tensor(fields, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        return QuantWeight(torch.zeros(1, 1, 16, dtype=torch.int8), s.reshape(1, 1, -1), "fp4")
+
+    assert FOLD_MAX_FIELD == 128
+    assert scales_fold(w([1, 100, 128]), w([127]))
+    assert not scales_fold(w([1, 100, 128]), w([129]))
+    assert not scales_fold(w([0, 100]))
+    assert not scales_fold(w([255]))

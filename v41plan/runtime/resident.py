@@ -284,6 +284,10 @@ class GroupedMoE:
             if not all(isinstance(e, QuantWeight) and e.format == "fp4" for e in (e1, e3, e2)):
                 raise ValueError("GroupedMoE impl='triton' takes FP4 QuantWeight experts")
             self.w1, self.w3, self.w2 = e1, e3, e2
+            from v41plan.runtime.kernels.triton_moe import scales_fold
+
+            self.folds = scales_fold(e1, e3, e2)
+            """Whether the experts' scales may be folded into the asm decode (``scales_fold``)."""
         else:
             self.w1, self.w3, self.w2 = (_dense(e, dtype) for e in (e1, e3, e2))
         lin = "triton" if impl == "triton" else "torch"
@@ -368,7 +372,7 @@ class GroupedMoE:
             xq, xs, shared, side = begun
             st = grouped_moe_w4a8_stages(
                 xq, xs, ids, wts, self.w1, self.w3, self.w2, self.expert_first, self.limit,
-                self.dtype, self.dot,
+                self.dtype, self.dot, folds=self.folds,
             )  # fmt: skip
             if side is not None:
                 side.join()

@@ -133,6 +133,32 @@ PAIRS_ASM = True
 """``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
 ``E4M3_PAIRS_ASM``; False: by Triton's operations (the same values; a test compares them)."""
 
+FOLDED_SCALES = False
+"""Whether the asm decode (``PAIRS_ASM``) of weights whose E8M0 scale fields all lie in
+``[1, FOLD_MAX_FIELD]`` (``scales_fold``, checked at load: scales up to 2) multiplies each pair by
+its scale times ``2**126`` in one instruction (``E2M1_PAIRS_FOLDED_ASM``) instead of by
+``2**126`` and then by the scale: the same exact products, one instruction fewer a pair of
+codes (the one-token gate/up loop 672 -> 606 SASS instructions a 256-lane step, sm_90 build:
+``scripts/check_dense_kernels_sm90.py --hidden 5120 --only "moe gate_up" --strides16
+--loop-histogram``).
+Off until a device has compared its bits and timed it (``tests/gpu/test_resident_gpu.py``,
+``bench_decode_paths.py`` variant ``compiled_folded_scales``)."""
+
+FOLD_MAX_FIELD = 128
+"""The largest E8M0 field whose scale times ``2**126`` is a bf16 value (``2**127``)."""
+
+
+def scales_fold(*weights: QuantWeight) -> bool:
+    """Whether every scale field of ``weights`` lies in ``[1, FOLD_MAX_FIELD]`` (one reduction
+    each, at load): their scales times ``2**126`` are bf16 powers of two, and byte 0 (no scale
+    in the kernels' convention) does not occur."""
+    for w in weights:
+        f = w.scales.view(torch.uint8)
+        if f.numel() and not bool(((f >= 1) & (f <= FOLD_MAX_FIELD)).all()):
+            return False
+    return True
+
+
 ALIGN_MAX_ROWS = 4096
 """Routed rows (``N * k``) up to which ``align_rows_fused`` permutes in one Triton program;
 above it (long prefill chunks) the torch permutation runs."""
@@ -335,23 +361,65 @@ multiplies (``fma`` with -0) by ``2**126`` and by the scale follow: three intege
 instructions per pair of codes."""
 
 
-@triton.jit
-def e8m0_bf16(field):
-    """E8M0 bytes -> their bf16 powers of two (0 for byte 0, as ``e8m0_value``)."""
-    return (field.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+E2M1_PAIRS_FOLDED_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, u, n;
+mov.b32 n, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 u, t0, 0x000F000F;
+mul.lo.u32 u, u, 0x1040;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $0, u, $5, n;
+and.b32 u, t1, 0x000F000F;
+mul.lo.u32 u, u, 0x1040;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $1, u, $6, n;
+and.b32 u, t0, 0x00F000F0;
+mul.lo.u32 u, u, 0x0104;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $2, u, $5, n;
+and.b32 u, t1, 0x00F000F0;
+mul.lo.u32 u, u, 0x0104;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $3, u, $6, n;
+}
+""")
+"""``E2M1_PAIRS_ASM`` with the scales ($5, $6) already times ``2**126`` (``lane_scales`` with
+``FOLD``): one exact multiply a pair (the code's value times ``2**-126``, a bf16 subnormal for
+0.5, times ``2**(field - 1)``), so three integer and one float instruction per pair of codes."""
 
 
 @triton.jit
-def lane_scales(fld, R: tl.constexpr, BK: tl.constexpr):
-    """E8M0 bytes ``[R, BK/32]`` -> each lane pair's bf16 scale ``[R, BK/2]``."""
-    sc = e8m0_bf16(fld)
+def e8m0_bf16(field, FOLD: tl.constexpr = False):
+    """E8M0 bytes -> their bf16 powers of two (0 for byte 0, as ``e8m0_value``); ``FOLD``: times
+    ``2**126`` (fields 1 to 128, ``scales_fold``)."""
+    f = field.to(tl.int16)
+    if FOLD:
+        f = f + 126
+    return (f << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def lane_scales(fld, R: tl.constexpr, BK: tl.constexpr, FOLD: tl.constexpr = False):
+    """E8M0 bytes ``[R, BK/32]`` -> each lane pair's bf16 scale ``[R, BK/2]`` (``FOLD``: times
+    ``2**126``)."""
+    sc = e8m0_bf16(fld, FOLD)
     return tl.reshape(tl.broadcast_to(sc[:, :, None], [R, BK // 32, 16]), [R, BK // 2])
 
 
 @triton.jit
 def fp4_pairs(p, fld, ASM: tl.constexpr, OPND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``fp4_raw``'s tile as two operands ``[BN, BK/2]``: the even lanes' values (low nibbles)
-    and the odd lanes' (high nibbles), times their block scales (exact)."""
+    and the odd lanes' (high nibbles), times their block scales (exact). ``ASM``: 0 Triton's
+    operations, 1 ``E2M1_PAIRS_ASM``, 2 ``E2M1_PAIRS_FOLDED_ASM`` (``FOLDED_SCALES``)."""
+    if ASM == 2:
+        sc = lane_scales(fld, BN, BK, True)
+        lo, hi = tl.inline_asm_elementwise(
+            E2M1_PAIRS_FOLDED_ASM, "=r,=r,=r,=r,r,r,r", [p, sc],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )  # fmt: skip
+        return lo, hi
     sc = lane_scales(fld, BN, BK)
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
@@ -880,6 +948,7 @@ def grouped_moe_w4a8(
     add: torch.Tensor | None = None,
     dot: str | None = None,
     config: MoEConfig | None = None,
+    folds: bool = False,
 ) -> torch.Tensor:
     """The routed experts' sum ``[N, D]`` (float32, plus ``add`` when given) over the selected
     experts only, W4A8.
@@ -887,10 +956,11 @@ def grouped_moe_w4a8(
     ``xq``/``xs``: the FP8 input (``act_quant_fp8``: E4M3 ``[N, D]``, E8M0 ``[N, D/32]``);
     ``ids``/``weights [N, k]`` the routing; ``w1``/``w3`` FP4 ``QuantWeight`` ``[El, I, D]`` and
     ``w2`` ``[El, D, I]``, this rank's experts from ``expert_first``. ``dtype`` is the compute
-    dtype the linear outputs and the SwiGLU product round to (bf16 or float32).
+    dtype the linear outputs and the SwiGLU product round to (bf16 or float32). ``folds``: the
+    experts pass ``scales_fold`` (``FOLDED_SCALES``).
     """
     st = grouped_moe_w4a8_stages(
-        xq, xs, ids, weights, w1, w3, w2, expert_first, limit, dtype, dot, config
+        xq, xs, ids, weights, w1, w3, w2, expert_first, limit, dtype, dot, config, folds
     )
     return moe_combine(st.y_rows, st.rows.pos, ids.shape[1], add)
 
@@ -908,9 +978,11 @@ def grouped_moe_w4a8_stages(
     dtype: torch.dtype,
     dot: str | None = None,
     config: MoEConfig | None = None,
+    folds: bool = False,
 ) -> MoEStages:
     """``grouped_moe_w4a8`` up to (not including) the combine: the two grouped GEMM launches,
-    with their intermediates returned (arguments as there)."""
+    with their intermediates returned (arguments as there). ``folds``: the caller checked
+    ``scales_fold(w1, w3, w2)``, so the asm decode may fold the scales (``FOLDED_SCALES``)."""
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_moe_w4a8 computes in bf16 or float32, not {dtype}")
     n, k = ids.shape
@@ -955,9 +1027,10 @@ def grouped_moe_w4a8_stages(
     common = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "PREFETCH": cfg.prefetch}
     if cfg.max_registers is not None and torch.version.hip is None:
         common["maxnreg"] = cfg.max_registers  # an NVIDIA option: Triton's HIP backend refuses it
+    asm = int(cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM)
     common.update(
         PAIRS=cfg.pairs,
-        ASM=cfg.pairs and dot == "bf16" and dev.type == "cuda" and PAIRS_ASM,
+        ASM=2 if asm and folds and FOLDED_SCALES else asm,
         TMA=cfg.tma,
         **pdl_launch(dev, n),
     )
