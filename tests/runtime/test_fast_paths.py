@@ -270,7 +270,7 @@ def test_sites_quantize_for_the_products_that_read_codes():
     """``SITE_CODES``: with the Triton dense kernels and resident weights on their Triton path
     (the interpreter, bf16), each layer's two sites hand their output's FP8 codes and E8M0
     scales to the joint ``wq_a``/``wkv`` product and the grouped MoE: two quantizer launches
-    fewer a layer and the same logits, bit for bit (about 40 s)."""
+    fewer a layer and the same logits, bit for bit (about 55 s)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(
