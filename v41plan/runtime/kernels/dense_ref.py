@@ -25,6 +25,7 @@ from v41plan.model.layers import (
 
 __all__ = [
     "TorchDense",
+    "codes_in_parallel",
     "fake_fp8",
     "fp8_act_quant",
     "hc_expand",
@@ -167,6 +168,12 @@ def mhc_expand_site_fp8(
     return (*out, *_codes(out[4], block, e8m0))
 
 
+def codes_in_parallel(N: int, D: int) -> bool:
+    """``triton_dense.codes_in_parallel``'s question for the torch compositions: never (their
+    quantizer runs as launches of its own, so a site's codes save none)."""
+    return False
+
+
 class TorchDense:
     """The dense pieces as one object (``triton_dense.TritonDense`` has the same functions)."""
 
@@ -181,3 +188,4 @@ class TorchDense:
     mhc_site_fp8 = staticmethod(mhc_site_fp8)
     mhc_expand_site = staticmethod(mhc_expand_site)
     mhc_expand_site_fp8 = staticmethod(mhc_expand_site_fp8)
+    codes_in_parallel = staticmethod(codes_in_parallel)

@@ -76,6 +76,7 @@ __all__ = [
     "SITE_CONFIGS",
     "SITE_CONFIGS_WIDE",
     "TritonDense",
+    "codes_in_parallel",
     "fake_fp8",
     "fp8_act_quant",
     "hc_expand",
