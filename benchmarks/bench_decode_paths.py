@@ -34,7 +34,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   grouped MoE quantizing their input in launches of their own, not taking the codes the mHC
   sites' epilogues make (``paged_model.SITE_CODES`` off): its A/B;
 - ``compiled_folded_scales``: ``compiled`` with the routed experts' FP4 decode multiplying by
-  the scale times ``2**126`` in one instruction (``triton_moe.FOLDED_SCALES`` on): its A/B.
+  the scale times ``2**126`` in one instruction (``triton_moe.FOLDED_SCALES`` on): its A/B;
+- ``compiled_decode_bf16_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the bf16
+  mode and 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` on): its A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -100,6 +102,7 @@ VARIANTS = {
     "compiled_decode_tma": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_folded_scales": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_decode_bf16_rows": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -111,6 +114,7 @@ GEMM_FLAGS = {
     "compiled_decode_tma": {"kernels.triton_gemm.DECODE_TMA": True},
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
     "compiled_folded_scales": {"kernels.triton_moe.FOLDED_SCALES": True},
+    "compiled_decode_bf16_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": True},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

@@ -22,7 +22,7 @@
 #   DECODE_VARIANTS=compiled,compiled_split_two_launches STEPS=decode ...  # a flag's A/B, one process
 #   DECODE_BATCHES=1 ...   # the decode batch sizes (default 1,64)
 #   STEPS="streams ckpt decode" DECODE_VARIANTS=compiled,compiled_one_stream ...
-#   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_folded_scales ...   # FOLDED_SCALES A/B
+#   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_folded_scales,compiled_decode_bf16_rows ...
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail

@@ -282,6 +282,30 @@ def test_decode_tma_keeps_the_pointer_kernels_bits(monkeypatch):
     assert launched == []
 
 
+def test_decode_bf16_rows_picks_the_mode_and_the_tiles(monkeypatch):
+    """``DECODE_BF16_ROWS``: 17 to 64 rows on CUDA take the bf16 mode (``decode_dot``), in
+    64-row tiles at every width (the fp8 mode keeps 16-row tiles for narrow weights); one to 16
+    rows, prefill rows and the CPU keep ``default_dot``'s mode. The tiles and splits do not
+    depend on the rows within 17-64, so a row's sums do not either."""
+    from v41plan.runtime.kernels import triton_gemm as tg
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(tg, "DECODE_BF16_ROWS", False)
+    assert tg.decode_dot(32, cuda) == "fp8"
+    monkeypatch.setattr(tg, "DECODE_BF16_ROWS", True)
+    assert [tg.decode_dot(m, cuda) for m in (1, 16, 17, 64, 65)] == [
+        "fp8", "fp8", "bf16", "bf16", "fp8",
+    ]  # fmt: skip
+    assert tg.decode_dot(32, cpu) == tg.default_dot(cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device's tiles
+    monkeypatch.setattr(tg, "_programs_wanted", lambda: 264)  # two programs an SM of an H100
+    for N in (1792, 32768):
+        cfgs = {tg.default_config(m, N, 5120, "bf16") for m in (17, 33, 64)}
+        assert len(cfgs) == 1 and next(iter(cfgs)).block_m == 64, N
+    assert tg.default_config(64, 1792, 5120, "fp8").block_m == 16
+    assert tg.default_config(16, 1792, 5120, "bf16").block_m == 16
+
+
 def test_tma_tiles_refuse_what_they_do_not_read(monkeypatch):
     from v41plan.runtime.kernels import triton_gemm
 

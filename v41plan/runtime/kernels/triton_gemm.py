@@ -113,10 +113,11 @@ def default_config(M: int, N: int, K: int, dot: str) -> GemmConfig:
     # 64-row tiles are faster there (wq_a 23.2 -> 16.5 us at 64 rows) but run on the FP8
     # wgmma, whose sums inside a 32-lane block keep fewer bits than the f16 mma.sync the 16-row
     # tiles' FP8 codes run on (tiny's shared expert at 21 rows 3e-8 -> 2.7e-4 from the float32
-    # reference: scripts/diag_moe_gpu.py)
+    # reference: scripts/diag_moe_gpu.py); the bf16 mode's exact operands and float32 sums take
+    # 64-row tiles at 17-64 rows whatever the weight's width (DECODE_BF16_ROWS)
     fp8 = dot == "fp8"
     if M <= 64:
-        if N <= 2048:
+        if N <= 2048 and (M <= 16 or dot != "bf16"):
             cfg = GemmConfig(16, 32, 64 if fp8 else 128, num_warps=4, num_stages=4)
         elif M <= 16:
             cfg = GemmConfig(16, 64, 64 if fp8 else 128, num_warps=4, num_stages=4)
@@ -766,6 +767,25 @@ scripts/check_dense_kernels_sm90.py; 8K rows of ``wq_b`` 2.47 -> 1.67 ms, of ``w
 1.77, reports/gpu/bench_gemm_moe_sweep3.json). None: the pointer kernel's ``default_config``."""
 
 
+DECODE_BF16_ROWS = False
+"""Whether a CUDA launch of 17 to 64 rows whose caller names no dot mode runs the ``"bf16"``
+mode (``decode_dot``): the E4M3 codes times their scales, exact in bf16, one dot a 64-lane K
+step into float32 sums, in 64-row tiles at every weight width; the ``"fp8"`` mode's 64-row
+wgmma keeps fewer bits of a block's sum, so narrow weights take 16-row tiles there. The
+17-64-row sweeps (H100): ``wq_b`` 35.3 -> 30.5 us, ``wo_b`` even, ``shared.w2`` 15.4 -> 17.9
+(``bench_gemm_moe_decode_bf16_h100_c50e287.json``); the joint ``wq_a``/``wkv`` 29 -> 20 us
+by TMA tiles (``bench_gemm_moe_decode_tma_h100_965b9c7.json``). Off until the step has timed
+it (``bench_decode_paths.py`` variant ``compiled_decode_bf16_rows``)."""
+
+
+def decode_dot(M: int, device: torch.device) -> str:
+    """The dot mode of a launch of ``M`` rows whose caller names none: ``"bf16"`` at 17-64 rows
+    on CUDA with ``DECODE_BF16_ROWS``, else ``default_dot``'s."""
+    if DECODE_BF16_ROWS and device.type == "cuda" and 16 < M <= 64:
+        return "bf16"
+    return default_dot(device)
+
+
 DECODE_TMA = False
 """Whether an ``"fp8"`` launch on pre-quantized decode rows (up to 64) reads its operand tiles
 by TMA descriptors (``tma_ready``: sm_90+, aligned operands): ``default_config``'s tiles and K
@@ -872,7 +892,7 @@ def w8a8_linear(
             f"w8a8_linear: x {list(x.shape)} and w {list(w_codes.shape)} (x [M, K] or "
             f"[M, G, K/G] against w [N, K], with K and K/G multiples of {QUANT_BLOCK})"
         )
-    dot = dot or default_dot(x.device)
+    dot = dot or decode_dot(M, x.device)
     quant_x = x_scales is None
     if grouped and not quant_x:
         raise ValueError("w8a8_linear: a grouped [M, G, K/G] input is quantized in the prologue")
