@@ -178,6 +178,19 @@ def test_engine_grouped_moe_tokens_equal_dense():
     assert toks[0] == toks[1]
 
 
+def _interpreted(script: str) -> str:
+    """stdout of ``script`` run in a fresh interpreter under Triton's interpreter (its first
+    argument: the tests folder); the process must succeed."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT / "tests")],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 _INTERPRETED_RUN = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
@@ -214,14 +227,7 @@ def test_fast_path_under_the_interpreter_matches_reference():
     """float32: Triton backend + fused dense kernels + grouped MoE (interpreted, fp32 operands)
     give the torch reference path's logits within 2e-6 relative, same argmax, and no backend op
     fell back to torch."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_RUN, str(ROOT / "tests")],
-        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT, check=False,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.strip().splitlines()
+    lines = _interpreted(_INTERPRETED_RUN).strip().splitlines()
     rels = [ln.split() for ln in lines if ln.startswith("rel ")]
     assert len(rels) == 2
     for _, rel, same in rels:
@@ -271,15 +277,9 @@ def test_sites_quantize_for_the_products_that_read_codes():
     (the interpreter, bf16), each layer's two sites hand their output's FP8 codes and E8M0
     scales to the joint ``wq_a``/``wkv`` product and the grouped MoE: two quantizer launches
     fewer a layer and the same logits, bit for bit (about 55 s)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-c", _SITE_CODES_RUN, str(ROOT / "tests")],
-        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT, check=False,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    runs = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("run ")]
-    assert [r[0] for r in runs] == ["False", "True"], res.stdout
+    out = _interpreted(_SITE_CODES_RUN)
+    runs = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("run ")]
+    assert [r[0] for r in runs] == ["False", "True"], out
     (_, layers, off, sum_off, ok_off), (_, _, on, sum_on, ok_on) = runs
     assert ok_off == ok_on == "True"
     assert int(off) - int(on) == 2 * int(layers), runs

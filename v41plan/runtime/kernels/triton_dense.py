@@ -1316,10 +1316,8 @@ def _site_ref(X, pre_in, fn, base, scale, norm_weight, hc_eps, norm_eps, iters, 
     hc = X.shape[1]
     p = _params(fn, base, scale)
     if qb:
-        *out, codes, scales = dense_ref.mhc_site_fp8(
-            X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps, qb
-        )
-        return (*out, codes, Q.e8m0_encode(scales) if e8m0 else scales)
+        args = (X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps, qb)
+        return dense_ref.mhc_site_fp8(*args, e8m0=e8m0)
     out = dense_ref.mhc_site(X, pre_in, p, norm_weight, hc, iters, hc_eps, norm_eps)
     return (*out, *_empty_codes(X, e8m0))
 

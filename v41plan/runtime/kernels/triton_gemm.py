@@ -392,6 +392,26 @@ def sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, S: tl.constexpr, BM: tl.c
 
 
 @triton.jit
+def end_tile(acc, y_ptr, cos_ptr, sin_ptr, part_ptr, count_ptr, rm, rn, mmask, nmask, M, N, sym,
+             scm, OUT_BF16: tl.constexpr, HEAD_D: tl.constexpr, ROPE_D: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+             ONE_LAUNCH: tl.constexpr):  # fmt: skip
+    """A linear's output tile from its float32 sums ``acc``: stored (``store_linear``), or,
+    with ``SPLIT_K > 1``, this split's partial stored and, with ``ONE_LAUNCH``, the tile's last
+    split to arrive summing every partial in split order and storing the tile."""
+    if SPLIT_K > 1:
+        store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
+        if ONE_LAUNCH:  # noqa: SIM102 (a compile-time branch: no counting without it)
+            if last_split_arrived(count_ptr, SPLIT_K):
+                acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
+                store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
+                             OUT_BF16, HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+    else:
+        store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
+                     HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+
+
+@triton.jit
 def _w8a8_kernel(
     x_ptr,
     xs_ptr,
@@ -483,16 +503,8 @@ def _w8a8_kernel(
             acc = w8a8_step(
                 acc, a, sx, w_ptr, ws_ptr, rn, rk, kb, nmask, kmask, swn, swsn, DOT, BN, SUB
             )
-    if SPLIT_K > 1:
-        store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
-        if ONE_LAUNCH:  # noqa: SIM102 (a compile-time branch: no counting without it)
-            if last_split_arrived(count_ptr, SPLIT_K):
-                acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
-                store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
-                             OUT_BF16, HEAD_D, ROPE_D, BM, BN)  # fmt: skip
-    else:
-        store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
-                     HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+    end_tile(acc, y_ptr, cos_ptr, sin_ptr, part_ptr, count_ptr, rm, rn, mmask, nmask, M, N,
+             sym, scm, OUT_BF16, HEAD_D, ROPE_D, BM, BN, SPLIT_K, ONE_LAUNCH)  # fmt: skip
 
 
 @triton.jit
@@ -579,16 +591,8 @@ def _w8a8_tma_kernel(
             x_desc, xs_ptr, w_desc, ws_ptr, m0, n0, rm, rb, mmask, bmask, K, sxsm, swsn, BM, BN,
             DOT, k_lo, LANES,
         )  # fmt: skip
-    if SPLIT_K > 1:
-        store_partial(acc, part_ptr, rm, rn, mmask, nmask, M, N)
-        if ONE_LAUNCH:  # noqa: SIM102 (a compile-time branch: no counting without it)
-            if last_split_arrived(count_ptr, SPLIT_K):
-                acc = sum_partials(part_ptr, rm, rn, mmask, nmask, M, N, SPLIT_K, BM, BN, True)
-                store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm,
-                             OUT_BF16, HEAD_D, ROPE_D, BM, BN)  # fmt: skip
-    else:
-        store_linear(acc, y_ptr, cos_ptr, sin_ptr, rm, rn, mmask, nmask, sym, scm, OUT_BF16,
-                     HEAD_D, ROPE_D, BM, BN)  # fmt: skip
+    end_tile(acc, y_ptr, cos_ptr, sin_ptr, part_ptr, count_ptr, rm, rn, mmask, nmask, M, N,
+             sym, scm, OUT_BF16, HEAD_D, ROPE_D, BM, BN, SPLIT_K, ONE_LAUNCH)  # fmt: skip
 
 
 @triton.jit

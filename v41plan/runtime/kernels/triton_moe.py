@@ -322,35 +322,26 @@ def fp8_rows_bf16(bits, fld, BM: tl.constexpr, BK: tl.constexpr):
     )
 
 
-E2M1_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 t0, t1, u, c, n;
-mov.b32 c, 0x7E807E80;
-mov.b32 n, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 u, t0, 0x000F000F;
-mul.lo.u32 u, u, 0x1040;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 u, u, c, n;
-fma.rn.bf16x2 $0, u, $5, n;
-and.b32 u, t1, 0x000F000F;
-mul.lo.u32 u, u, 0x1040;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 u, u, c, n;
-fma.rn.bf16x2 $1, u, $6, n;
-and.b32 u, t0, 0x00F000F0;
-mul.lo.u32 u, u, 0x0104;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 u, u, c, n;
-fma.rn.bf16x2 $2, u, $5, n;
-and.b32 u, t1, 0x00F000F0;
-mul.lo.u32 u, u, 0x0104;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 u, u, c, n;
-fma.rn.bf16x2 $3, u, $6, n;
-}
-""")
+def _e2m1_pairs_asm(folded: bool) -> str:
+    """The PTX of ``E2M1_PAIRS_ASM`` (``folded``: of ``E2M1_PAIRS_FOLDED_ASM``)."""
+    lines = [".reg .b32 t0, t1, u, n;"] if folded else [".reg .b32 t0, t1, u, c, n;"]
+    lines += [] if folded else ["mov.b32 c, 0x7E807E80;"]  # 2**126, bf16 pairs
+    lines += ["mov.b32 n, 0x80008000;"]
+    lines += ["prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    # (output, packed pair, nibble mask, multiplier placing the nibble, scale)
+    low, high = ("0x000F000F", "0x1040"), ("0x00F000F0", "0x0104")
+    parts = [("$0", "t0", *low, "$5"), ("$1", "t1", *low, "$6")]
+    parts += [("$2", "t0", *high, "$5"), ("$3", "t1", *high, "$6")]
+    for out, pair, mask, mul, scale in parts:
+        lines += [f"and.b32 u, {pair}, {mask};", f"mul.lo.u32 u, u, {mul};"]
+        lines += ["and.b32 u, u, 0x81C081C0;"]
+        if not folded:
+            lines += ["fma.rn.bf16x2 u, u, c, n;"]
+        lines += [f"fma.rn.bf16x2 {out}, u, {scale}, n;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+E2M1_PAIRS_ASM = tl.constexpr(_e2m1_pairs_asm(False))
 """Four packed E2M1 bytes ($4) and their bf16 block scales ($5, $6) -> the low nibbles' values
 ($0, $1) and the high nibbles' ($2, $3), bf16 pairs. ``prmt`` puts two bytes in the two 16-bit
 halves; one multiply by ``2**6 + 2**12`` (``2**2 + 2**8`` for the high nibble) of the masked
@@ -361,30 +352,7 @@ multiplies (``fma`` with -0) by ``2**126`` and by the scale follow: three intege
 instructions per pair of codes."""
 
 
-E2M1_PAIRS_FOLDED_ASM = tl.constexpr("""
-{
-.reg .b32 t0, t1, u, n;
-mov.b32 n, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 u, t0, 0x000F000F;
-mul.lo.u32 u, u, 0x1040;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 $0, u, $5, n;
-and.b32 u, t1, 0x000F000F;
-mul.lo.u32 u, u, 0x1040;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 $1, u, $6, n;
-and.b32 u, t0, 0x00F000F0;
-mul.lo.u32 u, u, 0x0104;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 $2, u, $5, n;
-and.b32 u, t1, 0x00F000F0;
-mul.lo.u32 u, u, 0x0104;
-and.b32 u, u, 0x81C081C0;
-fma.rn.bf16x2 $3, u, $6, n;
-}
-""")
+E2M1_PAIRS_FOLDED_ASM = tl.constexpr(_e2m1_pairs_asm(True))
 """``E2M1_PAIRS_ASM`` with the scales ($5, $6) already times ``2**126`` (``lane_scales`` with
 ``FOLD``): one exact multiply a pair (the code's value times ``2**-126``, a bf16 subnormal for
 0.5, times ``2**(field - 1)``), so three integer and one float instruction per pair of codes."""
