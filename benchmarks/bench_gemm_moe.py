@@ -13,7 +13,8 @@ which), median of several repetitions:
   shape (per-row scales: coarser than the published 32-lane ones). Goal ``of_floor >= 0.5``.
 - ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
 - ``moe decode64`` / ``moe prefill8k``: one MoE layer (routing, shared expert, routed experts)
-  with ``GroupedMoE`` W4A8 (``fp8`` and ``bf16`` dot modes); floor ``max(bytes / copy BW, FLOPs
+  with ``GroupedMoE`` W4A8 (the runtime's dot mode, bf16 on CUDA, then fp8; ``--quick``: the
+  runtime's alone); floor ``max(bytes / copy BW, FLOPs
   / FP8 rate)``, the bytes of the distinct experts the batch selects (FP4 codes + E8M0 scales)
   plus the shared expert and gate; peers timed in the same run: ``GroupedMoE`` torch
   (``torch._grouped_mm`` bf16 over the selected experts) and the dense-over-experts
