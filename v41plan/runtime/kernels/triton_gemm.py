@@ -771,7 +771,7 @@ scripts/check_dense_kernels_sm90.py; 8K rows of ``wq_b`` 2.47 -> 1.67 ms, of ``w
 1.77, reports/gpu/bench_gemm_moe_sweep3.json). None: the pointer kernel's ``default_config``."""
 
 
-DECODE_BF16_ROWS = False
+DECODE_BF16_ROWS = True
 """Whether a CUDA launch of 17 to 64 rows whose caller names no dot mode runs the ``"bf16"``
 mode (``decode_dot``): the E4M3 codes times their scales, exact in bf16, one dot a 64-lane K
 step into float32 sums, in 64-row tiles at every weight width; the ``"fp8"`` mode's 64-row

@@ -133,7 +133,7 @@ PAIRS_ASM = True
 """``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
 ``E4M3_PAIRS_ASM``; False: by Triton's operations (the same values; a test compares them)."""
 
-FOLDED_SCALES = False
+FOLDED_SCALES = True
 """Whether the asm decode (``PAIRS_ASM``) of weights whose E8M0 scale fields all lie in
 ``[1, FOLD_MAX_FIELD]`` (``scales_fold``, checked at load: scales up to 2) multiplies each pair by
 its scale times ``2**126`` in one instruction (``E2M1_PAIRS_FOLDED_ASM``) instead of by
