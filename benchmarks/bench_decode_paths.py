@@ -33,10 +33,11 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``compiled_no_site_codes``: ``compiled`` with the joint ``wq_a``/``wkv`` product and the
   grouped MoE quantizing their input in launches of their own, not taking the codes the mHC
   sites' epilogues make (``paged_model.SITE_CODES`` off): its A/B;
-- ``compiled_folded_scales``: ``compiled`` with the routed experts' FP4 decode multiplying by
-  the scale times ``2**126`` in one instruction (``triton_moe.FOLDED_SCALES`` on): its A/B;
-- ``compiled_decode_bf16_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the bf16
-  mode and 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` on): its A/B.
+- ``compiled_unfolded_scales``: ``compiled`` with the routed experts' FP4 decode multiplying by
+  ``2**126`` and then by the scale, not by their product in one instruction
+  (``triton_moe.FOLDED_SCALES`` off): its A/B;
+- ``compiled_decode_fp8_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the fp8
+  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -101,8 +102,8 @@ VARIANTS = {
     "compiled_one_stream": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_tma": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_folded_scales": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_decode_bf16_rows": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -113,8 +114,8 @@ GEMM_FLAGS = {
     "compiled_one_stream": {"resident.SHARED_EXPERT_STREAM": False},
     "compiled_decode_tma": {"kernels.triton_gemm.DECODE_TMA": True},
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
-    "compiled_folded_scales": {"kernels.triton_moe.FOLDED_SCALES": True},
-    "compiled_decode_bf16_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": True},
+    "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
+    "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

@@ -9,8 +9,11 @@ which), median of several repetitions:
 
 - ``w8a8 <name> M=8192``: the linear at prefill shapes in each mode (``fp8``: FP8 tensor cores,
   activation quantizer fused; ``fp8.prequant``: codes from ``act_quant_fp8``; ``bf16``: exact
-  dequantized bf16 operands), floor ``2MNK / FP8 rate``; peer ``_scaled_mm`` row-wise, same
-  shape (per-row scales: coarser than the published 32-lane ones). Goal ``of_floor >= 0.5``.
+  dequantized bf16 operands; ``mm``: the runtime's prefill mode, ``MM_ROWS``: the exact values
+  through ``torch.mm``, the quantizer's and the weight's dequantization launches included),
+  floor ``2MNK / FP8 rate``; peer ``_scaled_mm`` row-wise, same shape (per-row scales: coarser
+  than the published 32-lane ones). Goal ``of_floor >= 0.5``. ``w8a8 wq_b M=1024|2048``: the
+  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` starts.
 - ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
 - ``moe decode64`` / ``moe prefill8k``: one MoE layer (routing, shared expert, routed experts)
   with ``GroupedMoE`` W4A8 (the runtime's dot mode, bf16 on CUDA, then fp8; ``--quick``: the
@@ -163,14 +166,14 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
         except Exception as exc:  # noqa: BLE001
             peer_ms = None
             print(f"peer _scaled_mm {M}x{N}x{K}: {type(exc).__name__}: {exc}")
-        variants = [("fp8", True), ("fp8", False), ("bf16", False)]
+        variants = [("fp8", True), ("fp8", False), ("bf16", False), ("mm", True)]
         for dot, fused in variants:
             label = f"w8a8 {name} M={M} {dot}{'' if fused else '.prequant'}"
             if time.monotonic() > deadline:
                 rows.append({"name": label, "error": "skipped: time budget"})
                 continue
             try:
-                cands = sweep[dot] if (i == 0 and not quick) else [best.get(dot)]
+                cands = sweep.get(dot, [None]) if (i == 0 and not quick) else [best.get(dot)]
                 res = []
                 for c in cands:
                     args = (
@@ -197,6 +200,26 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
             except Exception as exc:  # noqa: BLE001 (report the row, keep going)
                 rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
                 traceback.print_exc()
+    for name in ("wq_b", "wo_b"):  # where MM_ROWS starts
+        N, K = shapes[name]
+        wc, ws = _fp8_weight(N, K)
+        for Mm in (1024, 2048):
+            x = torch.randn(Mm, K, device="cuda", dtype=torch.bfloat16)
+            xq, xs = act_quant_fp8(x)
+            floor_ms = 2 * Mm * N * K / ceil["fp8_flop_per_s"] * 1e3
+            for dot, args in (("fp8", (xq, wc, ws, torch.bfloat16, xs)), ("mm", (x, wc, ws))):
+                label = f"w8a8 {name} M={Mm} {dot}{'.prequant' if dot == 'fp8' else ''}"
+                if time.monotonic() > deadline:
+                    rows.append({"name": label, "error": "skipped: time budget"})
+                    continue
+                try:
+                    ms, how = time_ms(_gemm_call(w8a8_linear, args, dot, None))
+                    rows.append({"name": label, "shape": [Mm, N, K], "ms": ms,
+                                 "floor_ms": floor_ms, "of_floor": floor_ms / ms, "peer": None,
+                                 "peer_ms": None, "timing": how})  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                    traceback.print_exc()
     for name in ("wq_b", "wo_b"):
         N, K = shapes.get(name, (0, 0))
         if not N:

@@ -173,11 +173,11 @@ def test_grouped_w4a8_equals_the_torch_grouped_moe(dot, pairs):
         assert torch.equal(st.y_rows[live], ops.y_rows[live])
         # the scales folded into the decode (E2M1_PAIRS_FOLDED_ASM): the same bits
         assert triton_moe.scales_fold(w1, w3, w2)
-        triton_moe.FOLDED_SCALES = True
+        was, triton_moe.FOLDED_SCALES = triton_moe.FOLDED_SCALES, True
         try:
             folded = grouped_moe_w4a8_stages(*args, dot=dot, config=cfg, folds=True)
         finally:
-            triton_moe.FOLDED_SCALES = False
+            triton_moe.FOLDED_SCALES = was
         assert torch.equal(st.act[live], folded.act[live])
         assert torch.equal(st.y_rows[live], folded.y_rows[live])
     deq = [w.dequantize(torch.float32) for w in (w1, w3, w2)]

@@ -39,7 +39,7 @@ from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DOTS = ("fp32", "bf16", "fp8") if DEV == "cuda" else ("fp32",)
-U_ACC = {"fp32": 2.0**-24, "bf16": 2.0**-24, "fp8": 2.0**-13}
+U_ACC = {"fp32": 2.0**-24, "bf16": 2.0**-24, "fp8": 2.0**-13, "mm": 2.0**-24}
 """Unit roundoff of the accumulation by dot mode (FP8 tensor cores keep fewer bits)."""
 
 
@@ -280,6 +280,64 @@ def test_decode_tma_keeps_the_pointer_kernels_bits(monkeypatch):
     xq, xs = act_quant_fp8(_activations(65, K, 99).to(DEV))
     w8a8_linear(xq, wc, ws, torch.bfloat16, x_scales=xs)  # prefill rows: the pointer kernel
     assert launched == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_values_are_fake_fp8_bit_for_bit(dtype):
+    """``act_values_fp8``: the quantizer's values from float rows and from their codes, in
+    bf16 and float32 (exact either way), equal ``fake_fp8``'s, the edge cases included."""
+    from v41plan.runtime.kernels.triton_quant import act_values_fp8
+
+    x = _activations(37, 96, 0).to(dtype).to(DEV)
+    want = fake_fp8(x.cpu().float(), 32)
+    q, s = act_quant_fp8(x)
+    for out in (torch.float32, torch.bfloat16):
+        for got in (act_values_fp8(x, dtype=out), act_values_fp8(q, s, out)):
+            assert got.dtype == out
+            assert torch.equal(got.cpu().float(), want)
+    assert act_values_fp8(x[:0]).shape == (0, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mm_mode_is_the_linear_within_the_bound(dtype):
+    """The ``"mm"`` mode (the operands' exact values through ``torch.mm``): within the bound of
+    float32 sums, from float rows, from codes and from grouped rows alike; ``rope=`` the
+    output then ``layers.rope_heads`` in float32, rounded again, bit for bit."""
+    from v41plan.model.layers import rope_heads
+
+    M, heads, d, rd, K = 19, 3, 64, 16, 160
+    x = _activations(M, K, 1)
+    w = torch.randn(heads * d, K, generator=torch.Generator().manual_seed(2)) * 0.05
+    w[:, 64:96] *= 300.0
+    wc, ws = quantize_fp8_weight(w)
+    dev_w = (wc.to(DEV), ws.to(DEV))
+    xd = x.to(DEV).to(dtype)
+    y = w8a8_linear(xd, *dev_w, dtype, dot="mm")
+    assert y.dtype == dtype
+    u_out = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    assert _bound_check(y, x.to(dtype).float(), wc, ws, "mm", u_out) <= 1.0
+    xq, xs = act_quant_fp8(xd)
+    assert torch.equal(w8a8_linear(xq, *dev_w, dtype, x_scales=xs, dot="mm"), y)
+    z = xd.reshape(M, 5, 32).transpose(0, 1).contiguous().transpose(0, 1)  # [M, G, K/G] strided
+    assert torch.equal(w8a8_linear(z, *dev_w, dtype, dot="mm"), y)
+    cos, sin = _rope_tables(M, rd, 6)
+    got = w8a8_linear(xd, *dev_w, dtype, rope=(cos, sin, d), dot="mm")
+    assert torch.equal(got, rope_heads(y, cos, sin, d))
+    lanes = (got != y).reshape(M, heads, d).any(0).any(0)
+    assert not lanes[: d - rd].any() and lanes[d - rd :].all()
+
+
+def test_prefill_rows_take_the_mm_mode_on_cuda(monkeypatch):
+    """``decode_dot``: ``MM_ROWS`` rows and more on CUDA run the ``"mm"`` mode; the CPU and
+    ``MM_ROWS = None`` keep the kernel's modes."""
+    from v41plan.runtime.kernels import triton_gemm as tg
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(tg, "MM_ROWS", 1024)
+    assert [tg.decode_dot(m, cuda) for m in (1, 1023, 1024, 8192)] == ["fp8", "fp8", "mm", "mm"]
+    assert tg.decode_dot(8192, cpu) == tg.default_dot(cpu)
+    monkeypatch.setattr(tg, "MM_ROWS", None)
+    assert tg.decode_dot(8192, cuda) == "fp8"
 
 
 def test_decode_bf16_rows_picks_the_mode_and_the_tiles(monkeypatch):

@@ -18,7 +18,9 @@ test measures it and holds it to ``u = 2**-13`` within a block).
 Dot modes (``dot=``): ``"fp32"`` float32 operands (what Triton's CPU interpreter runs, and an
 exact reference on the GPU), ``"bf16"`` the dequantized operands in bf16 (exact: a 4-bit
 significand times a power of two) on bf16 tensor cores, ``"fp8"`` the E4M3 codes on FP8 tensor
-cores with the scales applied to each 32-lane block's partial product.
+cores with the scales applied to each 32-lane block's partial product; and ``"mm"`` (prefill
+rows, ``MM_ROWS``): the dequantized operands in bf16 through the BLAS's GEMM (``torch.mm``,
+float32 sums: the bf16 mode's bound), the weight's values in a transient buffer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from v41plan.runtime.kernels.triton_common import arrival_counters, pdl_enter, p
 from v41plan.runtime.kernels.triton_quant import (
     QUANT_BLOCK,
     act_quant_fp8,
+    act_values_fp8,
     decode_e4m3,
     e8m0_value,
     encode_e4m3,
@@ -778,16 +781,67 @@ step into float32 sums, in 64-row tiles at every weight width; the ``"fp8"`` mod
 wgmma keeps fewer bits of a block's sum, so narrow weights take 16-row tiles there. The
 17-64-row sweeps (H100): ``wq_b`` 35.3 -> 30.5 us, ``wo_b`` even, ``shared.w2`` 15.4 -> 17.9
 (``bench_gemm_moe_decode_bf16_h100_c50e287.json``); the joint ``wq_a``/``wkv`` 29 -> 20 us
-by TMA tiles (``bench_gemm_moe_decode_tma_h100_965b9c7.json``). Off until the step has timed
-it (``bench_decode_paths.py`` variant ``compiled_decode_bf16_rows``)."""
+by TMA tiles (``bench_gemm_moe_decode_tma_h100_965b9c7.json``). The flash_slice decode step at
+batch 64 (H100): 30.28 -> 29.62 ms, W8A8 kernel time 7.12 -> 6.79
+(``bench_decode_flash_slice_b64_folded_bf16rows_h100_8a9cd7d.json``; the other side:
+``bench_decode_paths.py`` variant ``compiled_decode_fp8_rows``)."""
+
+
+MM_ROWS: int | None = 1024
+"""Rows from which a CUDA ``w8a8_linear`` whose caller names no dot mode runs the ``"mm"``
+mode: the activation quantizer's values and the weight's (``act_values_fp8``,
+``dequant_fp8``: exact in bf16, the weight into a transient buffer) through the BLAS's bf16
+GEMM, float32 sums. The ``"fp8"`` kernel's per-32-lane rescaling issues one ``FFMA`` per output
+element a block, as many cycles as the FP8 tensor cores' own work, and held the Triton kernel
+near 0.3 of the FP8 rate (README, "Why the W8A8 prefill tile stays near 0.3"); the bf16 rate is
+about 0.64 of the FP8 rate (H100) and the BLAS's tiles reach most of it. ``None``: never."""
 
 
 def decode_dot(M: int, device: torch.device) -> str:
-    """The dot mode of a launch of ``M`` rows whose caller names none: ``"bf16"`` at 17-64 rows
-    on CUDA with ``DECODE_BF16_ROWS``, else ``default_dot``'s."""
+    """The dot mode of a ``w8a8_linear`` of ``M`` rows whose caller names none: ``"mm"`` from
+    ``MM_ROWS`` rows on CUDA, ``"bf16"`` at 17-64 rows on CUDA with ``DECODE_BF16_ROWS``, else
+    ``default_dot``'s."""
+    if device.type == "cuda" and MM_ROWS is not None and M >= MM_ROWS:
+        return "mm"
     if DECODE_BF16_ROWS and device.type == "cuda" and 16 < M <= 64:
         return "bf16"
     return default_dot(device)
+
+
+@triton.jit
+def _rope_rows_kernel(y_ptr, cos_ptr, sin_ptr, M, sym, scm, OUT_BF16: tl.constexpr,
+                      HEAD_D: tl.constexpr, ROPE_D: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+    """``store_linear``'s RoPE on stored rows, in place: the last ``ROPE_D`` lanes of head
+    ``program_id(1)`` of ``BM`` rows, rotated in float32 and rounded to ``y``'s dtype (to
+    nearest even in bf16, as ``store_linear``)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * HEAD_D + HEAD_D - ROPE_D + tl.arange(0, ROPE_D)
+    mmask = rm < M
+    ptr = y_ptr + rm[:, None] * sym + rn[None, :]
+    acc = tl.load(ptr, mask=mmask[:, None], other=0.0).to(tl.float32)
+    acc = rope_lanes(acc, rm, rn, mmask, cos_ptr, sin_ptr, scm, HEAD_D, ROPE_D, BM, ROPE_D)
+    if OUT_BF16:
+        acc = round_bf16(acc)
+    tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def _mm_linear(x, x_scales, w_codes, w_scales, out_dtype, rope) -> torch.Tensor:
+    """``w8a8_linear``'s ``"mm"`` mode: ``x [M, K]`` (float, or E4M3 codes with ``x_scales``)
+    quantized to its values, the weight's values, one BLAS GEMM (bf16 operands for a bf16
+    output, else float32), then ``store_linear``'s RoPE in place."""
+    vals = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    y = torch.mm(act_values_fp8(x, x_scales, vals), dequant_fp8(w_codes, w_scales, vals).t())
+    y = y.to(out_dtype)
+    if rope is not None:
+        cos, sin, head_d = rope
+        rope_d, (M, N) = 2 * cos.shape[-1], y.shape
+        cos, sin = cos.contiguous(), sin.contiguous()
+        bm = 32
+        _rope_rows_kernel[(triton.cdiv(M, bm), N // head_d)](
+            y, cos, sin, M, y.stride(0), cos.stride(0), OUT_BF16=y.dtype == torch.bfloat16,
+            HEAD_D=head_d, ROPE_D=rope_d, BM=bm, enable_fp_fusion=False,
+        )  # fmt: skip
+    return y
 
 
 DECODE_TMA = False
@@ -902,6 +956,14 @@ def w8a8_linear(
         raise ValueError("w8a8_linear: a grouped [M, G, K/G] input is quantized in the prologue")
     if out_dtype is None:
         out_dtype = x.dtype if quant_x else torch.bfloat16
+    if rope is not None:
+        cos, sin, head_d = rope
+        if cos.dtype != torch.float32 or N % head_d or head_d % 2:
+            raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
+    if dot == "mm":
+        if grouped:
+            x = x.reshape(M, K)
+        return _mm_linear(x, x_scales, w_codes, w_scales, out_dtype, rope)
     if quant_x and M >= PREQUANT_ROWS:
         # many row tiles: the prologue would quantize each row tile once per output tile;
         # quantizing once first gives the same codes (the same rounding, bit for bit)
@@ -948,8 +1010,8 @@ def w8a8_linear(
     if rope is not None:
         cos, sin, head_d = rope
         rope_d = 2 * cos.shape[-1]
-        if cos.dtype != torch.float32 or N % head_d or cfg.block_n % 2 or head_d % 2:
-            raise ValueError("w8a8_linear: rope takes float32 cos/sin and whole heads")
+        if cfg.block_n % 2:
+            raise ValueError("w8a8_linear: rope takes an even block_n")
         cos, sin = cos.contiguous(), sin.contiguous()
     split, k_split = _splits(K, cfg)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)

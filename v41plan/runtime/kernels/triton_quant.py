@@ -8,7 +8,8 @@ uint8 bytes (E4M3 bits, packed E2M1 pairs with the even lane in the low nibble, 
 bytes), so one kernel source serves the GPU and Triton's CPU interpreter alike.
 
 ``act_quant_fp8`` is the activation quantizer (``act_quant``: E4M3 with one power-of-two scale
-per 32 lanes) as one kernel: codes and E8M0 scale bytes for a W8A8 or W4A8 GEMM.
+per 32 lanes) as one kernel: codes and E8M0 scale bytes for a W8A8 or W4A8 GEMM;
+``act_values_fp8`` its values (codes times scales) for a GEMM on exact bf16 operands.
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ def _act_quant_kernel(
     BM: tl.constexpr,
     BKB: tl.constexpr,
     PDL: tl.constexpr = False,
+    VALUES: tl.constexpr = False,
 ):
-    """One program: ``BM`` rows x ``BKB`` 32-lane blocks of ``x`` -> E4M3 bytes + E8M0 bytes."""
+    """One program: ``BM`` rows x ``BKB`` 32-lane blocks of ``x`` -> E4M3 bytes + E8M0 bytes;
+    ``VALUES``: the quantized values themselves (codes times scales, exact in bf16) into ``q``
+    in its dtype, no scales."""
     pdl_enter(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1) * BKB + tl.arange(0, BKB)
@@ -118,11 +122,31 @@ def _act_quant_kernel(
     k = kb[None, :, None] * 32 + lane[None, None, :]
     mask = (rm[:, None, None] < M) & (k < K)
     x = tl.load(x_ptr + rm[:, None, None] * sxm + k, mask=mask, other=0.0).to(tl.float32)
-    _scale, inv, field = fp8_act_scale(tl.max(tl.abs(x), axis=2))
+    scale, inv, field = fp8_act_scale(tl.max(tl.abs(x), axis=2))
     q = round_e4m3(x * inv[:, :, None])
-    tl.store(q_ptr + rm[:, None, None] * sqm + k, encode_e4m3(q).to(tl.uint8), mask=mask)
+    if VALUES:
+        v = q * scale[:, :, None]
+        tl.store(q_ptr + rm[:, None, None] * sqm + k, v.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(q_ptr + rm[:, None, None] * sqm + k, encode_e4m3(q).to(tl.uint8), mask=mask)
+        smask = (rm[:, None] < M) & (kb[None, :] < K // 32)
+        tl.store(s_ptr + rm[:, None] * ssm + kb[None, :], field.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _act_dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, sqm, ssm, som, BM: tl.constexpr,
+                        BKB: tl.constexpr):  # fmt: skip
+    """One program: ``BM`` rows x ``BKB`` 32-lane blocks of E4M3 bytes and their E8M0 bytes ->
+    the values (exact in bf16) in ``out``'s dtype."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    kb = tl.program_id(1) * BKB + tl.arange(0, BKB)
+    k = kb[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    mask = (rm[:, None, None] < M) & (k < K)
+    b = tl.load(q_ptr + rm[:, None, None] * sqm + k, mask=mask, other=0)
     smask = (rm[:, None] < M) & (kb[None, :] < K // 32)
-    tl.store(s_ptr + rm[:, None] * ssm + kb[None, :], field.to(tl.uint8), mask=smask)
+    field = tl.load(s_ptr + rm[:, None] * ssm + kb[None, :], mask=smask, other=127)
+    v = decode_e4m3(b) * e8m0_value(field)[:, :, None]
+    tl.store(out_ptr + rm[:, None, None] * som + k, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,3 +169,31 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             **pdl_launch(x.device, M),
         )  # fmt: skip
     return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+def act_values_fp8(
+    x: torch.Tensor, x_scales: torch.Tensor | None = None, dtype=torch.bfloat16
+) -> torch.Tensor:
+    """The FP8 activation quantizer's values ``quant.fake_fp8(x, 32)`` as ``dtype`` (bf16 or
+    float32: exact either way, a 4-bit significand times a power of two), one kernel: of a
+    ``[M, K]`` tensor (``K % 32 == 0``), or, with ``x_scales`` (E8M0 ``[M, K/32]``), of its
+    E4M3 codes ``x``."""
+    if x.dim() != 2 or x.shape[1] % QUANT_BLOCK:
+        raise ValueError(f"act_values_fp8 takes [M, K] with K % 32 == 0, got {list(x.shape)}")
+    x = x.contiguous()
+    M, K = x.shape
+    out = torch.empty((M, K), dtype=dtype, device=x.device)
+    BM, BKB = 16, 4
+    grid = (triton.cdiv(M, BM), triton.cdiv(K // QUANT_BLOCK, BKB))
+    if not M:
+        return out
+    if x_scales is None:
+        _act_quant_kernel[grid](
+            x, out, out, M, K, x.stride(0), out.stride(0), 0, BM, BKB, VALUES=True
+        )  # fmt: skip
+    else:
+        q, s = x.view(torch.uint8), x_scales.contiguous().view(torch.uint8)
+        _act_dequant_kernel[grid](
+            q, s, out, M, K, q.stride(0), s.stride(0), out.stride(0), BM, BKB
+        )  # fmt: skip
+    return out
