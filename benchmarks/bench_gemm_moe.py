@@ -13,7 +13,9 @@ which), median of several repetitions:
   through ``torch.mm``, the quantizer's and the weight's dequantization launches included),
   floor ``2MNK / FP8 rate``; peer ``_scaled_mm`` row-wise, same shape (per-row scales: coarser
   than the published 32-lane ones). Goal ``of_floor >= 0.5``. ``w8a8 wq_b M=1024|2048``: the
-  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` starts.
+  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` starts. ``w8a8_swiglu shared
+  M=8192``: the shared expert's gate/up, SwiGLU and FP8 codes, the kernel (``fp8``) against
+  the ``mm`` mode, floor ``4MNK / FP8 rate``.
 - ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
 - ``moe decode64`` / ``moe prefill8k``: one MoE layer (routing, shared expert, routed experts)
   with ``GroupedMoE`` W4A8 (the runtime's dot mode, bf16 on CUDA, then fp8; ``--quick``: the
@@ -200,6 +202,27 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
             except Exception as exc:  # noqa: BLE001 (report the row, keep going)
                 rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
                 traceback.print_exc()
+    # the shared expert's gate/up + SwiGLU + FP8 codes at prefill rows, its two modes
+    from v41plan.runtime.kernels.triton_gemm import w8a8_swiglu
+
+    N, K = shapes["shared.w1"]
+    w1, w3 = _fp8_weight(N, K), _fp8_weight(N, K)
+    xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    floor_ms = 4 * M * N * K / ceil["fp8_flop_per_s"] * 1e3
+    for dot in ("fp8", "mm"):
+        label = f"w8a8_swiglu shared M={M} {dot}"
+        if time.monotonic() > deadline:
+            rows.append({"name": label, "error": "skipped: time budget"})
+            continue
+        try:
+            fn = lambda dot=dot: w8a8_swiglu(xq, xs, w1, w3, 10.0, torch.bfloat16, dot=dot)
+            ms, how = time_ms(fn)
+            rows.append({"name": label, "shape": [M, 2 * N, K], "ms": ms, "floor_ms": floor_ms,
+                         "of_floor": floor_ms / ms, "peer": None, "peer_ms": None,
+                         "timing": how})  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            traceback.print_exc()
     for name in ("wq_b", "wo_b"):  # where MM_ROWS starts
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)

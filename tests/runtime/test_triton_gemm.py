@@ -328,13 +328,15 @@ def test_mm_mode_is_the_linear_within_the_bound(dtype):
 
 
 def test_prefill_rows_take_the_mm_mode_on_cuda(monkeypatch):
-    """``decode_dot``: ``MM_ROWS`` rows and more on CUDA run the ``"mm"`` mode; the CPU and
-    ``MM_ROWS = None`` keep the kernel's modes."""
+    """``decode_dot``: ``MM_ROWS`` rows and more on CUDA run the ``"mm"`` mode (``mm_rows``,
+    which ``w8a8_swiglu`` asks too); the CPU and ``MM_ROWS = None`` keep the kernel's modes."""
     from v41plan.runtime.kernels import triton_gemm as tg
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(tg, "MM_ROWS", 1024)
     assert [tg.decode_dot(m, cuda) for m in (1, 1023, 1024, 8192)] == ["fp8", "fp8", "mm", "mm"]
+    assert [tg.mm_rows(m, cuda) for m in (1023, 1024)] == [False, True]
+    assert not tg.mm_rows(8192, cpu)
     assert tg.decode_dot(8192, cpu) == tg.default_dot(cpu)
     monkeypatch.setattr(tg, "MM_ROWS", None)
     assert tg.decode_dot(8192, cuda) == "fp8"
@@ -400,9 +402,11 @@ def test_grouped_input_is_read_in_place(dtype):
         w8a8_linear(torch.randn(M, 2, 48).to(DEV), *quantize_fp8_weight(torch.randn(N, 96)))
 
 
+@pytest.mark.parametrize("dot", [None, "mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_swiglu_is_the_shared_expert_composition(dtype):
-    """Gate/up GEMMs, clamped SwiGLU and the FP8 quantization of its result in one kernel: the
+def test_w8a8_swiglu_is_the_shared_expert_composition(dtype, dot):
+    """Gate/up GEMMs, clamped SwiGLU and the FP8 quantization of its result in one kernel (or,
+    in the ``"mm"`` mode, one ``torch.mm`` over both weights' values and one kernel after): the
     codes and scales of ``act_quant_fp8(swiglu(h1, h3).to(dtype))``. The interpreter's sigmoid
     is numpy's, equal to torch's here; on the device Triton's ``sigmoid`` may differ from
     torch's ``silu`` by a float32 rounding, so a code may move by one E4M3 step (at most 1% of
@@ -416,9 +420,9 @@ def test_w8a8_swiglu_is_the_shared_expert_composition(dtype):
     w1, w3 = (quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.2) for _ in range(2))
     w1, w3 = tuple(t.to(DEV) for t in w1), tuple(t.to(DEV) for t in w3)
     xq, xs = act_quant_fp8(x)
-    hq, hs = w8a8_swiglu(xq, xs, w1, w3, limit, dtype)
-    h1 = w8a8_linear(xq, *w1, dtype, x_scales=xs)
-    h3 = w8a8_linear(xq, *w3, dtype, x_scales=xs)
+    hq, hs = w8a8_swiglu(xq, xs, w1, w3, limit, dtype, dot=dot)
+    h1 = w8a8_linear(xq, *w1, dtype, x_scales=xs, dot=dot)
+    h3 = w8a8_linear(xq, *w3, dtype, x_scales=xs, dot=dot)
     h = swiglu(h1, h3, limit, torch.float32).to(dtype)
     assert float(h.abs().max()) > limit / 4  # the clamp and the curve's both sides are reached
     rq, rs = act_quant_fp8(h)

@@ -247,12 +247,20 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, swn, swsn, K: tl.constexpr, B
     tl.store(out_ptr + rn[:, None] * K + rk[None, :], b.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def dequant_fp8(w_codes: torch.Tensor, w_scales: torch.Tensor, dtype=torch.bfloat16):
+def dequant_fp8(
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    dtype=torch.bfloat16,
+    out: torch.Tensor | None = None,
+):
     """An FP8 weight's values ``[N, K]`` in ``dtype`` (bf16 or float32; exact), one launch:
-    ``model.quant.dequant_fp8_weight``'s values."""
+    ``model.quant.dequant_fp8_weight``'s values; into ``out`` (contiguous ``[N, K]``) if given."""
     N, K = w_codes.shape
     w, ws = _bytes(w_codes), _bytes(w_scales)
-    out = torch.empty((N, K), dtype=dtype, device=w.device)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=w.device)
+    elif out.shape != (N, K) or not out.is_contiguous():
+        raise ValueError(f"dequant_fp8: out {list(out.shape)} is a contiguous {[N, K]}")
     bn, bk = 64, 128
     _fp8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         w, ws, out, N, w.stride(0), ws.stride(0), K=K, BN=bn, BK=bk
@@ -797,11 +805,17 @@ near 0.3 of the FP8 rate (README, "Why the W8A8 prefill tile stays near 0.3"); t
 about 0.64 of the FP8 rate (H100) and the BLAS's tiles reach most of it. ``None``: never."""
 
 
+def mm_rows(M: int, device: torch.device) -> bool:
+    """Whether a launch of ``M`` rows whose caller names no dot mode runs the ``"mm"`` mode:
+    from ``MM_ROWS`` rows on CUDA."""
+    return device.type == "cuda" and MM_ROWS is not None and M >= MM_ROWS
+
+
 def decode_dot(M: int, device: torch.device) -> str:
     """The dot mode of a ``w8a8_linear`` of ``M`` rows whose caller names none: ``"mm"`` from
-    ``MM_ROWS`` rows on CUDA, ``"bf16"`` at 17-64 rows on CUDA with ``DECODE_BF16_ROWS``, else
-    ``default_dot``'s."""
-    if device.type == "cuda" and MM_ROWS is not None and M >= MM_ROWS:
+    ``MM_ROWS`` rows on CUDA (``mm_rows``), ``"bf16"`` at 17-64 rows on CUDA with
+    ``DECODE_BF16_ROWS``, else ``default_dot``'s."""
+    if mm_rows(M, device):
         return "mm"
     if DECODE_BF16_ROWS and device.type == "cuda" and 16 < M <= 64:
         return "bf16"
@@ -1156,6 +1170,42 @@ def w8a16_grouped(
     )  # fmt: skip
 
 
+@triton.jit
+def _swiglu_rows_kernel(g_ptr, h_ptr, hs_ptr, limit, M, N, sgm, shm, shsm,
+                        ROUND_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """``store_swiglu`` of stored gate/up sums ``g [M, 2N]`` (gate lanes first): the ``"mm"``
+    mode's end of ``w8a8_swiglu``."""
+    rm, rn = tile_ids(M, N, BM, BN, 1)
+    mmask, nmask = rm < M, rn < N
+    m = mmask[:, None] & nmask[None, :]
+    ptr = g_ptr + rm[:, None] * sgm + rn[None, :]
+    acc1 = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    acc3 = tl.load(ptr + N, mask=m, other=0.0).to(tl.float32)
+    store_swiglu(acc1, acc3, limit, h_ptr, hs_ptr, rm, rn, mmask, nmask, N, shm, shsm, ROUND_BF16,
+                 BM, BN)  # fmt: skip
+
+
+def _mm_swiglu(xq, x_scales, w1, w3, limit, dtype):
+    """``w8a8_swiglu``'s ``"mm"`` mode: the values of ``x`` and of ``w1`` over ``w3`` (one
+    transient ``[2N, K]`` buffer), one BLAS GEMM whose sums round to ``dtype`` (bf16 operands
+    for bf16, else float32), then the SwiGLU and its FP8 codes (``_swiglu_rows_kernel``)."""
+    (M, K), N = xq.shape, w1[0].shape[0]
+    vals = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    wv = torch.empty((2 * N, K), dtype=vals, device=xq.device)
+    dequant_fp8(*w1, out=wv[:N])
+    dequant_fp8(*w3, out=wv[N:])
+    g = torch.mm(act_values_fp8(xq, x_scales, vals), wv.t())
+    h = torch.empty((M, N), dtype=torch.uint8, device=xq.device)
+    hs = torch.empty((M, N // QUANT_BLOCK), dtype=torch.uint8, device=xq.device)
+    bm, bn = SWIGLU_SUM_TILE
+    if M:
+        _swiglu_rows_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            g, h, hs, float(limit), M, N, g.stride(0), h.stride(0), hs.stride(0),
+            ROUND_BF16=dtype == torch.bfloat16, BM=bm, BN=bn,
+        )  # fmt: skip
+    return h.view(torch.float8_e4m3fn), hs.view(torch.float8_e8m0fnu)
+
+
 def w8a8_swiglu(
     xq: torch.Tensor,
     x_scales: torch.Tensor,
@@ -1179,7 +1229,9 @@ def w8a8_swiglu(
     N = w1[0].shape[0]
     if K % QUANT_BLOCK or N % QUANT_BLOCK or w1[0].shape != w3[0].shape or w1[0].shape[1] != K:
         raise ValueError(f"w8a8_swiglu: x {list(xq.shape)}, w1 {list(w1[0].shape)}")
-    dot = dot or default_dot(xq.device)
+    dot = dot or ("mm" if mm_rows(M, xq.device) else default_dot(xq.device))
+    if dot == "mm":
+        return _mm_swiglu(xq, x_scales, w1, w3, limit, dtype)
     cfg = config or default_config(M, N, K, dot)
     if cfg.block_k % QUANT_BLOCK or cfg.block_n % QUANT_BLOCK:
         raise ValueError(f"w8a8_swiglu: tiles {cfg} (block_n and block_k multiples of 32)")
