@@ -59,6 +59,7 @@ weights in their shipped formats) and ``of_floor`` = floor / replay. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -289,12 +290,12 @@ def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
     return table, busy_us / 1e3
 
 
-def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
-    """Rows of one variant (see the module doc) with its ``GEMM_FLAGS`` set; fills
-    ``ref_logits`` for the reference."""
+@contextlib.contextmanager
+def module_flags(flags: dict):
+    """Set module flags (``module.NAME`` under ``v41plan.runtime`` -> value) for the body,
+    restored after it."""
     import importlib
 
-    flags = GEMM_FLAGS.get(name, {})
     where = {
         k: (importlib.import_module(f"v41plan.runtime.{k.rsplit('.', 1)[0]}"), k.rsplit(".", 1)[1])
         for k in flags
@@ -303,10 +304,18 @@ def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
     try:
         for k, v in flags.items():
             setattr(*where[k], v)
-        rows = _run_variant(name, spec, args, ceil, sizes, ref_logits)
+        yield
     finally:
         for k, v in saved.items():
             setattr(*where[k], v)
+
+
+def run_variant(name, spec, args, ceil, sizes, ref_logits) -> list[dict]:
+    """Rows of one variant (see the module doc) with its ``GEMM_FLAGS`` set; fills
+    ``ref_logits`` for the reference."""
+    flags = GEMM_FLAGS.get(name, {})
+    with module_flags(flags):
+        rows = _run_variant(name, spec, args, ceil, sizes, ref_logits)
     for r in rows:
         r["gemm_flags"] = flags
     return rows

@@ -1,20 +1,24 @@
 """One 8K-token prefill on the MEDIUM model (bf16): decoder SWA bounded replay on vs off.
 
     python3 benchmarks/bench_prefill.py [--checkpoint DIR] [--tokens 8192] [--kernel-table N]
-        [--out report.json]
+        [--flag kernels.triton_gemm.MM_ROWS=None] [--out report.json]
 
 A fresh request's whole prompt in one forward (prefill is always eager). With decoder replay
 on, the stage table runs the decoder layers on the tail (the last ``W`` rows) only; off, every
 layer runs every row. The ceilings (copy bandwidth, bf16 and FP8 matmul rates) are measured in
 this process and each time is given with its two floors (``medium_model.step_floor``, rows per
 layer from the plan: ``floor_ms`` shipped weight formats with W8A8/W4A8 work at the FP8 rate,
-``floor_bf16_ms`` bf16 weights at the bf16 rate) and as ``of_floor = floor / measured``. Writes
-JSON, with the tree's provenance, to ``--out`` (``$OUT/bench_prefill.json`` on the device).
+``floor_bf16_ms`` bf16 weights at the bf16 rate) and as ``of_floor = floor / measured``.
+``--flag``: module flags (``module.NAME=value`` under ``v41plan.runtime``, a Python literal)
+whose other side is timed too, after the default, in the same process (rows with ``flags``).
+Writes JSON, with the tree's provenance, to ``--out`` (``$OUT/bench_prefill.json`` on the
+device).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode_paths import VARIANTS, _kernel_table
+from bench_decode_paths import VARIANTS, _kernel_table, module_flags
 from ceilings import ceilings_line, measure_ceilings
 from medium_model import (
     load_spec,
@@ -60,8 +64,20 @@ def main(argv=None) -> int:
         default=0,
         help="also profile one forward each way and record its N largest kernels by device time",
     )
+    ap.add_argument(
+        "--flag",
+        action="append",
+        default=[],
+        help="module.NAME=value under v41plan.runtime: also time the prefill with it set",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        flags = {
+            k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in args.flag)
+        }  # fmt: skip
+    except (ValueError, SyntaxError) as exc:
+        ap.error(f"--flag takes module.NAME=<Python literal>: {exc}")
     if not torch.cuda.is_available():
         print("bench_prefill.py: needs a CUDA device, and this machine has none", file=sys.stderr)
         return 2
@@ -114,44 +130,18 @@ def main(argv=None) -> int:
         fresh_slot=True,
     )
     rows, logits = [], {}
-    for replay in (False, True):
+    for setting, replay in [({}, False), ({}, True)] + [(flags, r) for r in (False, True) if flags]:
         plan = plan_step(StepInput((req,)), spec, decoder_replay=replay)
 
         def run(plan=plan):
             m.pools.reset_slot(0)
             return m.forward(plan, ids)
 
-        logits[replay] = run().logits.float()
-        t = time_host(run, args.iters, warmup=1)
-        fl = step_floor(
-            cfg,
-            plan,
-            ceil,
-            rows=pool_row_bytes(m.geometry),
-            index_cache_dtype=args.index_cache_dtype,
-        )
-        layer_rows = [
-            len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers
-        ]
-        extra = {}
-        if args.kernel_table:
-            table, busy_ms = _kernel_table(run, 1, args.kernel_table)
-            extra = {"kernel_table": table, "kernel_busy_ms": busy_ms}
-        rows.append(
-            {
-                "decoder_replay": replay,
-                "tokens": n,
-                "ms": t * 1e3,
-                "tokens_per_s": n / t,
-                "rows_run": int(sum(layer_rows)),
-                **fl,
-                "floor_ms": fl["floor_s"] * 1e3,
-                "floor_bf16_ms": fl["floor_bf16_s"] * 1e3,
-                "of_floor": fl["floor_s"] / t,
-                "of_floor_bf16": fl["floor_bf16_s"] / t,
-                **extra,
-            }
-        )
+        with module_flags(setting):
+            row = _time_prefill(run, args, cfg, plan, ceil, m, n, replay, setting)
+            if not setting:
+                logits[replay] = run().logits.float()
+        rows.append(row)
     same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
     report = medium_report(
         spec, args, ceil, rows,
@@ -166,6 +156,8 @@ def main(argv=None) -> int:
         f"{'fp8 TF':>7} {'floor ms':>9} {'bf16 fl':>8} {'bound':>6} {'of floor':>8} {'of bf16':>8}"
     )
     for r in rows:
+        if r["flags"]:
+            print(f"  with {r['flags']}:")
         print(
             f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} "
             f"{r['tokens_per_s']:>9.0f} {r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} "
@@ -179,6 +171,33 @@ def main(argv=None) -> int:
     print(f"replay on / off speedup: {report['speedup_replay_on']:.2f}x; same next token: {same}")
     write_report(report, args.out, "bench_prefill.json")
     return 0
+
+
+def _time_prefill(run, args, cfg, plan, ceil, m, n, replay, setting) -> dict:
+    """One row: ``run`` (the prefill forward) timed, with its floors and kernel table."""
+    t = time_host(run, args.iters, warmup=1)
+    fl = step_floor(
+        cfg, plan, ceil, rows=pool_row_bytes(m.geometry), index_cache_dtype=args.index_cache_dtype
+    )
+    layer_rows = [len(plan.layer_rows.get((info.index, "attention"), ())) for info in cfg.layers]
+    extra = {}
+    if args.kernel_table:
+        table, busy_ms = _kernel_table(run, 1, args.kernel_table)
+        extra = {"kernel_table": table, "kernel_busy_ms": busy_ms}
+    return {
+        "decoder_replay": replay,
+        "flags": setting,
+        "tokens": n,
+        "ms": t * 1e3,
+        "tokens_per_s": n / t,
+        "rows_run": int(sum(layer_rows)),
+        **fl,
+        "floor_ms": fl["floor_s"] * 1e3,
+        "floor_bf16_ms": fl["floor_bf16_s"] * 1e3,
+        "of_floor": fl["floor_s"] / t,
+        "of_floor_bf16": fl["floor_bf16_s"] / t,
+        **extra,
+    }
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@
 #   DECODE_BATCHES=1 ...   # the decode batch sizes (default 1,64)
 #   STEPS="streams ckpt decode" DECODE_VARIANTS=compiled,compiled_one_stream ...
 #   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_unfolded_scales,compiled_decode_fp8_rows ...
+#   STEPS="ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=None ...  # a flag's prefill A/B
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
@@ -111,7 +112,7 @@ if has ncu; then  # hardware counters of the decode's largest kernels (Nsight Co
 fi
 if has prefill; then
     run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
-        --variant resident --tokens 8192 --kernel-table 25 \
+        --variant resident --tokens 8192 --kernel-table 25 ${PREFILL_FLAG:+--flag "$PREFILL_FLAG"} \
         --out "$OUT/bench_prefill_flash_slice.json"
 fi
 if has gemm; then
