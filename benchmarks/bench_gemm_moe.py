@@ -9,11 +9,11 @@ which), median of several repetitions:
 
 - ``w8a8 <name> M=8192``: the linear at prefill shapes in each mode (``fp8``: FP8 tensor cores,
   activation quantizer fused; ``fp8.prequant``: codes from ``act_quant_fp8``; ``bf16``: exact
-  dequantized bf16 operands; ``mm``: the runtime's prefill mode, ``MM_ROWS``: the exact values
+  dequantized bf16 operands; ``mm``: the prefill mode behind ``MM_ROWS``, the exact values
   through ``torch.mm``, the quantizer's and the weight's dequantization launches included),
   floor ``2MNK / FP8 rate``; peer ``_scaled_mm`` row-wise, same shape (per-row scales: coarser
   than the published 32-lane ones). Goal ``of_floor >= 0.5``. ``w8a8 wq_b M=1024|2048``: the
-  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` starts. ``w8a8_swiglu shared
+  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` would start. ``w8a8_swiglu shared
   M=8192``: the shared expert's gate/up, SwiGLU and FP8 codes, the kernel (``fp8``) against
   the ``mm`` mode, floor ``4MNK / FP8 rate``.
 - ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
@@ -223,7 +223,7 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
         except Exception as exc:  # noqa: BLE001
             rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
             traceback.print_exc()
-    for name in ("wq_b", "wo_b"):  # where MM_ROWS starts
+    for name in ("wq_b", "wo_b"):  # where MM_ROWS would start
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
         for Mm in (1024, 2048):

@@ -23,7 +23,7 @@
 #   DECODE_BATCHES=1 ...   # the decode batch sizes (default 1,64)
 #   STEPS="streams ckpt decode" DECODE_VARIANTS=compiled,compiled_one_stream ...
 #   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_unfolded_scales,compiled_decode_fp8_rows ...
-#   STEPS="ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=None ...  # a flag's prefill A/B
+#   STEPS="ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=1024 ...  # a flag's prefill A/B
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
