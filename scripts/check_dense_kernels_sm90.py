@@ -197,6 +197,30 @@ def _gemm_variants(hidden: int) -> list:
     cx = {"S": 4, "ROUND_BF16": True, "BM": 16, "BN": 64}
     sig.update(dict.fromkeys(cx, "constexpr"))
     out.append(("w8a8 swiglu split sum", tg._swiglu_split_sum_kernel, sig, cx, 4))
+    # the "mm" mode's pieces (MM_ROWS): the quantizer's values, codes back to values, the RoPE
+    # on stored rows and the SwiGLU of stored sums
+    from v41plan.runtime.kernels import triton_quant as tq
+
+    sig = {"x_ptr": "*bf16", "q_ptr": "*bf16", "s_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "K", "sxm", "sqm", "ssm"), i32))
+    cx = {"BM": 16, "BKB": 4, "PDL": False, "VALUES": True}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("mm act values", tq._act_quant_kernel, sig, cx, 4))
+    sig = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "K", "sqm", "ssm", "som"), i32))
+    cx = {"BM": 16, "BKB": 4}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("mm act dequant", tq._act_dequant_kernel, sig, cx, 4))
+    sig = {"y_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    sig.update(dict.fromkeys(("M", "sym", "scm"), i32))
+    cx = {"OUT_BF16": True, "HEAD_D": 512, "ROPE_D": 64, "BM": 32}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("mm rope rows", tg._rope_rows_kernel, sig, cx, 4))
+    sig = {"g_ptr": "*bf16", "h_ptr": "*u8", "hs_ptr": "*u8", "limit": "fp32"}
+    sig.update(dict.fromkeys(("M", "N", "sgm", "shm", "shsm"), i32))
+    cx = {"ROUND_BF16": True, "BM": 16, "BN": 64}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    out.append(("mm swiglu rows", tg._swiglu_rows_kernel, sig, cx, 4))
     moe_forms = [(2, 128, False, False, False), (1, 128, False, False, False)]
     moe_forms += [(1, 256, False, False, False), (1, 128, True, False, False)]
     moe_forms += [(1, 256, False, True, False), (1, 128, True, True, False)]

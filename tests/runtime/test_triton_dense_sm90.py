@@ -33,12 +33,13 @@ def test_every_kernel_form_compiles_for_sm90():
     # kernels, the products and tf32x3 sites, the W8A8 linear (plain, grouped input, RoPE
     # epilogue, split-K, fp8 and bf16 prefill tiles, the grouped W8A16 wo_a at decode, split and
     # prefill tiles, the TMA prefill tile plain, with RoPE and in the bf16 mode) and its split
-    # sum, the shared expert's gate/up SwiGLU (whole and split-K) and its split sum, the MoE's
+    # sum, the shared expert's gate/up SwiGLU (whole and split-K) and its split sum, the "mm"
+    # mode's four (the quantizer's values, codes to values, RoPE rows, SwiGLU rows), the MoE's
     # gate/up and down GEMMs (fp8, bf16 at two K steps, prefetched, lanes in pairs with and
     # without prefetch, pairs by TMA) and the permuted rows' kernel, the permutation (expert loop
     # and one-hot), the router (one kernel; the split GEMV and its select), the sparse attention
     # at flash widths (64- and 32-head blocks)
-    assert "0 failed" in res.stdout and res.stdout.count("ok ") == 49
+    assert "0 failed" in res.stdout and res.stdout.count("ok ") == 53
     # no kernel has its wgmma serialized by ptxas (the sparse attention's was, at 64 heads, until
     # its window keys became one tile) or a 64-bit integer division (a called routine)
     assert "wgmma-serialized" not in res.stdout and "div64" not in res.stdout
