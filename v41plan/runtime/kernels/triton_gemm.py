@@ -923,9 +923,12 @@ def _splits(K: int, cfg: GemmConfig) -> tuple[int, int]:
 
 
 def default_dot(device: torch.device) -> str:
-    """``"fp32"`` on the CPU (Triton's interpreter), ``"fp8"`` on CUDA. One mode at every row
-    count: a row's sums then do not change with its launch's (the bf16 mode is 5% faster at
-    8K rows, reports/gpu/bench_gemm_moe_sweep2.json, not enough to switch modes by rows)."""
+    """``"fp32"`` on the CPU (Triton's interpreter), ``"fp8"`` on CUDA: the mode of callers
+    that name none and do not choose by rows (``w8a8_linear`` does, ``decode_dot``: its 17-64
+    rows in the bf16 mode and, with ``MM_ROWS``, prefill rows in the mm mode, so on CUDA a row's
+    sums differ, in their last bits, on either side of 16/17, 64/65 and ``MM_ROWS`` rows, as
+    the fp8 mode's 16- and 64-row tiles already did; within each range they do not change
+    with the launch's rows)."""
     return "fp8" if device.type == "cuda" else "fp32"
 
 
