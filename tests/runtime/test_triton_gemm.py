@@ -325,6 +325,8 @@ def test_mm_mode_is_the_linear_within_the_bound(dtype):
     assert torch.equal(got, rope_heads(y, cos, sin, d))
     lanes = (got != y).reshape(M, heads, d).any(0).any(0)
     assert not lanes[: d - rd].any() and lanes[d - rd :].all()
+    empty = w8a8_linear(xd[:0], *dev_w, dtype, rope=(cos[:0], sin[:0], d), dot="mm")
+    assert empty.shape == (0, heads * d)
 
 
 def test_prefill_rows_take_the_mm_mode_on_cuda(monkeypatch):

@@ -849,7 +849,7 @@ def _mm_linear(x, x_scales, w_codes, w_scales, out_dtype, rope) -> torch.Tensor:
     vals = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     y = torch.mm(act_values_fp8(x, x_scales, vals), dequant_fp8(w_codes, w_scales, vals).t())
     y = y.to(out_dtype)
-    if rope is not None:
+    if rope is not None and y.shape[0]:
         cos, sin, head_d = rope
         rope_d, (M, N) = 2 * cos.shape[-1], y.shape
         cos, sin = cos.contiguous(), sin.contiguous()
