@@ -329,6 +329,29 @@ def test_mm_mode_is_the_linear_within_the_bound(dtype):
     assert empty.shape == (0, heads * d)
 
 
+def test_mm_mode_sums_in_float32(monkeypatch):
+    """The ``"mm"`` mode's product runs with cuBLAS's bf16 split-K reduction off (float32
+    sums, the stated bound), and the flag is restored after it."""
+    from v41plan.runtime.kernels import triton_gemm as tg
+
+    flags = torch.backends.cuda.matmul
+    monkeypatch.setattr(flags, "allow_bf16_reduced_precision_reduction", True)
+    seen, mm = [], torch.mm
+
+    def spy(a, b):
+        seen.append(flags.allow_bf16_reduced_precision_reduction)
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    wc, ws = quantize_fp8_weight(torch.randn(64, 96) * 0.1)
+    x = _activations(5, 96, 3).to(DEV)
+    w8a8_linear(x, wc.to(DEV), ws.to(DEV), torch.bfloat16, dot="mm")
+    tg.w8a8_swiglu(*act_quant_fp8(x), (wc.to(DEV), ws.to(DEV)), (wc.to(DEV), ws.to(DEV)), 1.0,
+                   torch.bfloat16, dot="mm")  # fmt: skip
+    assert seen == [False, False]
+    assert flags.allow_bf16_reduced_precision_reduction
+
+
 def test_prefill_rows_take_the_mm_mode_on_cuda(monkeypatch):
     """``decode_dot``: ``MM_ROWS`` rows and more on CUDA run the ``"mm"`` mode (``mm_rows``,
     which ``w8a8_swiglu`` asks too); the CPU and ``MM_ROWS = None`` keep the kernel's modes."""

@@ -842,12 +842,25 @@ def _rope_rows_kernel(y_ptr, cos_ptr, sin_ptr, M, sym, scm, OUT_BF16: tl.constex
     tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
+def _blas_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(a, b)`` with float32 sums: cuBLAS may otherwise reduce a bf16 product's K
+    splits in bf16 (``allow_bf16_reduced_precision_reduction``, on by default), outside the
+    bound the ``"mm"`` mode states."""
+    flags = torch.backends.cuda.matmul
+    was = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        return torch.mm(a, b)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = was
+
+
 def _mm_linear(x, x_scales, w_codes, w_scales, out_dtype, rope) -> torch.Tensor:
     """``w8a8_linear``'s ``"mm"`` mode: ``x [M, K]`` (float, or E4M3 codes with ``x_scales``)
     quantized to its values, the weight's values, one BLAS GEMM (bf16 operands for a bf16
     output, else float32), then ``store_linear``'s RoPE in place."""
     vals = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    y = torch.mm(act_values_fp8(x, x_scales, vals), dequant_fp8(w_codes, w_scales, vals).t())
+    y = _blas_mm(act_values_fp8(x, x_scales, vals), dequant_fp8(w_codes, w_scales, vals).t())
     y = y.to(out_dtype)
     if rope is not None and y.shape[0]:
         cos, sin, head_d = rope
@@ -1200,7 +1213,7 @@ def _mm_swiglu(xq, x_scales, w1, w3, limit, dtype):
     wv = torch.empty((2 * N, K), dtype=vals, device=xq.device)
     dequant_fp8(*w1, out=wv[:N])
     dequant_fp8(*w3, out=wv[N:])
-    g = torch.mm(act_values_fp8(xq, x_scales, vals), wv.t())
+    g = _blas_mm(act_values_fp8(xq, x_scales, vals), wv.t())
     h = torch.empty((M, N), dtype=torch.uint8, device=xq.device)
     hs = torch.empty((M, N // QUANT_BLOCK), dtype=torch.uint8, device=xq.device)
     bm, bn = SWIGLU_SUM_TILE
