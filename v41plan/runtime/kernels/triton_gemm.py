@@ -25,6 +25,7 @@ float32 sums: the bf16 mode's bound), the weight's values in a transient buffer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -842,17 +843,24 @@ def _rope_rows_kernel(y_ptr, cos_ptr, sin_ptr, M, sym, scm, OUT_BF16: tl.constex
     tl.store(ptr, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
-def _blas_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.mm(a, b)`` with float32 sums: cuBLAS may otherwise reduce a bf16 product's K
+@contextlib.contextmanager
+def float32_sums():
+    """cuBLAS's bf16 products inside sum in float32: it may otherwise reduce a product's K
     splits in bf16 (``allow_bf16_reduced_precision_reduction``, on by default), outside the
-    bound the ``"mm"`` mode states."""
+    bound the ``"mm"`` mode and ``w8a16_grouped``'s prefill state. Restored after."""
     flags = torch.backends.cuda.matmul
     was = flags.allow_bf16_reduced_precision_reduction
     flags.allow_bf16_reduced_precision_reduction = False
     try:
-        return torch.mm(a, b)
+        yield
     finally:
         flags.allow_bf16_reduced_precision_reduction = was
+
+
+def _blas_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(a, b)`` with float32 sums (``float32_sums``)."""
+    with float32_sums():
+        return torch.mm(a, b)
 
 
 def _mm_linear(x, x_scales, w_codes, w_scales, out_dtype, rope) -> torch.Tensor:
@@ -1171,7 +1179,8 @@ def w8a16_grouped(
         # prefill rows: the weight's bf16 values into a transient buffer, then cuBLAS (its
         # tiles beat the pointer kernel's 2.5x at 8K rows, reports/gpu/probe_wo_a_*.json)
         wd = dequant_fp8(w_codes, w_scales).view(G, R, K)
-        torch.bmm(x, wd.transpose(1, 2), out=y.view(M, G, R).transpose(0, 1))
+        with float32_sums():
+            torch.bmm(x, wd.transpose(1, 2), out=y.view(M, G, R).transpose(0, 1))
         return y
     cfg = config or (A16_PREFILL_TILE if M > 64 else default_config(M, N, K, dot))
     bn = cfg.block_n
