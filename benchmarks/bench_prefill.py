@@ -10,7 +10,8 @@ this process and each time is given with its two floors (``medium_model.step_flo
 layer from the plan: ``floor_ms`` shipped weight formats with W8A8/W4A8 work at the FP8 rate,
 ``floor_bf16_ms`` bf16 weights at the bf16 rate) and as ``of_floor = floor / measured``.
 ``--flag``: module flags (``module.NAME=value`` under ``v41plan.runtime``, a Python literal)
-whose other side is timed too, after the default, in the same process (rows with ``flags``).
+whose other side is timed too, after the default, in the same process (rows with ``flags``
+and ``next_token_equal_default``).
 Writes JSON, with the tree's provenance, to ``--out`` (``$OUT/bench_prefill.json`` on the
 device).
 """
@@ -139,8 +140,13 @@ def main(argv=None) -> int:
 
         with module_flags(setting):
             row = _time_prefill(run, args, cfg, plan, ceil, m, n, replay, setting)
-            if not setting:
-                logits[replay] = run().logits.float()
+            out = run().logits.float()
+        if setting:  # the flag's next token against the default's, the same replay setting
+            row["next_token_equal_default"] = bool(
+                torch.equal(out.argmax(-1), logits[replay].argmax(-1))
+            )
+        else:
+            logits[replay] = out
         rows.append(row)
     same = bool(torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)))
     report = medium_report(
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
     )
     for r in rows:
         if r["flags"]:
-            print(f"  with {r['flags']}:")
+            print(f"  with {r['flags']} (next token as the default's: "
+                  f"{r['next_token_equal_default']}):")  # fmt: skip
         print(
             f"{'on' if r['decoder_replay'] else 'off':>6} {r['tokens']:>6} {r['ms']:>9.1f} "
             f"{r['tokens_per_s']:>9.0f} {r['rows_run']:>10} {r['flops'] / 1e12:>7.2f} "
