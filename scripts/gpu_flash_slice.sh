@@ -15,7 +15,8 @@
 # $OUT/bench_kernels_attn_sweep.json) and "ncu" (Nsight Compute's counters of the routed
 # experts' and two W8A8 decode launches, benchmarks/probe_decode_kernels.py,
 # $OUT/ncu_decode_kernels.csv; Firecracker machines only) and "streams" (the GPU test of the
-# shared expert on a side stream). On an H100 too (35 GB resident).
+# shared expert on a side stream) and "mm" (the W8A8 prefill rows' mm mode: GPU tests and the
+# --quick rows, $OUT/bench_gemm_moe_mm.json). On an H100 too (35 GB resident).
 # STEPS picks a subset:
 #   OUT=/tmp/f STEPS="ckpt decode" scripts/gpu_flash_slice.sh    # one device call
 #   OUT=/tmp/f STEPS="prefill gemm" scripts/gpu_flash_slice.sh   # the next
@@ -23,7 +24,8 @@
 #   DECODE_BATCHES=1 ...   # the decode batch sizes (default 1,64)
 #   STEPS="streams ckpt decode" DECODE_VARIANTS=compiled,compiled_one_stream ...
 #   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_unfolded_scales,compiled_decode_fp8_rows ...
-#   STEPS="ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=1024 ...  # a flag's prefill A/B
+#   STEPS="mm ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=1024 ...  # the mm mode:
+#       its GPU tests and bench rows ($OUT/bench_gemm_moe_mm.json), the 8K prefill's A/B
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
@@ -56,6 +58,13 @@ if has checks; then  # the GPU tests of the LM head, the router, the split site,
         tests/gpu/test_triton_dense_gpu.py -k "head or router or split"
     run checks-attention 120 python3 -m pytest -q tests/runtime/test_triton_kernels.py \
         -k "attention or window"
+fi
+if has mm; then  # the W8A8 prefill rows' mm mode (MM_ROWS): its GPU tests, then its bench rows
+    run mm-tests 90 python3 -m pytest -q tests/runtime/test_triton_gemm.py \
+        -k "mm_mode or act_values or swiglu_is_the_shared or prefill_rows_take"
+    run mm 150 python3 benchmarks/bench_gemm_moe.py --spec flash_slice --quick --budget-s 110 \
+        --out "$OUT/bench_gemm_moe_mm.json"
+    python3 scripts/print_rows.py "$OUT/bench_gemm_moe_mm.json"
 fi
 if has streams; then  # the shared expert on a side stream: the same bits, eager and replayed
     run streams 120 python3 -m pytest -q tests/gpu/test_shared_stream_gpu.py
