@@ -133,6 +133,22 @@ def _gemm_call(fn, args: tuple, dot: str, config):
     return lambda: fn(*args, dot=dot, config=config)
 
 
+def _timed_row(rows: list, label: str, deadline: float, fn, **fields) -> None:
+    """``fn`` timed into a row of ``rows`` (``fields`` with ``floor_ms``, then ``ms``,
+    ``of_floor``), or a row with its error (printed) or the time budget's skip."""
+    if time.monotonic() > deadline:
+        rows.append({"name": label, "error": "skipped: time budget"})
+        return
+    try:
+        ms, how = time_ms(fn)
+    except Exception as exc:  # noqa: BLE001 (report the row, keep going)
+        rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
+        traceback.print_exc()
+        return
+    rows.append({"name": label, **fields, "ms": ms, "of_floor": fields["floor_ms"] / ms,
+                 "peer": None, "peer_ms": None, "timing": how})  # fmt: skip
+
+
 def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
     """The W8A8 linear at prefill and decode shapes."""
     from v41plan.runtime.kernels.triton_gemm import GemmConfig, w8a8_linear
@@ -210,19 +226,9 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
     xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
     floor_ms = 4 * M * N * K / ceil["fp8_flop_per_s"] * 1e3
     for dot in ("fp8", "mm"):
-        label = f"w8a8_swiglu shared M={M} {dot}"
-        if time.monotonic() > deadline:
-            rows.append({"name": label, "error": "skipped: time budget"})
-            continue
-        try:
-            fn = lambda dot=dot: w8a8_swiglu(xq, xs, w1, w3, 10.0, torch.bfloat16, dot=dot)
-            ms, how = time_ms(fn)
-            rows.append({"name": label, "shape": [M, 2 * N, K], "ms": ms, "floor_ms": floor_ms,
-                         "of_floor": floor_ms / ms, "peer": None, "peer_ms": None,
-                         "timing": how})  # fmt: skip
-        except Exception as exc:  # noqa: BLE001
-            rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
-            traceback.print_exc()
+        fn = lambda dot=dot: w8a8_swiglu(xq, xs, w1, w3, 10.0, torch.bfloat16, dot=dot)
+        _timed_row(rows, f"w8a8_swiglu shared M={M} {dot}", deadline, fn, shape=[M, 2 * N, K],
+                   floor_ms=floor_ms)  # fmt: skip
     for name in ("wq_b", "wo_b"):  # where MM_ROWS would start
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
@@ -232,17 +238,8 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
             floor_ms = 2 * Mm * N * K / ceil["fp8_flop_per_s"] * 1e3
             for dot, args in (("fp8", (xq, wc, ws, torch.bfloat16, xs)), ("mm", (x, wc, ws))):
                 label = f"w8a8 {name} M={Mm} {dot}{'.prequant' if dot == 'fp8' else ''}"
-                if time.monotonic() > deadline:
-                    rows.append({"name": label, "error": "skipped: time budget"})
-                    continue
-                try:
-                    ms, how = time_ms(_gemm_call(w8a8_linear, args, dot, None))
-                    rows.append({"name": label, "shape": [Mm, N, K], "ms": ms,
-                                 "floor_ms": floor_ms, "of_floor": floor_ms / ms, "peer": None,
-                                 "peer_ms": None, "timing": how})  # fmt: skip
-                except Exception as exc:  # noqa: BLE001
-                    rows.append({"name": label, "error": f"{type(exc).__name__}: {exc}"[:400]})
-                    traceback.print_exc()
+                fn = _gemm_call(w8a8_linear, args, dot, None)
+                _timed_row(rows, label, deadline, fn, shape=[Mm, N, K], floor_ms=floor_ms)
     for name in ("wq_b", "wo_b"):
         N, K = shapes.get(name, (0, 0))
         if not N:
