@@ -53,6 +53,13 @@ def _activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _device_operands(x: torch.Tensor, w: torch.Tensor):
+    """(``x``'s E4M3 codes and E8M0 scales, ``w``'s FP8 codes and block scales), on ``DEV``
+    (``x`` already there)."""
+    wc, ws = quantize_fp8_weight(w)
+    return (*act_quant_fp8(x), wc.to(DEV), ws.to(DEV))
+
+
 def _bound_check(y: torch.Tensor, x: torch.Tensor, wc, ws, dot: str, u_out: float) -> float:
     """Largest ``|y - y*|`` over its bound (must be <= 1)."""
     xd = fake_fp8(x.double(), 32)
@@ -153,9 +160,7 @@ def test_tma_tiles_give_the_pointer_kernels_sums_bit_for_bit(dot):
     x = _activations(M, K, 21).to(DEV)
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(22)) * 0.05
     w[:, 64:96] *= 300.0
-    wc, ws = quantize_fp8_weight(w)
-    wc, ws = wc.to(DEV), ws.to(DEV)
-    xq, xs = act_quant_fp8(x)
+    xq, xs, wc, ws = _device_operands(x, w)
     warps = 1 if DEV == "cpu" else 4
     ptr = GemmConfig(64, 64, 32, num_warps=warps, num_stages=1)
     tma = GemmConfig(64, 64, 32, num_warps=warps, num_stages=3, tma=True)
@@ -185,9 +190,7 @@ def test_tma_bf16_mode_scales_the_operands_not_the_products(block_k):
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(26)) * 0.05
     w[:, 64:96] *= 300.0
     w[96:128] *= 1e-3
-    wc, ws = quantize_fp8_weight(w)
-    wc, ws = wc.to(DEV), ws.to(DEV)
-    xq, xs = act_quant_fp8(x)
+    xq, xs, wc, ws = _device_operands(x, w)
     warps = 1 if DEV == "cpu" else 4
     ptr = GemmConfig(64, 64, block_k, num_warps=warps, num_stages=1)
     tma = GemmConfig(64, 64, block_k, num_warps=warps, num_stages=3, tma=True)
@@ -214,9 +217,7 @@ def test_tma_tiles_split_k_as_the_pointer_kernel(monkeypatch, one_launch):
     x = _activations(M, K, 27).to(DEV)
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(28)) * 0.05
     w[:, 200:232] *= 300.0
-    wc, ws = quantize_fp8_weight(w)
-    wc, ws = wc.to(DEV), ws.to(DEV)
-    xq, xs = act_quant_fp8(x)
+    xq, xs, wc, ws = _device_operands(x, w)
     warps = 1 if DEV == "cpu" else 4
     fp8 = "fp32" if DEV == "cpu" else "fp8"
     for split in (3, 2):
