@@ -13,7 +13,7 @@ which), median of several repetitions:
   through ``torch.mm``, the quantizer's and the weight's dequantization launches included),
   floor ``2MNK / FP8 rate``; peer ``_scaled_mm`` row-wise, same shape (per-row scales: coarser
   than the published 32-lane ones). Goal ``of_floor >= 0.5``. ``w8a8 wq_b M=1024|2048``: the
-  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` would start. ``w8a8_swiglu shared
+  ``mm`` mode against ``fp8.prequant`` where ``MM_ROWS`` starts. ``w8a8_swiglu shared
   M=8192``: the shared expert's gate/up, SwiGLU and FP8 codes, the kernel (``fp8``) against
   the ``mm`` mode, floor ``4MNK / FP8 rate``.
 - ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
@@ -229,7 +229,7 @@ def w8a8_rows(cfg, ceil, quick: bool, rows: list, deadline: float) -> None:
         fn = lambda dot=dot: w8a8_swiglu(xq, xs, w1, w3, 10.0, torch.bfloat16, dot=dot)
         _timed_row(rows, f"w8a8_swiglu shared M={M} {dot}", deadline, fn, shape=[M, 2 * N, K],
                    floor_ms=floor_ms)  # fmt: skip
-    for name in ("wq_b", "wo_b"):  # where MM_ROWS would start
+    for name in ("wq_b", "wo_b"):  # where MM_ROWS starts
         N, K = shapes[name]
         wc, ws = _fp8_weight(N, K)
         for Mm in (1024, 2048):

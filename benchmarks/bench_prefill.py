@@ -1,7 +1,7 @@
 """One 8K-token prefill on the MEDIUM model (bf16): decoder SWA bounded replay on vs off.
 
     python3 benchmarks/bench_prefill.py [--checkpoint DIR] [--tokens 8192] [--kernel-table N]
-        [--flag kernels.triton_gemm.MM_ROWS=1024] [--out report.json]
+        [--flag kernels.triton_gemm.MM_ROWS=None] [--out report.json]
 
 A fresh request's whole prompt in one forward (prefill is always eager). With decoder replay
 on, the stage table runs the decoder layers on the tail (the last ``W`` rows) only; off, every

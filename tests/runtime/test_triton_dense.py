@@ -584,9 +584,10 @@ def test_router_split_gemv_matches_the_one_kernel_form(monkeypatch, d):
 def test_router_split_rows_share_a_program_and_keep_their_scores(monkeypatch, max_splits):
     """Nine rows over programs of ``GATE_ROWS`` (the last one part empty) when a slice is one
     tile, one row a program when it is several (``MAX_GATE_SPLITS`` 2): moe_route's ids, and
-    every row's bits the same alone as in the batch."""
+    every row's bits the same alone (one row a program) as in the batch."""
     from v41plan.runtime.kernels import triton_router as tr
 
+    monkeypatch.setattr(tr, "GATE_ROWS_FROM", 2)
     monkeypatch.setattr(tr, "SPLIT_GATE_ELEMS", 0)
     monkeypatch.setattr(tr, "ROUTER_TILE_ELEMS", 1024)
     monkeypatch.setattr(tr, "MAX_GATE_SPLITS", max_splits)

@@ -796,17 +796,18 @@ batch 64 (H100): 30.28 -> 29.62 ms, W8A8 kernel time 7.12 -> 6.79
 ``bench_decode_paths.py`` variant ``compiled_decode_fp8_rows``)."""
 
 
-MM_ROWS: int | None = None
+MM_ROWS: int | None = 1024
 """Rows from which a CUDA ``w8a8_linear`` or ``w8a8_swiglu`` whose caller names no dot mode
 runs the ``"mm"`` mode: the activation quantizer's values and the weight's (``act_values_fp8``,
 ``dequant_fp8``: exact in bf16, the weight into a transient buffer) through the BLAS's bf16
 GEMM, float32 sums. The ``"fp8"`` kernel's per-32-lane rescaling issues one ``FFMA`` per output
 element a block, as many cycles as the FP8 tensor cores' own work, and held the Triton kernel
 near 0.3 of the FP8 rate (README, "Why the W8A8 prefill tile stays near 0.3"); the bf16 rate is
-about 0.64 of the FP8 rate (H100, 792 against 1237 TFLOP/s) and the BLAS's tiles reach most of
-it, as the grouped ``wo_a``'s prefill does (``A16_BMM_ROWS``). ``None`` (the default until a
-device has timed it: ``bench_gemm_moe.py --quick``'s ``mm`` rows, ``bench_prefill.py --flag
-kernels.triton_gemm.MM_ROWS=1024``): never; 1024 is the value to try."""
+about 0.64 of the FP8 rate and the BLAS's tiles reach most of it. Measured on an H100
+(``bench_gemm_moe_mm_h100_9b9150c.json``): at 8K rows 0.54-0.56 of the FP8 rate against
+0.27-0.29 (``wq_b``, ``wo_b``), the shared expert's gate/up 0.50 against 0.07; at 1024 rows
+0.41-0.42 against 0.25-0.29; the 8K flash_slice prefill 1324 -> 1076 ms, replay on 695 -> 561
+(``bench_prefill_flash_slice_mm_h100_9b9150c.json``). ``None``: never."""
 
 
 def mm_rows(M: int, device: torch.device) -> bool:

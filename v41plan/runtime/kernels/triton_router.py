@@ -18,8 +18,9 @@ programs a row each stream a ``D / S`` slice of the gate (one ``ROUTER_TILE_ELEM
 step; a one-tile slice serves ``GATE_ROWS`` rows a program) and store their partial scores; a
 second launch sums a row's ``S`` partials in split order and selects. One program streaming a
 640 KB gate (V4.1-Flash widths at 32 experts) is bound by one SM's load latency, about 17 us a
-call. ``S`` and the rows a program depend on ``E`` and ``D`` only, so a row's scores are the
-same at every batch size and chunking.
+call. ``S`` depends on ``E`` and ``D`` only, and a row's arithmetic is the same whether its
+program scores one row or ``GATE_ROWS``, so a row's scores are the same at every batch size and
+chunking.
 """
 
 from __future__ import annotations
@@ -39,9 +40,14 @@ MAX_GATE_SPLITS = 16
 """Most ``D`` slices of a row's split GEMV (bounds the partials: ``[N, S, E]`` float32)."""
 GATE_ROWS = 4
 """Rows one split-GEMV program scores when its slice is one tile (V4.1-Flash widths at 32
-experts): the slice is loaded once for them, not once a row (64 rows read the 640 KB gate 64
-times from L2 otherwise). Fixed, not chosen by the batch, so a row's scores do not depend on
-how many rows share its step."""
+experts) and the batch has at least ``GATE_ROWS_FROM`` rows: the slice is loaded once for them,
+not once a row (64 rows read the 640 KB gate 64 times from L2 otherwise). Each row takes the
+same loads, products and reduction in either form, so its scores do not depend on the form
+(tested bit for bit on the device)."""
+GATE_ROWS_FROM = 32
+"""Rows from which the split GEMV takes ``GATE_ROWS`` rows a program (H100, flash_slice decode:
+at 1 and 16 rows one row a program is faster, 4 rows serialize on few programs; at 64 the
+shared loads save 0.39 of 0.89 ms of kernel time a step)."""
 
 
 def gate_splits(e: int, d: int) -> tuple[int, int, int]:
@@ -149,10 +155,10 @@ def _gate_part_kernel(
         )
         for r in tl.static_range(ROWS):
             row = tl.program_id(0) * ROWS + r
-            live = row < N
-            xv = tl.load(x_ptr + row * D + offs_d, mask=mask_d & live, other=0.0).to(tl.float32)
-            s = tl.sum(wv * xv[None, :], axis=1)
-            tl.store(part_ptr + (row * S + sp) * BLOCK_E + offs_e, s, mask=live)
+            if row < N:  # the last program's rows past N take no reduction
+                xv = tl.load(x_ptr + row * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+                s = tl.sum(wv * xv[None, :], axis=1)
+                tl.store(part_ptr + (row * S + sp) * BLOCK_E + offs_e, s)
     else:
         tl.static_assert(ROWS == 1)
         row = tl.program_id(0)
@@ -217,7 +223,7 @@ def moe_router(
         )  # fmt: skip
         return ids, wts
     splits, lanes, block_d = gate_splits(e, d)
-    rows = GATE_ROWS if lanes == block_d else 1
+    rows = GATE_ROWS if lanes == block_d and n >= GATE_ROWS_FROM else 1
     part = torch.empty(n, splits, block_e, dtype=torch.float32, device=x.device)
     _gate_part_kernel[(triton.cdiv(n, rows), splits)](
         x, gate_w, part, n, E=e, D=d, S=splits, LANES=lanes, BLOCK_E=block_e, BLOCK_D=block_d,
