@@ -37,9 +37,7 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   ``2**126`` and then by the scale, not by their product in one instruction
   (``triton_moe.FOLDED_SCALES`` off): its A/B;
 - ``compiled_decode_fp8_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the fp8
-  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B;
-- ``compiled_gate_row_programs``: ``compiled`` with the router's split GEMV one program a row
-  and slice, not ``GATE_ROWS`` rows a program (``triton_router.GATE_ROWS`` 1): its A/B.
+  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -107,7 +105,6 @@ VARIANTS = {
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_gate_row_programs": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -120,7 +117,6 @@ GEMM_FLAGS = {
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
     "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
     "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
-    "compiled_gate_row_programs": {"kernels.triton_router.GATE_ROWS": 1},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

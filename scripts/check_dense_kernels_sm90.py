@@ -324,11 +324,10 @@ def _router_variants() -> list:
     sig.update(dict.fromkeys(cx, "constexpr"))
     out.append(("router one kernel 48x1024", tr._router_kernel, sig, cx, 8))
     splits, lanes, block_d = tr.gate_splits(32, 5120)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32"}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32"}
     cx = {"E": 32, "D": 5120, "S": splits, "LANES": lanes, "BLOCK_E": 32, "BLOCK_D": block_d}
-    cx["ROWS"] = tr.GATE_ROWS if lanes == block_d else 1
     sig.update(dict.fromkeys(cx, "constexpr"))
-    out.append((f"router gate split 32x5120, {cx['ROWS']} rows", tr._gate_part_kernel, sig, cx, 8))
+    out.append(("router gate split 32x5120", tr._gate_part_kernel, sig, cx, 8))
     sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32"}
     sig["scale"] = "fp32"
     cx = {"E": 32, "S": splits, "S_PAD": 16, "K": 6, "K_PAD": 8, "NORM": True, "BLOCK_E": 32}

@@ -580,29 +580,6 @@ def test_router_split_gemv_matches_the_one_kernel_form(monkeypatch, d):
     assert torch.equal(alone[0], split[0][1:2]) and torch.equal(alone[1], split[1][1:2])
 
 
-@pytest.mark.parametrize("max_splits", [16, 2])
-def test_router_split_rows_share_a_program_and_keep_their_scores(monkeypatch, max_splits):
-    """Nine rows over programs of ``GATE_ROWS`` (the last one part empty) when a slice is one
-    tile, one row a program when it is several (``MAX_GATE_SPLITS`` 2): moe_route's ids, and
-    every row's bits the same alone (one row a program) as in the batch."""
-    from v41plan.runtime.kernels import triton_router as tr
-
-    monkeypatch.setattr(tr, "GATE_ROWS_FROM", 2)
-    monkeypatch.setattr(tr, "SPLIT_GATE_ELEMS", 0)
-    monkeypatch.setattr(tr, "ROUTER_TILE_ELEMS", 1024)
-    monkeypatch.setattr(tr, "MAX_GATE_SPLITS", max_splits)
-    _, lanes, block_d = tr.gate_splits(40, 80)
-    assert (lanes == block_d) == (max_splits == 16) and tr.GATE_ROWS > 1
-    x, w, bias = _router_case(9, 40, 80, torch.bfloat16, seed=11)
-    ids, wts = tr.moe_router(x, w, bias, 6, True, 1.0)
-    rids, rwts = _route_ref(x, w, bias, 6, True, 1.0)
-    assert torch.equal(ids, rids)
-    torch.testing.assert_close(wts, rwts, rtol=4e-6, atol=0)
-    for i in (0, 5, 8):
-        alone = tr.moe_router(x[i : i + 1], w, bias, 6, True, 1.0)
-        assert torch.equal(alone[0], ids[i : i + 1]) and torch.equal(alone[1], wts[i : i + 1])
-
-
 def test_router_split_counts():
     """The shipped thresholds: medium's gate (48 x 1024) is one kernel, V4.1-Flash widths
     split (32 x 5120: ten 16K-element slices; 384 x 7168: at most ``MAX_GATE_SPLITS``)."""

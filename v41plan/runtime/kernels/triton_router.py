@@ -14,13 +14,11 @@ gathers (three more). One program per row keeps the ``E`` scores in registers:
   ``norm`` (``norm_topk_prob`` with ``k > 1``) and scaled.
 
 Larger gates (``E * D`` over ``SPLIT_GATE_ELEMS``) split the GEMV over ``D`` first: ``S``
-programs a row each stream a ``D / S`` slice of the gate (one ``ROUTER_TILE_ELEMS`` tile a
-step; a one-tile slice serves ``GATE_ROWS`` rows a program) and store their partial scores; a
-second launch sums a row's ``S`` partials in split order and selects. One program streaming a
-640 KB gate (V4.1-Flash widths at 32 experts) is bound by one SM's load latency, about 17 us a
-call. ``S`` depends on ``E`` and ``D`` only, and a row's arithmetic is the same whether its
-program scores one row or ``GATE_ROWS``, so a row's scores are the same at every batch size and
-chunking.
+programs a row each stream a ``D / S`` slice of the gate (one ``ROUTER_TILE_ELEMS`` tile a step)
+and store their partial scores; a second launch sums a row's ``S`` partials in split order and
+selects. One program streaming a 640 KB gate (V4.1-Flash widths at 32 experts) is bound by one
+SM's load latency, about 17 us a call. ``S`` depends on ``E`` and ``D`` only, so a row's scores
+are the same at every batch size and chunking.
 """
 
 from __future__ import annotations
@@ -38,16 +36,6 @@ ROUTER_TILE_ELEMS = 1 << 14
 """Gate elements one step of a router program loads."""
 MAX_GATE_SPLITS = 16
 """Most ``D`` slices of a row's split GEMV (bounds the partials: ``[N, S, E]`` float32)."""
-GATE_ROWS = 4
-"""Rows one split-GEMV program scores when its slice is one tile (V4.1-Flash widths at 32
-experts) and the batch has at least ``GATE_ROWS_FROM`` rows: the slice is loaded once for them,
-not once a row (64 rows read the 640 KB gate 64 times from L2 otherwise). Each row takes the
-same loads, products and reduction in either form, so its scores do not depend on the form
-(tested bit for bit on the device)."""
-GATE_ROWS_FROM = 32
-"""Rows from which the split GEMV takes ``GATE_ROWS`` rows a program (H100, flash_slice decode:
-at 1 and 16 rows one row a program is faster, 4 rows serialize on few programs; at 64 the
-shared loads save 0.39 of 0.89 ms of kernel time a step)."""
 
 
 def gate_splits(e: int, d: int) -> tuple[int, int, int]:
@@ -133,37 +121,19 @@ def _router_kernel(
 
 @triton.jit
 def _gate_part_kernel(
-    x_ptr, w_ptr, part_ptr, N, E: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    LANES: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr, w_ptr, part_ptr, E: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+    LANES: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Partial scores of rows ``[program_id(0) * ROWS, +ROWS)`` below ``N`` over lanes
-    ``[s * LANES, (s + 1) * LANES)``, ``s = program_id(1)``, into ``part [N, S, BLOCK_E]``.
-    A one-step slice (``LANES == BLOCK_D``) is loaded once for its ``ROWS`` rows; every row
-    takes the same products and the same reduction, whichever program holds it."""
+    """Partial scores of row ``program_id(0)`` over lanes ``[s * LANES, (s + 1) * LANES)``,
+    ``s = program_id(1)``, into ``part [N, S, BLOCK_E]``."""
     pdl_enter(PDL)
+    row = tl.program_id(0)
     sp = tl.program_id(1)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
-    if LANES == BLOCK_D:
-        offs_d = sp * LANES + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        wv = tl.load(
-            w_ptr + offs_e[:, None] * D + offs_d[None, :],
-            mask=mask_e[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        for r in tl.static_range(ROWS):
-            row = tl.program_id(0) * ROWS + r
-            if row < N:  # the last program's rows past N take no reduction
-                xv = tl.load(x_ptr + row * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-                s = tl.sum(wv * xv[None, :], axis=1)
-                tl.store(part_ptr + (row * S + sp) * BLOCK_E + offs_e, s)
-    else:
-        tl.static_assert(ROWS == 1)
-        row = tl.program_id(0)
-        s = _scores_row(x_ptr, w_ptr, row, offs_e, mask_e, D, BLOCK_E, BLOCK_D, sp * LANES, LANES)
-        tl.store(part_ptr + (row * S + sp) * BLOCK_E + offs_e, s)
+    s = _scores_row(x_ptr, w_ptr, row, offs_e, mask_e, D, BLOCK_E, BLOCK_D, sp * LANES, LANES)
+    tl.store(part_ptr + (row * S + sp) * BLOCK_E + offs_e, s)
 
 
 @triton.jit
@@ -223,11 +193,10 @@ def moe_router(
         )  # fmt: skip
         return ids, wts
     splits, lanes, block_d = gate_splits(e, d)
-    rows = GATE_ROWS if lanes == block_d and n >= GATE_ROWS_FROM else 1
     part = torch.empty(n, splits, block_e, dtype=torch.float32, device=x.device)
-    _gate_part_kernel[(triton.cdiv(n, rows), splits)](
-        x, gate_w, part, n, E=e, D=d, S=splits, LANES=lanes, BLOCK_E=block_e, BLOCK_D=block_d,
-        ROWS=rows, num_warps=8, **pdl_launch(x.device, n),
+    _gate_part_kernel[(n, splits)](
+        x, gate_w, part, E=e, D=d, S=splits, LANES=lanes, BLOCK_E=block_e, BLOCK_D=block_d,
+        num_warps=8, **pdl_launch(x.device, n),
     )  # fmt: skip
     _select_kernel[(n,)](
         part, gate_bias, ids, wts, float(scale), E=e, S=splits, S_PAD=next_pow2(splits),
