@@ -37,7 +37,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   ``2**126`` and then by the scale, not by their product in one instruction
   (``triton_moe.FOLDED_SCALES`` off): its A/B;
 - ``compiled_decode_fp8_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the fp8
-  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B.
+  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B;
+- ``compiled_moe_rows32``: ``compiled`` with the grouped MoE's decode tiles in 32-row blocks
+  from 256 routed rows (``triton_moe.DECODE_ROWS32_FROM``, off by default): its A/B.
 
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
@@ -105,6 +107,7 @@ VARIANTS = {
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_moe_rows32": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -117,6 +120,7 @@ GEMM_FLAGS = {
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
     "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
     "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
+    "compiled_moe_rows32": {"kernels.triton_moe.DECODE_ROWS32_FROM": 256},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

@@ -117,6 +117,8 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
             # -> 280 us; H100, bench_gemm_moe_occupancy_h100_30f483e.json)
             regs = 128 if cuda_bf16 and torch.version.hip is None else None
             return MoEConfig(16, 32, 64, 256, 4, 3, pairs=cuda_bf16, max_registers=regs)
+        if dot == "bf16" and DECODE_ROWS32_FROM is not None and rows >= DECODE_ROWS32_FROM:
+            return MoEConfig(32, 32, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         if dot == "bf16":
             return MoEConfig(16, 64, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
@@ -128,6 +130,20 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         return MoEConfig(128, 128, 128, 128 if fast else 64, num_warps=8, num_stages=3, **fast)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
+
+DECODE_ROWS32_FROM: int | None = None
+"""Routed rows (``N * k``, up to 1024) from which the bf16 decode tiles take 32-row blocks
+(32 gate/up lanes a program) instead of 16-row blocks (64 lanes): an expert holding 17-32 rows
+then streams its weights once, not twice. At 64 tokens over 32 experts (top-6, uniform
+routing) that is 32.0 expert blocks a step against 34.6, about 7% of the routed experts'
+weight reads, which bound the decode step at batch 64. The same K steps and pairs, so the same
+sums (a row's bits: a block's rows and lanes change no sum). The sm_90 build (``python
+scripts/check_dense_kernels_sm90.py --hidden 5120 --strides16 --only "moe gate_up bf16 pairs
+folded"``): the 32-row gate/up at 210 registers without spills (two programs a
+multiprocessor, against three at 168 for the 16-row tile; 64 lanes spill at 32 rows). ``None``
+(the default until a device has timed it: ``bench_decode_paths.py`` variant
+``compiled_moe_rows32``, ``bench_gemm_moe.py --quick``'s ``moe decode64 w4a8 bf16 rows32``):
+never."""
 
 PAIRS_ASM = True
 """``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
