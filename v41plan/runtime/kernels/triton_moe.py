@@ -135,7 +135,7 @@ DECODE_ROWS32_FROM: int | None = None
 """Routed rows (``N * k``, up to 1024) from which the bf16 decode tiles take 32-row blocks
 (32 gate/up lanes a program) instead of 16-row blocks (64 lanes): an expert holding 17-32 rows
 then streams its weights once, not twice. At 64 tokens over 32 experts (top-6, uniform
-routing) that is 32.0 expert blocks a step against 34.6, about 7% of the routed experts'
+routing) that is 32.0 expert blocks a step against 34.6, 7.5% of the routed experts'
 weight reads, which bound the decode step at batch 64. The same K steps and pairs, so the same
 sums (a row's bits: a block's rows and lanes change no sum). The sm_90 build (``python
 scripts/check_dense_kernels_sm90.py --hidden 5120 --strides16 --only "moe gate_up bf16 pairs
