@@ -41,6 +41,11 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``compiled_moe_rows32``: ``compiled`` with the grouped MoE's decode tiles in 32-row blocks
   from 256 routed rows (``triton_moe.DECODE_ROWS32_FROM``, off by default): its A/B.
 
+Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
+compiled_moe_rows32,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
+batch 64 on an H100 whichever it was, so an A/B/A separates a change from that order; each row
+records its ``run_index``.
+
 Per variant and batch size: requests prefilled to ``--context`` tokens, then the same decode step
 timed as the replay of its captured FULL graph (device events) and as a graph step (host
 ``prepare`` + replay); kernels per layer counted with ``torch.profiler`` over one eager forward,
@@ -527,9 +532,12 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     ref_logits: dict = {}
     report = medium_report(spec, args, ceil, rows)
-    for name in names:
+    for index, name in enumerate(names):
         try:
-            rows.extend(run_variant(name, spec, args, ceil, sizes, ref_logits))
+            got = run_variant(name, spec, args, ceil, sizes, ref_logits)
+            for row in got:
+                row["run_index"] = index  # a name may repeat: A, B, A times the order's effect
+            rows.extend(got)
             gc.collect()
             torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest run
