@@ -226,16 +226,19 @@ def _gemm_variants(hidden: int) -> list:
     moe_forms += [(1, 256, False, True, False), (1, 128, True, True, False)]
     moe_forms += [(1, 512, False, True, True), (1, 256, False, "folded", False)]
     moe_forms = [(*f, 16, 32) for f in moe_forms]
+    moe_forms = [(*f, 1) for f in moe_forms]
     # the 17-1024 routed rows' decode tiles: 16-row blocks, 64 gate/up lanes a program, and
-    # DECODE_ROWS32_FROM's 32-row blocks, 32 lanes (64 lanes spill at 32 rows)
-    moe_forms += [(1, 256, False, "folded", False, bm, bn) for bm, bn in ((16, 64), (32, 32))]
-    for dot, bk, prefetch, pairs, tma, bm, bn in moe_forms:
+    # DECODE_ROWS32_FROM's 32-row blocks as two 16-row tiles (MoEConfig.halves)
+    moe_forms += [(1, 256, False, "folded", False, 16, 64, h) for h in (1, 2)]
+    for dot, bk, prefetch, pairs, tma, bm, bn, halves in moe_forms:
         mode = ("fp8" if dot == 2 else "bf16") + (" prefetch" if prefetch else "")
         mode += (" pairs" if pairs else "") + (" tma" if tma else "")
         mode += " folded" if pairs == "folded" else ""
         mode += f" {bm}x{bn}" if (bm, bn) != (16, 32) else ""
+        mode += " halves=2" if halves == 2 else ""
         asm = 2 if pairs == "folded" else int(bool(pairs))
         flags = {"PREFETCH": prefetch, "PAIRS": bool(pairs), "ASM": asm, "TMA": tma}
+        flags["HALVES"] = halves
         ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8"}
         ptrs.update({"w3_ptr": "*u8", "s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32"})
         ptrs.update({"rw_ptr": "*fp32", "act_ptr": "*u8", "acts_ptr": "*u8"})

@@ -617,12 +617,13 @@ def test_tma_mode_gives_the_pairs_modes_bits(tiny):
 
 
 def test_32_row_blocks_give_the_16_row_blocks_bits(tiny, monkeypatch):
-    """``DECODE_ROWS32_FROM``'s tiles (32-row blocks, 32 gate/up lanes) against the 17-1024
-    row decode tiles (16-row blocks, 64 lanes) at the same K step, in the pairs mode: every
-    routed row's intermediate codes, scales and output bits equal, with experts holding more
-    than 16 rows (two 16-row blocks, one 32-row block). Under the interpreter the sums are
-    exact in float32 whatever their order, so there it checks the layout; on the device, the
-    bf16 mode's sum order. ``default_moe_config`` takes the tiles from the flag's row count."""
+    """``DECODE_ROWS32_FROM``'s tiles (32-row blocks as two 16-row tiles over each decoded
+    weight tile, ``MoEConfig.halves``) against the 17-1024 row decode tiles (16-row blocks) in
+    the pairs mode: every routed row's intermediate codes, scales and output bits equal, with
+    experts holding more than 16 rows (two 16-row blocks, one 32-row block). Under the
+    interpreter the sums are exact in float32 whatever their order, so there it checks the
+    layout; on the device, the bf16 mode's sum order. ``default_moe_config`` takes the tiles
+    from the flag's row count; ``halves`` outside the pairs mode is refused."""
     from v41plan.runtime.kernels import triton_moe as tm
     from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
@@ -643,7 +644,7 @@ def test_32_row_blocks_give_the_16_row_blocks_bits(tiny, monkeypatch):
     warps, stages = (1, 1) if DEV == "cpu" else (4, 3)
     bk = 32 if DEV == "cpu" else 256
     narrow = tm.MoEConfig(16, 64, 64, bk, warps, stages, pairs=True)
-    wide = tm.MoEConfig(32, 32, 64, bk, warps, stages, pairs=True)
+    wide = tm.MoEConfig(32, 64, 64, bk, warps, stages, pairs=True, halves=2)
     dot = "fp32" if DEV == "cpu" else "bf16"
     args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.bfloat16, dot)
     a = tm.grouped_moe_w4a8_stages(*args, config=narrow)
@@ -653,11 +654,13 @@ def test_32_row_blocks_give_the_16_row_blocks_bits(tiny, monkeypatch):
     assert b.rows.rows // 32 < a.rows.rows // 16
     assert torch.equal(a.act[pa], b.act[pb]) and torch.equal(a.act_scales[pa], b.act_scales[pb])
     assert torch.equal(a.y_rows[pa], b.y_rows[pb]) and a.y_rows[pa].abs().amax() > 0
+    with pytest.raises(ValueError, match="halves"):
+        tm.grouped_moe_w4a8_stages(*args, config=dataclasses.replace(wide, pairs=False))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tm, "DECODE_ROWS32_FROM", 256)
     assert tm.default_moe_config(255, "bf16", 5120, 2304).block_m == 16
     got = tm.default_moe_config(256, "bf16", 5120, 2304)
-    assert (got.block_m, got.block_n, got.block_k, got.pairs) == (32, 32, 256, True)
+    assert (got.block_m, got.halves, got.block_n, got.block_k, got.pairs) == (32, 2, 64, 256, True)
     assert tm.default_moe_config(2048, "bf16", 5120, 2304).block_m == 64  # prefill tiles
     monkeypatch.setattr(tm, "DECODE_ROWS32_FROM", None)
     assert tm.default_moe_config(384, "bf16", 5120, 2304).block_m == 16

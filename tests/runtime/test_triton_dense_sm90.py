@@ -36,7 +36,7 @@ def test_every_kernel_form_compiles_for_sm90():
     # sum, the shared expert's gate/up SwiGLU (whole and split-K) and its split sum, the "mm"
     # mode's four (the quantizer's values, codes to values, RoPE rows, SwiGLU rows), the MoE's
     # gate/up and down GEMMs (fp8, bf16 at two K steps, prefetched, lanes in pairs with and
-    # without prefetch, pairs by TMA, folded, the wide decode tiles in 16- and 32-row blocks)
+    # without prefetch, pairs by TMA, folded, the wide decode tile one and two to a block)
     # and the permuted rows' kernel, the permutation (expert loop
     # and one-hot), the router (one kernel; the split GEMV and its select), the sparse attention
     # at flash widths (64- and 32-head blocks)
