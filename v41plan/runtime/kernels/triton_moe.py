@@ -142,10 +142,10 @@ DECODE_ROWS32_FROM: int | None = None
 each as two 16-row tiles over every decoded weight tile (``MoEConfig.halves``), instead of
 16-row blocks: an expert holding 17-32 rows then streams and decodes its weights once, not
 twice. At 64 tokens over 32 experts (top-6, uniform routing) that is 32.0 expert blocks a step
-against 34.6, 7.5% of the routed experts' weight reads, which bound the decode step at batch
-64. A row's sums are the 16-row tile's (the same K steps and pairs). A gate/up program whose
-second tile holds no row runs the one-tile loop (the down GEMM, 118 registers, runs both). The
-cost, from the sm_90 build (``python
+against 34.5 (``python scripts/moe_block_count.py``), 7% of the routed experts' weight reads,
+which bound the decode step at batch 64. A row's sums are the 16-row tile's (the same K steps
+and pairs). A gate/up program whose second tile holds no row runs the one-tile loop (the down
+GEMM, 118 registers, runs both). The cost, from the sm_90 build (``python
 scripts/check_dense_kernels_sm90.py --hidden 5120 --strides16 --only "moe gate_up bf16 pairs
 folded" --loop-histogram``): the two-tile K loop issues 1,444 instructions a 256-lane step
 against 2 x 1,059 for two 16-row blocks, but the kernel holds 255 registers with 40 bytes of
