@@ -37,12 +37,10 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   ``2**126`` and then by the scale, not by their product in one instruction
   (``triton_moe.FOLDED_SCALES`` off): its A/B;
 - ``compiled_decode_fp8_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the fp8
-  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B;
-- ``compiled_moe_rows32``: ``compiled`` with the grouped MoE's decode tiles in 32-row blocks
-  from 256 routed rows (``triton_moe.DECODE_ROWS32_FROM``, off by default): its A/B.
+  mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B.
 
 Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
-compiled_moe_rows32,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
+compiled_decode_fp8_rows,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
 batch 64 on an H100 whichever it was, so an A/B/A separates a change from that order; each row
 records its ``run_index``.
 
@@ -112,7 +110,6 @@ VARIANTS = {
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_moe_rows32": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -125,7 +122,6 @@ GEMM_FLAGS = {
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
     "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
     "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
-    "compiled_moe_rows32": {"kernels.triton_moe.DECODE_ROWS32_FROM": 256},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

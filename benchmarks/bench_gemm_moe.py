@@ -19,8 +19,7 @@ which), median of several repetitions:
 - ``w8a8 <name> M=1|64``: decode shapes, floor the weight bytes / copy bandwidth.
 - ``moe decode64`` / ``moe prefill8k``: one MoE layer (routing, shared expert, routed experts)
   with ``GroupedMoE`` W4A8 (the runtime's dot mode, bf16 on CUDA, then fp8; ``--quick``: the
-  runtime's alone; ``moe decode64 w4a8 bf16 rows32``: the same with 32-row decode blocks,
-  ``triton_moe.DECODE_ROWS32_FROM``); floor ``max(bytes / copy BW, FLOPs
+  runtime's alone); floor ``max(bytes / copy BW, FLOPs
   / FP8 rate)``, the bytes of the distinct experts the batch selects (FP4 codes + E8M0 scales)
   plus the shared expert and gate; peers timed in the same run: ``GroupedMoE`` torch
   (``torch._grouped_mm`` bf16 over the selected experts) and the dense-over-experts
@@ -317,7 +316,6 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
     """One MoE layer at decode batch 64 and an 8K prefill, against its floor and two peers."""
     from v41plan.model.layers import MoE
     from v41plan.model.quant import weight_nbytes
-    from v41plan.runtime.kernels import triton_moe
     from v41plan.runtime.kernels.triton_moe import default_moe_dot
     from v41plan.runtime.resident import GroupedMoE
 
@@ -357,17 +355,12 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
             except Exception as exc:  # noqa: BLE001
                 peers[pname] = f"{type(exc).__name__}: {exc}"[:200]
                 traceback.print_exc()
-        runs = [(f"moe {label} w4a8 {dot}", mod, None) for dot, mod in ours.items()]
-        if label == "decode64" and first == "bf16":  # DECODE_ROWS32_FROM's side
-            runs.append((f"moe {label} w4a8 bf16 rows32", ours[first], 256))
-        for name, mod, rows32 in runs:
+        for dot, mod in ours.items():
+            name = f"moe {label} w4a8 {dot}"
             if time.monotonic() > deadline:
                 rows.append({"name": name, "error": "skipped: time budget"})
                 continue
-            shipped = triton_moe.DECODE_ROWS32_FROM
             try:
-                if rows32 is not None:
-                    triton_moe.DECODE_ROWS32_FROM = rows32
                 ms, how = time_ms(lambda mod=mod, x=x: mod(x))
                 pm = peers.get("grouped_mm bf16")
                 rows.append(
@@ -389,8 +382,6 @@ def moe_rows(cfg, ceil, quick: bool, rows: list, deadline: float, report: dict) 
             except Exception as exc:  # noqa: BLE001
                 rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
                 traceback.print_exc()
-            finally:
-                triton_moe.DECODE_ROWS32_FROM = shipped
 
 
 def _decode_rows(M: int, N: int, K: int, wc, ws, ceil) -> tuple:

@@ -225,20 +225,12 @@ def _gemm_variants(hidden: int) -> list:
     moe_forms += [(1, 256, False, False, False), (1, 128, True, False, False)]
     moe_forms += [(1, 256, False, True, False), (1, 128, True, True, False)]
     moe_forms += [(1, 512, False, True, True), (1, 256, False, "folded", False)]
-    moe_forms = [(*f, 16, 32) for f in moe_forms]
-    moe_forms = [(*f, 1) for f in moe_forms]
-    # the 17-1024 routed rows' decode tiles: 16-row blocks, 64 gate/up lanes a program, and
-    # DECODE_ROWS32_FROM's 32-row blocks as two 16-row tiles (MoEConfig.halves)
-    moe_forms += [(1, 256, False, "folded", False, 16, 64, h) for h in (1, 2)]
-    for dot, bk, prefetch, pairs, tma, bm, bn, halves in moe_forms:
+    for dot, bk, prefetch, pairs, tma in moe_forms:
         mode = ("fp8" if dot == 2 else "bf16") + (" prefetch" if prefetch else "")
         mode += (" pairs" if pairs else "") + (" tma" if tma else "")
         mode += " folded" if pairs == "folded" else ""
-        mode += f" {bm}x{bn}" if (bm, bn) != (16, 32) else ""
-        mode += " halves=2" if halves == 2 else ""
         asm = 2 if pairs == "folded" else int(bool(pairs))
         flags = {"PREFETCH": prefetch, "PAIRS": bool(pairs), "ASM": asm, "TMA": tma}
-        flags["HALVES"] = halves
         ptrs = {"xq_ptr": "*u8", "xs_ptr": "*u8", "w1_ptr": "*u8", "s1_ptr": "*u8"}
         ptrs.update({"w3_ptr": "*u8", "s3_ptr": "*u8", "row_ptr": "*i64", "bexp_ptr": "*i32"})
         ptrs.update({"rw_ptr": "*fp32", "act_ptr": "*u8", "acts_ptr": "*u8"})
@@ -248,8 +240,8 @@ def _gemm_variants(hidden: int) -> list:
         ptrs.update({"w1d": codes, "w3d": codes, "limit": "fp32"})
         strides = ("sx", "sxs", "swe", "swn", "sse", "ssn", "sa", "sas", "sxb", "sab")
         ptrs.update(dict.fromkeys(strides, i32))
-        cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": dot, "BM": bm}
-        cx.update({"BN": bn, "BK": bk, **flags})
+        cx = {"D": hidden, "I": 256, "TOPK": 6, "ROUND_BF16": True, "DOT": dot, "BM": 16}
+        cx.update({"BN": 32, "BK": bk, **flags})
         ptrs.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"moe gate_up {mode} bk={bk}", tm._gate_up_kernel, ptrs, cx, 4))
         ptrs = {"act_ptr": "*u8", "acts_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8"}
@@ -257,7 +249,7 @@ def _gemm_variants(hidden: int) -> list:
         ptrs.update({"ad": f"tensordesc<bf16[16, {bk // 2}]>" if tma else "*u8"})
         ptrs.update({"w2d": f"tensordesc<u8[64, {bk // 2}]>" if tma else "*u8"})
         ptrs.update(dict.fromkeys(("sa", "sas", "swe", "swn", "sse", "ssn", "sy", "sab"), i32))
-        cx = {"D": hidden, "I": 256, "ROUND_BF16": True, "DOT": dot, "BM": bm, "BN": 64}
+        cx = {"D": hidden, "I": 256, "ROUND_BF16": True, "DOT": dot, "BM": 16, "BN": 64}
         cx.update({"BK": bk, **flags})
         ptrs.update(dict.fromkeys(cx, "constexpr"))
         out.append((f"moe down {mode} bk={bk}", tm._down_kernel, ptrs, cx, 4))

@@ -26,9 +26,8 @@
 #   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_unfolded_scales,compiled_decode_fp8_rows ...
 #   STEPS="mm ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=None ...  # the mm mode:
 #       its GPU tests and bench rows ($OUT/bench_gemm_moe_mm.json), the 8K prefill's A/B
-#   STEPS="mm ckpt decode" DECODE_BATCHES=64 DECODE_VARIANTS=compiled,compiled_moe_rows32,compiled
-#       # the MoE's 32-row decode blocks (triton_moe.DECODE_ROWS32_FROM): the quick rows
-#       # (moe decode64 ... rows32), then the step's A/B (its bit test: test_grouped_moe.py)
+#   STEPS="ckpt decode" DECODE_BATCHES=64 DECODE_VARIANTS=compiled,compiled_decode_fp8_rows,compiled
+#       # an A/B/A (a later variant of a process runs faster whichever it is; rows: run_index)
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail

@@ -616,56 +616,6 @@ def test_tma_mode_gives_the_pairs_modes_bits(tiny):
         grouped_moe_w4a8_stages(*args, config=dataclasses.replace(tma, pairs=False))
 
 
-def test_32_row_blocks_give_the_16_row_blocks_bits(tiny, monkeypatch):
-    """``DECODE_ROWS32_FROM``'s tiles (32-row blocks as two 16-row tiles over each decoded
-    weight tile, ``MoEConfig.halves``) against the 17-1024 row decode tiles (16-row blocks) in
-    the pairs mode: every routed row's intermediate codes, scales and output bits equal, with
-    experts holding more than 16 rows (two 16-row blocks, one 32-row block). Under the
-    interpreter the sums are exact in float32 whatever their order, so there it checks the
-    layout; on the device, the bf16 mode's sum order. ``default_moe_config`` takes the tiles
-    from the flag's row count; ``halves`` outside the pairs mode is refused."""
-    from v41plan.runtime.kernels import triton_moe as tm
-    from v41plan.runtime.kernels.triton_quant import act_quant_fp8
-
-    cfg, _w64, res = tiny
-    g = torch.Generator().manual_seed(43)
-    w1, w3, w2 = (res[f"{LAYER}.ffn.experts.{n}"].to(DEV) for n in ("w1", "w3", "w2"))
-    E, k = w1.shape[0], cfg.num_experts_per_tok
-    n = 10 * E // k  # about 10 rows an expert; expert 0 on the first 24 tokens
-    x = torch.randn(n, cfg.hidden_size, generator=g).to(DEV)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
-    rest = torch.stack([1 + torch.randperm(E - 1, generator=g)[: k - 1] for _ in range(24)])
-    ids[:24] = torch.cat([torch.zeros(24, 1, dtype=ids.dtype), rest], 1)
-    ids = ids.to(DEV)
-    wts = torch.rand(n, k, generator=g).to(DEV)
-    counts = torch.bincount(ids.flatten().cpu(), minlength=E)
-    assert int(((counts > 16) & (counts <= 32)).sum()) >= 1, counts
-    xq, xs = act_quant_fp8(x)
-    warps, stages = (1, 1) if DEV == "cpu" else (4, 3)
-    bk = 32 if DEV == "cpu" else 256
-    narrow = tm.MoEConfig(16, 64, 64, bk, warps, stages, pairs=True)
-    wide = tm.MoEConfig(32, 64, 64, bk, warps, stages, pairs=True, halves=2)
-    dot = "fp32" if DEV == "cpu" else "bf16"
-    args = (xq, xs, ids, wts, w1, w3, w2, 0, 10.0, torch.bfloat16, dot)
-    a = tm.grouped_moe_w4a8_stages(*args, config=narrow)
-    b = tm.grouped_moe_w4a8_stages(*args, config=wide)
-    pa, pb = a.rows.pos, b.rows.pos  # each flat row's place in either layout
-    assert bool((pa >= 0).all()) and bool((pb >= 0).all())
-    assert b.rows.rows // 32 < a.rows.rows // 16
-    assert torch.equal(a.act[pa], b.act[pb]) and torch.equal(a.act_scales[pa], b.act_scales[pb])
-    assert torch.equal(a.y_rows[pa], b.y_rows[pb]) and a.y_rows[pa].abs().amax() > 0
-    with pytest.raises(ValueError, match="halves"):
-        tm.grouped_moe_w4a8_stages(*args, config=dataclasses.replace(wide, pairs=False))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tm, "DECODE_ROWS32_FROM", 256)
-    assert tm.default_moe_config(255, "bf16", 5120, 2304).block_m == 16
-    got = tm.default_moe_config(256, "bf16", 5120, 2304)
-    assert (got.block_m, got.halves, got.block_n, got.block_k, got.pairs) == (32, 2, 64, 256, True)
-    assert tm.default_moe_config(2048, "bf16", 5120, 2304).block_m == 64  # prefill tiles
-    monkeypatch.setattr(tm, "DECODE_ROWS32_FROM", None)
-    assert tm.default_moe_config(384, "bf16", 5120, 2304).block_m == 16
-
-
 @pytest.mark.parametrize("hip", [None, "6.2"])
 def test_decode_tiles_cap_registers_on_nvidia_only(monkeypatch, hip):
     """The one-token decode tiles (up to 16 routed rows) cap registers at 128 on an NVIDIA GPU

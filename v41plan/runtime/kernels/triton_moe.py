@@ -87,11 +87,6 @@ class MoEConfig:
     4-warp programs fit and one token's 432 live programs take 1.1 waves; at 128, four fit and
     they take one. The same arithmetic (the compiler spills what does not fit). NVIDIA only:
     launches on a ROCm device leave it out."""
-    halves: int = 1
-    """With ``pairs`` (no TMA, no prefetch): a block's rows as this many row tiles of
-    ``block_m / halves`` that share each decoded weight tile (2: a 32-row block as two 16-row
-    dots). Each row's sums are the ``block_m / halves``-row tile's; a tile of ``block_m`` rows
-    would lay its warps along the rows and decode every weight tile once per warp row."""
 
 
 def default_moe_dot(device: torch.device) -> str:
@@ -122,9 +117,6 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
             # -> 280 us; H100, bench_gemm_moe_occupancy_h100_30f483e.json)
             regs = 128 if cuda_bf16 and torch.version.hip is None else None
             return MoEConfig(16, 32, 64, 256, 4, 3, pairs=cuda_bf16, max_registers=regs)
-        if dot == "bf16" and DECODE_ROWS32_FROM is not None and rows >= DECODE_ROWS32_FROM:
-            halves = 2 if cuda_bf16 else 1  # two 16-row tiles need the pairs mode
-            return MoEConfig(32, 64, 64, 256, 4, 3, pairs=cuda_bf16, halves=halves)
         if dot == "bf16":
             return MoEConfig(16, 64, 64, 256, num_warps=4, num_stages=3, pairs=cuda_bf16)
         return MoEConfig(16, 32, 64, 128 if dot == "fp8" else bk, num_warps=4, num_stages=3)
@@ -136,24 +128,6 @@ def default_moe_config(rows: int, dot: str, hidden: int = 128, inter: int = 128)
         return MoEConfig(128, 128, 128, 128 if fast else 64, num_warps=8, num_stages=3, **fast)
     return MoEConfig(64, 128, 128, bk, num_warps=8, num_stages=3)
 
-
-DECODE_ROWS32_FROM: int | None = None
-"""Routed rows (``N * k``, up to 1024) from which the bf16 decode tiles take 32-row blocks,
-each as two 16-row tiles over every decoded weight tile (``MoEConfig.halves``), instead of
-16-row blocks: an expert holding 17-32 rows then streams and decodes its weights once, not
-twice. At 64 tokens over 32 experts (top-6, uniform routing) that is 32.0 expert blocks a step
-against 34.5 (``python scripts/moe_block_count.py``), 7% of the routed experts' weight reads,
-which bound the decode step at batch 64. A row's sums are the 16-row tile's (the same K steps
-and pairs). A gate/up program whose second tile holds no row runs the one-tile loop (the down
-GEMM, 118 registers, runs both). The cost, from the sm_90 build (``python
-scripts/check_dense_kernels_sm90.py --hidden 5120 --strides16 --only "moe gate_up bf16 pairs
-folded" --loop-histogram``): the two-tile K loop issues 1,444 instructions a 256-lane step
-against 2 x 1,059 for two 16-row blocks, but the kernel holds 255 registers with 40 bytes of
-spills against 168 (two programs a multiprocessor, not three, for every block). A plain
-32-row tile is worse: Triton lays its warps along the rows and decodes each weight tile once
-per warp row (1,995 instructions a step for 32 lanes). ``None`` (the default until a device
-has timed it: ``bench_decode_paths.py`` variant ``compiled_moe_rows32``, ``bench_gemm_moe.py
---quick``'s ``moe decode64 w4a8 bf16 rows32``): never."""
 
 PAIRS_ASM = True
 """``MoEConfig.pairs`` in the bf16 mode on CUDA decodes by ``E2M1_PAIRS_ASM`` and
@@ -589,31 +563,6 @@ def load_fp4_tile(
 
 
 @triton.jit
-def _gate_up_pairs(
-    acc1, acc3, acc1b, acc3b, xb_ptr, tok, valid, tok2, valid2, w1, s1, w3, s3, rn, nmask,
-    sxb, swn, ssn, D: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr,
-    OPND: tl.constexpr, DOT: tl.constexpr, TWO: tl.constexpr,
-):  # fmt: skip
-    """The pairs mode's gate/up K loop (no TMA, no prefetch) over rows ``tok``, and with
-    ``TWO`` over rows ``tok2`` too, each decoded weight tile serving both."""
-    for k0 in range(0, D, BK):
-        ev, od = deinterleaved_rows(xb_ptr, tok, k0, valid, sxb, D, BK)
-        if TWO:
-            ev2, od2 = deinterleaved_rows(xb_ptr, tok2, k0, valid2, sxb, D, BK)
-        p1, f1 = fp4_raw(w1, s1, rn, k0, nmask, swn, ssn, D, BK)
-        lo, hi = fp4_pairs(p1, f1, ASM, OPND, BN, BK)
-        acc1 = pair_dot(acc1, ev.to(OPND), od.to(OPND), lo, hi, DOT)
-        if TWO:
-            acc1b = pair_dot(acc1b, ev2.to(OPND), od2.to(OPND), lo, hi, DOT)
-        p3, f3 = fp4_raw(w3, s3, rn, k0, nmask, swn, ssn, D, BK)
-        lo, hi = fp4_pairs(p3, f3, ASM, OPND, BN, BK)
-        acc3 = pair_dot(acc3, ev.to(OPND), od.to(OPND), lo, hi, DOT)
-        if TWO:
-            acc3b = pair_dot(acc3b, ev2.to(OPND), od2.to(OPND), lo, hi, DOT)
-    return acc1, acc3, acc1b, acc3b
-
-
-@triton.jit
 def _gate_up_kernel(
     xq_ptr,
     xs_ptr,
@@ -654,34 +603,22 @@ def _gate_up_kernel(
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
     TMA: tl.constexpr,
-    HALVES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Rows of one expert x ``BN`` intermediate lanes: ``w1``/``w3`` GEMMs, SwiGLU x routing
     weight, FP8 quantization of the intermediate (E4M3 bytes, E8M0 bytes per 32). ``TMA``
     (``MoEConfig.tma``): ``xd`` the permuted deinterleaved rows ``[R, D]`` in ``[BM, BK/2]``
-    blocks, ``w1d``/``w3d`` the codes as ``[El * I, D/2]`` in ``[BN, BK/2]`` blocks.
-    ``HALVES`` (``MoEConfig.halves``, pairs only): the block is ``HALVES * BM`` rows, two
-    ``BM``-row tiles over each decoded weight tile."""
+    blocks, ``w1d``/``w3d`` the codes as ``[El * I, D/2]`` in ``[BN, BK/2]`` blocks."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
     if g < 0:
         return
-    rr = pid_m * (BM * HALVES) + tl.arange(0, BM)
+    rr = pid_m * BM + tl.arange(0, BM)
     flat = tl.load(row_ptr + rr)
     valid = flat >= 0
     tok = tl.where(valid, flat // TOPK, 0)
-    rr2 = rr + BM  # the second tile's rows (HALVES == 2)
-    if HALVES == 2:
-        flat2 = tl.load(row_ptr + rr2)
-    else:
-        flat2 = tl.full([BM], -1, tl.int64)
-    valid2 = flat2 >= 0
-    tok2 = tl.where(valid2, flat2 // TOPK, 0)
-    acc1b = tl.zeros([BM, BN], dtype=tl.float32)
-    acc3b = tl.zeros([BM, BN], dtype=tl.float32)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < I
     w1 = w1_ptr + g.to(tl.int64) * swe
@@ -725,19 +662,14 @@ def _gate_up_kernel(
                 acc3 = pair_dot(acc3, ev.to(OPND), od.to(OPND), lo, hi, DOT)
                 ev, od, p1, f1, p3, f3 = nev, nod, np1, nf1, np3, nf3
         else:
-            two = False
-            if HALVES == 2:  # the second tile has rows: a branch uniform over the program
-                two = tl.max(flat2, 0) >= 0
-            if two:
-                acc1, acc3, acc1b, acc3b = _gate_up_pairs(
-                    acc1, acc3, acc1b, acc3b, xb_ptr, tok, valid, tok2, valid2, w1, s1, w3, s3,
-                    rn, nmask, sxb, swn, ssn, D, BK, BN, ASM, OPND, DOT, True,
-                )  # fmt: skip
-            else:
-                acc1, acc3, acc1b, acc3b = _gate_up_pairs(
-                    acc1, acc3, acc1b, acc3b, xb_ptr, tok, valid, tok2, valid2, w1, s1, w3, s3,
-                    rn, nmask, sxb, swn, ssn, D, BK, BN, ASM, OPND, DOT, False,
-                )  # fmt: skip
+            for k0 in range(0, D, BK):
+                ev, od = deinterleaved_rows(xb_ptr, tok, k0, valid, sxb, D, BK)
+                p1, f1 = fp4_raw(w1, s1, rn, k0, nmask, swn, ssn, D, BK)
+                lo, hi = fp4_pairs(p1, f1, ASM, OPND, BN, BK)
+                acc1 = pair_dot(acc1, ev.to(OPND), od.to(OPND), lo, hi, DOT)
+                p3, f3 = fp4_raw(w3, s3, rn, k0, nmask, swn, ssn, D, BK)
+                lo, hi = fp4_pairs(p3, f3, ASM, OPND, BN, BK)
+                acc3 = pair_dot(acc3, ev.to(OPND), od.to(OPND), lo, hi, DOT)
     elif PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
         OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
         none = tl.zeros([BM], dtype=tl.float32)
@@ -766,26 +698,6 @@ def _gate_up_kernel(
                 acc1 = qdot(acc1, a, sxv, b1, sw1, DOT)
                 b3, sw3 = load_fp4_tile(w3, s3, rn, rk, kb, nmask, kmask, swn, ssn, D, DOT, BN, SUB)
                 acc3 = qdot(acc3, a, sxv, b3, sw3, DOT)
-    _gate_up_out(
-        acc1, acc3, rr, flat, valid, rn, nmask, pid_n, rw_ptr, act_ptr, acts_ptr, actb_ptr,
-        sa, sas, sab, limit, I, ROUND_BF16, PAIRS, BM, BN,
-    )  # fmt: skip
-    if HALVES == 2:
-        tl.static_assert(PAIRS and not TMA and not PREFETCH)
-        _gate_up_out(
-            acc1b, acc3b, rr2, flat2, valid2, rn, nmask, pid_n, rw_ptr, act_ptr, acts_ptr,
-            actb_ptr, sa, sas, sab, limit, I, ROUND_BF16, PAIRS, BM, BN,
-        )  # fmt: skip
-
-
-@triton.jit
-def _gate_up_out(
-    acc1, acc3, rr, flat, valid, rn, nmask, pid_n, rw_ptr, act_ptr, acts_ptr, actb_ptr,
-    sa, sas, sab, limit, I: tl.constexpr, ROUND_BF16: tl.constexpr, PAIRS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
-    """The gate/up epilogue of rows ``rr``: SwiGLU x routing weight, the intermediate's FP8
-    codes and E8M0 scales, and with ``PAIRS`` their values for the down GEMM."""
     rw = tl.load(rw_ptr + flat, mask=valid, other=0.0)
     q, field = swiglu_fp8(acc1, acc3, limit, rw, ROUND_BF16, BM, BN)
     tl.store(act_ptr + rr[:, None] * sa + rn[None, :], q.to(tl.uint8), mask=nmask[None, :])
@@ -833,23 +745,20 @@ def _down_kernel(
     PAIRS: tl.constexpr,
     ASM: tl.constexpr,
     TMA: tl.constexpr,
-    HALVES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Rows of one expert x ``BN`` output lanes of the ``w2`` GEMM over the FP8 intermediate;
     stored in ``y``'s dtype (the compute dtype's rounding of a linear output). ``TMA``: ``ad``
     the deinterleaved intermediate ``[R, I]`` in ``[BM, BK/2]`` blocks, ``w2d`` the codes as
-    ``[El * D, I/2]`` in ``[BN, BK/2]`` blocks. ``HALVES``: as in ``_gate_up_kernel``."""
+    ``[El * D, I/2]`` in ``[BN, BK/2]`` blocks."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.load(bexp_ptr + pid_m)
     if g < 0:
         return
-    rr = pid_m * (BM * HALVES) + tl.arange(0, BM)
+    rr = pid_m * BM + tl.arange(0, BM)
     rmask = rr >= 0
-    rr2 = rr + BM  # the second tile's rows (HALVES == 2)
-    accb = tl.zeros([BM, BN], dtype=tl.float32)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < D
     w2 = w2_ptr + g.to(tl.int64) * swe
@@ -880,13 +789,9 @@ def _down_kernel(
         else:
             for k0 in range(0, I, BK):
                 ev, od = deinterleaved_rows(actb_ptr, rr, k0, rmask, sab, I, BK)
-                if HALVES == 2:
-                    ev2, od2 = deinterleaved_rows(actb_ptr, rr2, k0, rmask, sab, I, BK)
                 p2, f2 = fp4_raw(w2, s2, rn, k0, nmask, swn, ssn, I, BK)
                 lo, hi = fp4_pairs(p2, f2, ASM, OPND, BN, BK)
                 acc = pair_dot(acc, ev.to(OPND), od.to(OPND), lo, hi, DOT)
-                if HALVES == 2:
-                    accb = pair_dot(accb, ev2.to(OPND), od2.to(OPND), lo, hi, DOT)
     elif PREFETCH:  # each step's raw tiles loaded one step ahead (MoEConfig.prefetch)
         OPND: tl.constexpr = tl.bfloat16 if DOT == 1 else tl.float32  # exact either way
         none = tl.zeros([BM], dtype=tl.float32)
@@ -915,12 +820,6 @@ def _down_kernel(
     tl.store(
         y_ptr + rr[:, None] * sy + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=nmask[None, :]
     )
-    if HALVES == 2:
-        tl.static_assert(PAIRS and not TMA and not PREFETCH)
-        if ROUND_BF16:
-            accb = round_bf16(accb)
-        y2 = y_ptr + rr2[:, None] * sy + rn[None, :]
-        tl.store(y2, accb.to(y_ptr.dtype.element_ty), mask=nmask[None, :])
 
 
 @triton.jit
@@ -1065,10 +964,6 @@ def grouped_moe_w4a8_stages(
         raise ValueError(f"block_k {cfg.block_k}: a multiple of {QUANT_BLOCK} (the scale block)")
     if (cfg.prefetch or cfg.pairs) and dot == "fp8":
         raise ValueError("MoEConfig.prefetch and .pairs run the bf16 and fp32 dot modes, not fp8")
-    if cfg.halves not in (1, 2) or (
-        cfg.halves == 2 and (not cfg.pairs or cfg.tma or cfg.prefetch or cfg.block_m % 2)
-    ):
-        raise ValueError("MoEConfig.halves is 1, or 2 in the pairs mode without TMA or prefetch")
     if cfg.tma and not (cfg.pairs and tma_moe_ready(w1, w3, w2, cfg)):
         raise ValueError(
             "MoEConfig.tma reads the pairs mode's tiles (pairs=True) on a device with TMA "
@@ -1106,7 +1001,6 @@ def grouped_moe_w4a8_stages(
         PAIRS=cfg.pairs,
         ASM=2 if asm and folds and FOLDED_SCALES else asm,
         TMA=cfg.tma,
-        HALVES=cfg.halves,
         **pdl_launch(dev, n),
     )
     if R:
@@ -1144,7 +1038,7 @@ def grouped_moe_w4a8_stages(
             TOPK=k,
             ROUND_BF16=dtype == torch.bfloat16,
             DOT=DOT_MODES[dot],
-            BM=cfg.block_m // cfg.halves,
+            BM=cfg.block_m,
             BN=cfg.block_n,
             BK=cfg.block_k,
             **common,
@@ -1171,7 +1065,7 @@ def grouped_moe_w4a8_stages(
             I=I,
             ROUND_BF16=dtype == torch.bfloat16,
             DOT=DOT_MODES[dot],
-            BM=cfg.block_m // cfg.halves,
+            BM=cfg.block_m,
             BN=cfg.block_n_down,
             BK=cfg.block_k,
             **common,
