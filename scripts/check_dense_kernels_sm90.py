@@ -277,8 +277,8 @@ def _attention_variants(every: bool = False) -> list:
     """The sparse attention at V4.1-Flash widths (64 heads, 512 lanes, window 128, top-512,
     bf16 planes) as the launcher builds it (2 stages): one 64-head block of 32 keys (8 warps)
     and 32 heads; strides multiples of 16 as every pool's are. ``every``: also the decode forms
-    the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, and 16
-    warps at 64 heads and 8 at 32."""
+    the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, 16
+    warps at 64 heads and 8 at 32, and two splits of 64-key blocks (``SPLIT_KEY_BLOCK``)."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
@@ -286,11 +286,12 @@ def _attention_variants(every: bool = False) -> list:
     ptrs.update({"part_ml_ptr": "*fp32"})
     ptrs.update({n: "*i64" for n in ("rows_ptr", "slot_ptr", "pos_ptr", "window_lo_ptr")})
     ptrs.update({n: "*i64" for n in ("ring_until_ptr", "ids_ptr", "pages_ptr")})
-    forms = [(64, 8, 1), (32, 4, 1)]
+    forms = [(64, 8, 1, 32), (32, 4, 1, 32)]
     if every:
-        forms += [(hb, w, s) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
+        forms += [(hb, w, s, 32) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
+        forms.append((64, 8, 2, 64))  # triton_backend.SPLIT_KEY_BLOCK's form at 64 rows
     out = []
-    for hb, warps, splits in forms:
+    for hb, warps, splits, bn in forms:
         sig = {}
         for n in ta.sparse_attention_kernel.arg_names:
             if n in ptrs:
@@ -301,12 +302,13 @@ def _attention_variants(every: bool = False) -> list:
                 sig[n] = "i32:16"
             elif n in ("n_kv_rows", "P"):
                 sig[n] = "i32"
-        cx = {"KSEL": 512, "KSEL_P2": 512, "D": 512, "HB": hb, "BN": 32, "W": 128}
+        cx = {"KSEL": 512, "KSEL_P2": 512, "D": 512, "HB": hb, "BN": bn, "W": 128}
         cx.update({"RING_FP8": False, "PLANE_FP4": False, "HAS_PLANE": True, "SPLITS": splits})
         cx.update({"OUT_BF16": True, "DOT_BF16": True, "F32_DOT": "ieee", "PREFETCH": 0})
         cx["DV"] = 512
         sig.update(dict.fromkeys(cx, "constexpr"))
         name = f"sparse attention flash HB={hb} warps={warps} SPLITS={splits}"
+        name += f" BN={bn}" if bn != 32 else ""
         opts = {"num_warps": warps, "num_stages": 2}
         out.append((name, ta.sparse_attention_kernel, sig, cx, opts))
     return out

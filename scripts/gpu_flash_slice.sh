@@ -26,8 +26,10 @@
 #   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_unfolded_scales,compiled_decode_fp8_rows ...
 #   STEPS="mm ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=None ...  # the mm mode:
 #       its GPU tests and bench rows ($OUT/bench_gemm_moe_mm.json), the 8K prefill's A/B
-#   STEPS="ckpt decode" DECODE_BATCHES=64 DECODE_VARIANTS=compiled,compiled_decode_fp8_rows,compiled
-#       # an A/B/A (a later variant of a process runs faster whichever it is; rows: run_index)
+#   STEPS="ckpt decode" DECODE_BATCHES=64 DECODE_VARIANTS=compiled,compiled_split_keys64,compiled
+#       # an A/B/A (a later variant of a process has run faster whichever it was; rows:
+#       # run_index): here the flash-decoding attention's 64-key tiles
+#       # (triton_backend.SPLIT_KEY_BLOCK)
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail

@@ -147,3 +147,19 @@ def test_flash_slice_floors_count_its_shipped_bytes():
         cfg, step(spec, pre, decoder_replay=True), CEIL, rows=rows, index_cache_dtype="fp8"
     )
     assert off["bound"] == "flops" and 0 < on["flops"] < off["flops"]
+
+
+def test_every_decode_variant_flag_names_a_runtime_module_attribute():
+    """``bench_decode_paths.py``'s variants set ``module.NAME`` flags under ``v41plan.runtime``:
+    each names an attribute that exists (a removed flag would otherwise be set on the module
+    as a new name and change nothing), and every flagged variant is a variant."""
+    import importlib
+
+    import bench_decode_paths as bdp
+
+    assert set(bdp.GEMM_FLAGS) <= set(bdp.VARIANTS)
+    for variant, flags in bdp.GEMM_FLAGS.items():
+        for key in flags:
+            module, attr = key.rsplit(".", 1)
+            mod = importlib.import_module(f"v41plan.runtime.{module}")
+            assert hasattr(mod, attr), (variant, key)

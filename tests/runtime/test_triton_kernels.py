@@ -597,6 +597,44 @@ def test_attention_splits_leave_no_split_without_keys(tiny):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_split_key_block_takes_wider_tiles_only_where_flash_keys_split(tiny, monkeypatch):
+    """``SPLIT_KEY_BLOCK``: the 64-head bf16 launches whose keys split (8 to 64 rows at 8K)
+    take its tiles, as many splits as still fill (64 rows: 2 splits of 5 blocks of 64 keys);
+    one or two rows, packed keys, float32 and unsplit launches keep theirs. A row's output with
+    wider tiles is the reference's within float32 rounding (the interpreter, 8-key tiles)."""
+    import v41plan.runtime.kernels.triton_backend as tb
+
+    kb = TritonBackend(num_sms=132)
+    shape = (64, 512, 128, 512)
+    before = {t: kb.attention_config(t, *shape, "cpu", torch.bfloat16) for t in (1, 8, 64, 96)}
+    packed = kb.attention_config(64, *shape, "cpu", torch.bfloat16, packed=True)
+    f32 = kb.attention_config(64, *shape, "cpu", torch.float32)
+    monkeypatch.setattr(tb, "SPLIT_KEY_BLOCK", 64)
+    cfg = kb.attention_config(64, *shape, "cpu", torch.bfloat16)
+    assert (cfg["BN"], cfg["HB"], cfg["SPLITS"]) == (64, 64, 2)
+    cfg8 = kb.attention_config(8, *shape, "cpu", torch.bfloat16)
+    assert (cfg8["BN"], cfg8["SPLITS"]) == (64, 10)  # 16 wanted, 10 blocks of 64 keys
+    assert before[8]["SPLITS"] == 10 and before[8]["BN"] == 32  # 10 splits of two blocks
+    for t in (1, 96):  # one row: its 16-head form; 96 rows: no split
+        assert kb.attention_config(t, *shape, "cpu", torch.bfloat16) == before[t]
+    assert kb.attention_config(64, *shape, "cpu", torch.bfloat16, packed=True) == packed
+    assert kb.attention_config(64, *shape, "cpu", torch.float32) == f32
+    # the kernel with the wider tiles a split: 8-key tiles against 4 (interpreter sizes)
+    args, sel = _attention_case(tiny, "bf16", False, seed=19)
+    outs = []
+    for bn in (4, 8):
+        kb = TritonBackend(num_sms=64)
+        kb.attention_override = {"BN": bn, "SPLITS": 2}
+        out = torch.full_like(args[0], float("nan"))
+        kb.sparse_attention(*args, *sel, out)
+        assert not kb.fallbacks
+        outs.append(out)
+    ref = torch.full_like(args[0], float("nan"))
+    REF.sparse_attention(*args, *sel, ref)
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_the_default_backend_is_the_reference_off_cuda():
     from v41plan.runtime.kernels import default_backend
 

@@ -44,6 +44,14 @@ _INTERPRETED = interpreted(S.ring_write_kernel)
 """Whether this process decorated the kernels under ``TRITON_INTERPRET=1`` (they then take CPU
 tensors, and only CPU tensors)."""
 
+SPLIT_KEY_BLOCK: int | None = None
+"""Keys per tile of a bf16 attention launch on unpacked rows whose programs hold 64 heads of
+512 lanes or more and whose keys split over programs (flash decoding past ``few_rows``); None:
+``attention_block``. Staged off: 64 keys took 0.061 against 0.065 ms at V4.1-Flash widths, 64
+rows and 8K context on an H100 (one sweep row, ``reports/gpu/bench_kernels_h100_8b31cb2.json``:
+half the block steps, each twice as wide, which bound that form), untimed inside the decode
+step (``bench_decode_paths.py`` variant ``compiled_split_keys64``)."""
+
 
 def _bits16(t: torch.Tensor) -> torch.Tensor:
     """An int16 view of a bf16 tensor (stores write rounded bit patterns)."""
@@ -590,6 +598,11 @@ class TritonBackend(TorchBackend):
             # a row's heads over four times the programs, every key block its own split: the
             # launch is latency-bound, not bytes-bound, at one or two rows
             hb, n_hb, splits = 16, triton_cdiv(h, 16), n_blocks
+        elif dot_bf16 and not packed and h * d >= 64 * 512 and splits > 1 and SPLIT_KEY_BLOCK:
+            bn = SPLIT_KEY_BLOCK
+            n_blocks = triton_cdiv(window, bn) + triton_cdiv(k, bn)
+            splits = min(splits, n_blocks)
+            splits = triton_cdiv(n_blocks, triton_cdiv(n_blocks, splits))
         cfg = {
             "BN": bn,
             "HB": hb,
