@@ -14,7 +14,8 @@
 # flash decode attention's sweep forms at 64 rows and one row,
 # $OUT/bench_kernels_attn_sweep.json) and "ncu" (Nsight Compute's counters of the routed
 # experts' and two W8A8 decode launches, benchmarks/probe_decode_kernels.py,
-# $OUT/ncu_decode_kernels.csv; Firecracker machines only) and "streams" (the GPU test of the
+# $OUT/ncu_decode_kernels.csv; Firecracker machines only), "ncuattn" (the same counters of the
+# flash decode attention at 64 rows, $OUT/ncu_attention.csv) and "streams" (the GPU test of the
 # shared expert on a side stream) and "mm" (the W8A8 prefill rows' mm mode: GPU tests and the
 # --quick rows, $OUT/bench_gemm_moe_mm.json). On an H100 too (35 GB resident).
 # STEPS picks a subset:
@@ -122,6 +123,14 @@ if has ncu; then  # hardware counters of the decode's largest kernels (Nsight Co
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
         --csv --page details --log-file "$OUT/ncu_decode_kernels.csv" \
         python3 benchmarks/probe_decode_kernels.py --reps 1
+fi
+if has ncuattn; then  # the flash decode attention's stall reasons (64 rows, 8K context)
+    run ncuattn 300 ncu --clock-control none --kernel-name sparse_attention_kernel \
+        --launch-skip 4 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --csv --page details --log-file "$OUT/ncu_attention.csv" \
+        python3 benchmarks/bench_kernels.py --only "attention decode flash bf16" \
+        --out "$OUT/bench_kernels_ncu_attention.json"
 fi
 if has prefill; then
     run prefill 360 python3 benchmarks/bench_prefill.py --spec flash_slice --checkpoint "$CKPT" \
