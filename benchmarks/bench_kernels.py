@@ -919,6 +919,9 @@ def main(argv=None) -> int:
                     {"num_warps": 16},
                     {"SPLITS": 2},
                     {"SPLITS": 2, "BN": 64},
+                    # three stages: the next block's pages by asynchronous copy too (two stages
+                    # load a block's ids and pages in the loop, two dependent round trips)
+                    {"SPLITS": 2, "num_stages": 3},
                 ],
                 ceil,
                 kb,
