@@ -49,8 +49,8 @@ SPLIT_KEY_BLOCK: int | None = None
 512 lanes or more and whose keys split over programs (flash decoding past ``few_rows``); None:
 ``attention_block``. Staged off: 64 keys took 0.061 against 0.065 ms at V4.1-Flash widths, 64
 rows and 8K context on an H100 (one sweep row, ``reports/gpu/bench_kernels_h100_8b31cb2.json``:
-half the block steps, each twice as wide, which bound that form), untimed inside the decode
-step (``bench_decode_paths.py`` variant ``compiled_split_keys64``)."""
+half the block steps, each twice as wide), untimed inside the decode step
+(``bench_decode_paths.py`` variant ``compiled_split_keys64``)."""
 
 
 def _bits16(t: torch.Tensor) -> torch.Tensor:
