@@ -594,11 +594,12 @@ class TritonBackend(TorchBackend):
             # (20 blocks over 16 splits is 10 of two blocks, not 6 empty partials to write and
             # merge; the merge's sums are the same, an empty split adding exact zeros)
             splits = triton_cdiv(n_blocks, triton_cdiv(n_blocks, splits))
-        if dot_bf16 and not packed and h * d >= 64 * 512 and tq <= self.few_rows:
+        flash_bf16 = dot_bf16 and not packed and h * d >= 64 * 512  # 64 heads of 512 lanes
+        if flash_bf16 and tq <= self.few_rows:
             # a row's heads over four times the programs, every key block its own split: the
             # launch is latency-bound, not bytes-bound, at one or two rows
             hb, n_hb, splits = 16, triton_cdiv(h, 16), n_blocks
-        elif dot_bf16 and not packed and h * d >= 64 * 512 and splits > 1 and SPLIT_KEY_BLOCK:
+        elif flash_bf16 and splits > 1 and SPLIT_KEY_BLOCK:
             bn = SPLIT_KEY_BLOCK
             n_blocks = triton_cdiv(window, bn) + triton_cdiv(k, bn)
             splits = min(splits, n_blocks)
