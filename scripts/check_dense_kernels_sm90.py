@@ -278,7 +278,8 @@ def _attention_variants(every: bool = False) -> list:
     bf16 planes) as the launcher builds it (2 stages): one 64-head block of 32 keys (8 warps)
     and 32 heads; strides multiples of 16 as every pool's are. ``every``: also the decode forms
     the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, 16
-    warps at 64 heads and 8 at 32, and two splits of 64-key blocks (``SPLIT_KEY_BLOCK``)."""
+    warps at 64 heads and 8 at 32, two splits of 64-key blocks (``SPLIT_KEY_BLOCK``) and two
+    splits at three stages (the sweep's row)."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
@@ -286,12 +287,13 @@ def _attention_variants(every: bool = False) -> list:
     ptrs.update({"part_ml_ptr": "*fp32"})
     ptrs.update({n: "*i64" for n in ("rows_ptr", "slot_ptr", "pos_ptr", "window_lo_ptr")})
     ptrs.update({n: "*i64" for n in ("ring_until_ptr", "ids_ptr", "pages_ptr")})
-    forms = [(64, 8, 1, 32), (32, 4, 1, 32)]
+    forms = [(64, 8, 1, 32, 2), (32, 4, 1, 32, 2)]
     if every:
-        forms += [(hb, w, s, 32) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
-        forms.append((64, 8, 2, 64))  # triton_backend.SPLIT_KEY_BLOCK's form at 64 rows
+        forms += [(hb, w, s, 32, 2) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
+        forms.append((64, 8, 2, 64, 2))  # triton_backend.SPLIT_KEY_BLOCK's form at 64 rows
+        forms.append((64, 8, 2, 32, 3))  # the sweep's three stages at 64 rows
     out = []
-    for hb, warps, splits, bn in forms:
+    for hb, warps, splits, bn, stages in forms:
         sig = {}
         for n in ta.sparse_attention_kernel.arg_names:
             if n in ptrs:
@@ -309,7 +311,8 @@ def _attention_variants(every: bool = False) -> list:
         sig.update(dict.fromkeys(cx, "constexpr"))
         name = f"sparse attention flash HB={hb} warps={warps} SPLITS={splits}"
         name += f" BN={bn}" if bn != 32 else ""
-        opts = {"num_warps": warps, "num_stages": 2}
+        name += f" stages={stages}" if stages != 2 else ""
+        opts = {"num_warps": warps, "num_stages": stages}
         out.append((name, ta.sparse_attention_kernel, sig, cx, opts))
     return out
 
@@ -459,6 +462,13 @@ def main(argv=None) -> int:
         "the most frequent opcodes",
     )
     ap.add_argument(
+        "--mma-layouts",
+        action="store_true",
+        help="also print each kernel's shared memory bytes, each loop's plain and asynchronous "
+        "global loads and the MMA layouts of its TTGIR (warps per CTA and instruction shape of "
+        "each tensor-core product)",
+    )
+    ap.add_argument(
         "--strides16",
         action="store_true",
         help="build integer stride arguments (names starting with 's') as multiples of 16, as "
@@ -533,6 +543,12 @@ def main(argv=None) -> int:
         )
         if args.loop_histogram:
             print(f"     {_loop_histogram(k.asm['cubin'], cuobjdump)}")
+        if args.mma_layouts:
+            mma = re.findall(r"^#mma\d* = (.*)$", k.asm["ttgir"], re.MULTILINE)
+            body = [lp[: lp.find("scf.yield")] for lp in loops]
+            loads = "+".join(f"{b.count('tt.load ')}/{b.count('async_copy_global')}" for b in body)
+            print(f"     shared {k.metadata.shared} B; loop loads plain/async {loads or 0}; "
+                  + ("; ".join(mma) or "no MMA layout"))  # fmt: skip
     print(f"{failed} failed")
     return 1 if failed else 0
 
