@@ -38,8 +38,9 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   (``triton_moe.FOLDED_SCALES`` off): its A/B;
 - ``compiled_decode_fp8_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the fp8
   mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B;
-- ``compiled_split_keys64``: ``compiled`` with the flash-decoding attention's 64-key tiles
-  (``triton_backend.SPLIT_KEY_BLOCK``, off by default): its A/B.
+- ``compiled_resolve_selected``: ``compiled`` with the attention resolving each selected id to
+  its plane offset before the block loop (``triton_backend.RESOLVE_SELECTED``, off by default):
+  its A/B.
 
 Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
 compiled_decode_fp8_rows,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
@@ -112,7 +113,7 @@ VARIANTS = {
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_split_keys64": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_resolve_selected": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -125,7 +126,7 @@ GEMM_FLAGS = {
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
     "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
     "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
-    "compiled_split_keys64": {"kernels.triton_backend.SPLIT_KEY_BLOCK": 64},
+    "compiled_resolve_selected": {"kernels.triton_backend.RESOLVE_SELECTED": True},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

@@ -918,10 +918,11 @@ def main(argv=None) -> int:
                     # one wave of 128 programs, also in 64-key blocks
                     {"num_warps": 16},
                     {"SPLITS": 2},
-                    {"SPLITS": 2, "BN": 64},
-                    # three stages: the next block's pages by asynchronous copy too (two stages
-                    # load a block's ids and pages in the loop, two dependent round trips)
-                    {"SPLITS": 2, "num_stages": 3},
+                    # the selected ids resolved to plane offsets before the block loop (one
+                    # load ahead of a block's keys, not two dependent ones), at two and three
+                    # stages (three: the next block's keys in flight through a block)
+                    {"SPLITS": 2, "RESOLVE": True},
+                    {"SPLITS": 2, "RESOLVE": True, "num_stages": 3},
                 ],
                 ceil,
                 kb,

@@ -278,22 +278,22 @@ def _attention_variants(every: bool = False) -> list:
     bf16 planes) as the launcher builds it (2 stages): one 64-head block of 32 keys (8 warps)
     and 32 heads; strides multiples of 16 as every pool's are. ``every``: also the decode forms
     the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, 16
-    warps at 64 heads and 8 at 32, two splits of 64-key blocks (``SPLIT_KEY_BLOCK``) and two
-    splits at three stages (the sweep's row)."""
+    warps at 64 heads and 8 at 32, two splits (the launcher's form at 64 rows) and two splits
+    with the selected ids resolved first (``RESOLVE_SELECTED``) at two and three stages."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
     ptrs.update({"kv_ptr": "*bf16", "plane_ptr": "*bf16", "part_o_ptr": "*fp32"})
-    ptrs.update({"part_ml_ptr": "*fp32"})
+    ptrs.update({"part_ml_ptr": "*fp32", "sel_ptr": "*i64"})
     ptrs.update({n: "*i64" for n in ("rows_ptr", "slot_ptr", "pos_ptr", "window_lo_ptr")})
     ptrs.update({n: "*i64" for n in ("ring_until_ptr", "ids_ptr", "pages_ptr")})
     forms = [(64, 8, 1, 32, 2), (32, 4, 1, 32, 2)]
     if every:
         forms += [(hb, w, s, 32, 2) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
-        forms.append((64, 8, 2, 64, 2))  # triton_backend.SPLIT_KEY_BLOCK's form at 64 rows
-        forms.append((64, 8, 2, 32, 3))  # the sweep's three stages at 64 rows
+        forms.append((64, 8, 2, 32, 2))  # the launcher's form at 64 rows (8K context)
+        forms += [(64, 8, 2, 32, 2, True), (64, 8, 2, 32, 3, True)]  # RESOLVE_SELECTED's
     out = []
-    for hb, warps, splits, bn, stages in forms:
+    for hb, warps, splits, bn, stages, *resolve in forms:
         sig = {}
         for n in ta.sparse_attention_kernel.arg_names:
             if n in ptrs:
@@ -308,10 +308,12 @@ def _attention_variants(every: bool = False) -> list:
         cx.update({"RING_FP8": False, "PLANE_FP4": False, "HAS_PLANE": True, "SPLITS": splits})
         cx.update({"OUT_BF16": True, "DOT_BF16": True, "F32_DOT": "ieee", "PREFETCH": 0})
         cx["DV"] = 512
+        cx["RESOLVE"] = bool(resolve)
         sig.update(dict.fromkeys(cx, "constexpr"))
         name = f"sparse attention flash HB={hb} warps={warps} SPLITS={splits}"
         name += f" BN={bn}" if bn != 32 else ""
         name += f" stages={stages}" if stages != 2 else ""
+        name += " resolve" if resolve else ""
         opts = {"num_warps": warps, "num_stages": stages}
         out.append((name, ta.sparse_attention_kernel, sig, cx, opts))
     return out

@@ -15,7 +15,8 @@
 # $OUT/bench_kernels_attn_sweep.json) and "ncu" (Nsight Compute's counters of the routed
 # experts' and two W8A8 decode launches, benchmarks/probe_decode_kernels.py,
 # $OUT/ncu_decode_kernels.csv; Firecracker machines only), "ncuattn" (the same counters of the
-# flash decode attention at 64 rows, $OUT/ncu_attention.csv) and "streams" (the GPU test of the
+# flash decode attention at 64 rows, $OUT/ncu_attention.csv, and its stall reasons,
+# $OUT/ncu_attention_stalls.csv) and "streams" (the GPU test of the
 # shared expert on a side stream) and "mm" (the W8A8 prefill rows' mm mode: GPU tests and the
 # --quick rows, $OUT/bench_gemm_moe_mm.json). On an H100 too (35 GB resident).
 # STEPS picks a subset:
@@ -27,10 +28,10 @@
 #   STEPS="ckpt decode" DECODE_VARIANTS=compiled,compiled_unfolded_scales,compiled_decode_fp8_rows ...
 #   STEPS="mm ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=None ...  # the mm mode:
 #       its GPU tests and bench rows ($OUT/bench_gemm_moe_mm.json), the 8K prefill's A/B
-#   STEPS="ckpt decode" DECODE_BATCHES=64 DECODE_VARIANTS=compiled,compiled_split_keys64,compiled
+#   STEPS="ckpt decode" DECODE_BATCHES=64 DECODE_VARIANTS=compiled,compiled_resolve_selected,compiled
 #       # an A/B/A (a later variant of a process has run faster whichever it was; rows:
-#       # run_index): here the flash-decoding attention's 64-key tiles
-#       # (triton_backend.SPLIT_KEY_BLOCK)
+#       # run_index): here the attention's selected ids resolved to plane offsets first
+#       # (triton_backend.RESOLVE_SELECTED)
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail
@@ -129,6 +130,12 @@ if has ncuattn; then  # the flash decode attention's stall reasons (64 rows, 8K 
         --launch-skip 4 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
         --csv --page details --log-file "$OUT/ncu_attention.csv" \
+        python3 benchmarks/bench_kernels.py --only "attention decode flash bf16" \
+        --out "$OUT/bench_kernels_ncu_attention.json"
+    # the warp-state section's raw metrics: the per-reason stall counts the details page omits
+    run ncuattn-stalls 300 ncu --clock-control none --kernel-name sparse_attention_kernel \
+        --launch-skip 4 --launch-count 1 --section WarpStateStats --page raw --csv \
+        --log-file "$OUT/ncu_attention_stalls.csv" \
         python3 benchmarks/bench_kernels.py --only "attention decode flash bf16" \
         --out "$OUT/bench_kernels_ncu_attention.json"
 fi

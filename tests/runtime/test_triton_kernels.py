@@ -597,42 +597,54 @@ def test_attention_splits_leave_no_split_without_keys(tiny):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_split_key_block_takes_wider_tiles_only_where_flash_keys_split(tiny, monkeypatch):
-    """``SPLIT_KEY_BLOCK``: the 64-head bf16 launches whose keys split (8 to 64 rows at 8K)
-    take its tiles, as many splits as still fill (64 rows: 2 splits of 5 blocks of 64 keys);
-    one or two rows, packed keys, float32 and unsplit launches keep theirs. A row's output with
-    wider tiles is the reference's within float32 rounding (the interpreter, 8-key tiles)."""
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp4"])
+@pytest.mark.parametrize("num_sms,heads", [(1, 4), (64, 4), (64, 32)])
+def test_resolved_selected_rows_give_the_launch_s_bits(tiny, kv_dtype, num_sms, heads):
+    """``RESOLVE``: each program turning its row's selected ids into plane offsets before the
+    block loop reads the same keys in the same order, so the output is the unresolved launch's
+    bit for bit (one pass, key splits, two head blocks each with its own offsets row), and the
+    reference's within float32 rounding. The FP4 plane's 36-byte rows are laid in 48-byte ones
+    (the path needs strides in multiples of 16 elements, as every V4.1-Flash plane has)."""
     import v41plan.runtime.kernels.triton_backend as tb
 
-    kb = TritonBackend(num_sms=132)
-    shape = (64, 512, 128, 512)
-    before = {t: kb.attention_config(t, *shape, "cpu", torch.bfloat16) for t in (1, 8, 64, 96)}
-    packed = kb.attention_config(64, *shape, "cpu", torch.bfloat16, packed=True)
-    f32 = kb.attention_config(64, *shape, "cpu", torch.float32)
-    monkeypatch.setattr(tb, "SPLIT_KEY_BLOCK", 64)
-    cfg = kb.attention_config(64, *shape, "cpu", torch.bfloat16)
-    assert (cfg["BN"], cfg["HB"], cfg["SPLITS"]) == (64, 64, 2)
-    cfg8 = kb.attention_config(8, *shape, "cpu", torch.bfloat16)
-    assert (cfg8["BN"], cfg8["SPLITS"]) == (64, 10)  # 16 wanted, 10 blocks of 64 keys
-    assert before[8]["SPLITS"] == 10 and before[8]["BN"] == 32  # 10 splits of two blocks
-    for t in (1, 96):  # one row: its 16-head form; 96 rows: no split
-        assert kb.attention_config(t, *shape, "cpu", torch.bfloat16) == before[t]
-    assert kb.attention_config(64, *shape, "cpu", torch.bfloat16, packed=True) == packed
-    assert kb.attention_config(64, *shape, "cpu", torch.float32) == f32
-    # the kernel with the wider tiles a split: 8-key tiles against 4 (interpreter sizes)
-    args, sel = _attention_case(tiny, "bf16", False, seed=19)
+    args, (plane, ids, pages, rpp) = _attention_case(tiny, kv_dtype, False, seed=23)
+    if plane.stride(1) % 16:  # copy the rows into a wider buffer: same values, 16-unit strides
+        wide = torch.zeros(*plane.shape[:2], 48, dtype=plane.dtype)
+        wide[..., : plane.shape[2]] = plane
+        assert not tb.resolves_selected({"RESOLVE": True}, plane)
+        plane = wide[..., : plane.shape[2]]
+    sel = (plane, ids, pages, rpp)
+    if heads != args[0].shape[1]:
+        g = torch.Generator().manual_seed(24)
+        args = (torch.randn(9, heads, 64, generator=g), torch.randn(heads, generator=g), *args[2:])
+    base = {"BN": 4} | ({"HB": 16, "num_warps": 4} if heads > 16 else {})
+    assert tb.resolves_selected(base | {"RESOLVE": True}, plane)
+    assert not tb.resolves_selected(base, plane)
     outs = []
-    for bn in (4, 8):
-        kb = TritonBackend(num_sms=64)
-        kb.attention_override = {"BN": bn, "SPLITS": 2}
+    for resolve in (False, True):
+        kb = TritonBackend(num_sms=num_sms)
+        kb.attention_override = base | {"RESOLVE": resolve}
         out = torch.full_like(args[0], float("nan"))
         kb.sparse_attention(*args, *sel, out)
         assert not kb.fallbacks
         outs.append(out)
+    cfg = kb.attention_config(9, heads, 64, 8, 12, "cpu", torch.float32)
+    assert (cfg["SPLITS"] > 1) == (num_sms > 1) and cfg["n_hb"] == (2 if heads > 16 else 1)
+    assert torch.equal(outs[0], outs[1])
     ref = torch.full_like(args[0], float("nan"))
     REF.sparse_attention(*args, *sel, ref)
-    for out in outs:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_resolve_takes_every_output_column_and_no_prefetch():
+    kb = TritonBackend(num_sms=132)
+    shape = (64, 512, 128, 512, "cpu", torch.bfloat16)
+    for bad in ({"DV": 256}, {"PREFETCH": 1}):
+        kb.attention_override = {"RESOLVE": True} | bad
+        with pytest.raises(ValueError, match="RESOLVE"):
+            kb.attention_config(64, *shape)
+    kb.attention_override = None
+    assert kb.attention_config(64, *shape)["RESOLVE"] is False  # staged off
 
 
 def test_the_default_backend_is_the_reference_off_cuda():

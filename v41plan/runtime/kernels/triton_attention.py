@@ -149,6 +149,7 @@ def sparse_attention_kernel(
     s_pages_row,
     part_o_ptr,
     part_ml_ptr,
+    sel_ptr,
     qk_scale,
     H,
     ring_rows,
@@ -170,6 +171,7 @@ def sparse_attention_kernel(
     F32_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
     DV: tl.constexpr,
+    RESOLVE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
@@ -286,7 +288,35 @@ def sparse_attention_kernel(
         s_hi = NWB + (n_sel + BN - 1) // BN
         sb0 = tl.maximum(b_lo, NWB)
         sb1 = tl.minimum(b_hi, s_hi)
-        if PREFETCH == 0:
+        if RESOLVE:
+            own = (i * tl.num_programs(1) + tl.program_id(1)) * SPLITS + sp
+            own_row = sel_ptr + own.to(tl.int64) * KSEL_P2
+            cv = call.to(tl.int32)
+            ca = tl.maximum(cv, 0)
+            pg = tl.load(
+                pages_ptr + i * s_pages_row + tl.minimum(ca // RPP, P - 1), mask=cv >= 0, other=-1
+            ).to(tl.int32)
+            # in 16-element units (the launcher checks both strides divide): the loop's row
+            # starts are then known 16-aligned, so its key loads are 16-byte asynchronous copies
+            off = pg.to(tl.int64) * (s_plane_page // 16) + (ca % RPP) * (s_plane_row // 16)
+            tl.store(own_row + jall, tl.where((cv >= 0) & (pg >= 0), off, -1))
+            tl.debug_barrier()  # the block loop reads what other threads of the program stored
+            for b in range(sb0, sb1):
+                jj = (b - NWB) * BN + tl.arange(0, BN)
+                o = tl.load(own_row + jj, mask=jj < KSEL_P2, other=-1)
+                valid = o >= 0
+                kbase = plane_ptr + tl.maximum(o, 0) * 16
+                vm = valid[:, None]
+                if PLANE_FP4:
+                    byte = tl.load(kbase[:, None] + d[None, :] // 2, mask=vm, other=0)
+                    sc = tl.load(kbase[:, None] + D // 2 + d[None, :] // 16, mask=vm, other=0)
+                    k = _fp4_keys(byte, sc, D, DOT_BF16)
+                else:
+                    k = tl.load(kbase[:, None] + d[None, :], mask=vm, other=0.0)
+                    if not DOT_BF16:
+                        k = k.to(tl.float32)
+                m, l, acc = _online(q, k, k, valid, m, l, acc, qk_scale, DOT_BF16, F32_DOT)
+        elif PREFETCH == 0:
             for b in range(sb0, sb1):
                 jj = (b - NWB) * BN + tl.arange(0, BN)
                 # ids and pages fit 32 bits: 32-bit arithmetic (a 64-bit division is a called

@@ -44,13 +44,25 @@ _INTERPRETED = interpreted(S.ring_write_kernel)
 """Whether this process decorated the kernels under ``TRITON_INTERPRET=1`` (they then take CPU
 tensors, and only CPU tensors)."""
 
-SPLIT_KEY_BLOCK: int | None = None
-"""Keys per tile of a bf16 attention launch on unpacked rows whose programs hold 64 heads of
-512 lanes or more and whose keys split over programs (flash decoding past ``few_rows``); None:
-``attention_block``. Staged off: 64 keys took 0.061 against 0.065 ms at V4.1-Flash widths, 64
-rows and 8K context on an H100 (one sweep row, ``reports/gpu/bench_kernels_h100_8b31cb2.json``:
-half the block steps, each twice as wide), untimed inside the decode step
-(``bench_decode_paths.py`` variant ``compiled_split_keys64``)."""
+RESOLVE_SELECTED = False
+"""Whether an attention launch over a main plane first resolves each selected id to its row's
+offset in the plane (the kernel's ``RESOLVE``), so the selected-block loop loads keys behind one
+load instead of the ids-then-pages chain. Staged off, untimed: in the sm_90 build of the default
+form the selected loop waits on every copy in flight at each block (``DEPBAR.LE SB0, 0x0``), so
+the next block's keys never overlap a block's products (``scripts/check_dense_kernels_sm90.py
+--only "sparse attention flash" --mma-layouts``)."""
+
+
+def resolves_selected(cfg: dict, plane: torch.Tensor | None) -> bool:
+    """Whether an attention launch of ``cfg`` resolves its selected ids first (``RESOLVE``):
+    asked for, over a main plane whose page and row strides are multiples of 16 elements (the
+    kernel keeps offsets in 16-element units, so its key loads stay 16-byte copies)."""
+    return (
+        bool(cfg.get("RESOLVE"))
+        and plane is not None
+        and plane.stride(0) % 16 == 0
+        and plane.stride(1) % 16 == 0
+    )
 
 
 def _bits16(t: torch.Tensor) -> torch.Tensor:
@@ -550,8 +562,8 @@ class TritonBackend(TorchBackend):
     merge is then dozens of programs, not one or two)."""
     attention_override: dict | None = None
     """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
-    ``num_stages``, ``PREFETCH``, ``DV``: output columns a program accumulates, 0 all of them):
-    the benchmark's sweep."""
+    ``num_stages``, ``PREFETCH``, ``DV``: output columns a program accumulates, 0 all of them;
+    ``RESOLVE``): the benchmark's sweep."""
     f32_dot = "ieee"
     """fp32 attention's dot precision on the GPU: ``ieee`` (fp32 FMAs, the validation mode's
     arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
@@ -599,11 +611,6 @@ class TritonBackend(TorchBackend):
             # a row's heads over four times the programs, every key block its own split: the
             # launch is latency-bound, not bytes-bound, at one or two rows
             hb, n_hb, splits = 16, triton_cdiv(h, 16), n_blocks
-        elif flash_bf16 and splits > 1 and SPLIT_KEY_BLOCK:
-            bn = SPLIT_KEY_BLOCK
-            n_blocks = triton_cdiv(window, bn) + triton_cdiv(k, bn)
-            splits = min(splits, n_blocks)
-            splits = triton_cdiv(n_blocks, triton_cdiv(n_blocks, splits))
         cfg = {
             "BN": bn,
             "HB": hb,
@@ -614,12 +621,15 @@ class TritonBackend(TorchBackend):
             "F32_DOT": self.f32_dot,
             "DOT_BF16": dot_bf16,
             "PREFETCH": 0,  # 1 and 2 lost in both sweeps (reports/gpu/bench_kernels_sweep*.json)
+            "RESOLVE": RESOLVE_SELECTED,
         }
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
         dv = cfg.setdefault("DV", 0)
         if dv and (dv >= d or d % dv or dv != next_pow2(dv) or cfg["PREFETCH"]):
             raise ValueError(f"DV {dv}: a power of two below head_dim {d}, with PREFETCH 0")
+        if cfg["RESOLVE"] and (dv or cfg["PREFETCH"]):
+            raise ValueError("RESOLVE takes PREFETCH 0 and every output column (DV 0)")
         return cfg
 
     def sparse_attention(
@@ -679,6 +689,12 @@ class TritonBackend(TorchBackend):
         if splits > 1:
             part_o = torch.empty(tq, splits, h, d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(tq, splits, h, 2, dtype=torch.float32, device=q.device)
+        resolve = resolves_selected(cfg, plane)
+        sel = part_o
+        if resolve:  # each program's selected rows as plane offsets (the kernel's RESOLVE)
+            sel = torch.empty(
+                grid[0] * grid[1] * grid[2], next_pow2(ksel), dtype=torch.int64, device=q.device
+            )
         out_bf16 = out.dtype == torch.bfloat16
         dst = _bits16(out)
         rows = _vec(rows)
@@ -712,6 +728,7 @@ class TritonBackend(TorchBackend):
             pgt.stride(0),
             part_o,
             part_ml,
+            sel,
             float(scale) * A.LOG2E,
             h,
             ring.shape[1],
@@ -733,6 +750,7 @@ class TritonBackend(TorchBackend):
             F32_DOT=cfg["F32_DOT"],
             PREFETCH=cfg["PREFETCH"],
             DV=cfg["DV"] or d,
+            RESOLVE=resolve,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl_launch(q.device, tq),
