@@ -992,7 +992,10 @@ def main(argv=None) -> int:
             "attention prefill sweep flash",
             lambda: attention_sweep(
                 "flash",
-                [{}, {"PREFETCH": 1}, {"PREFETCH": 2}, {"HB": 32}, {"BN": 16}, {"DV": 256}],
+                [
+                    *({}, {"PREFETCH": 1}, {"PREFETCH": 2}, {"HB": 32}, {"BN": 16}, {"DV": 256}),
+                    {"RESOLVE": True, "num_stages": 3},  # RESOLVE_SELECTED's form
+                ],
                 ceil,
                 kb,
                 ref,

@@ -278,20 +278,21 @@ def _attention_variants(every: bool = False) -> list:
     bf16 planes) as the launcher builds it (2 stages): one 64-head block of 32 keys (8 warps)
     and 32 heads; strides multiples of 16 as every pool's are. ``every``: also the decode forms
     the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, 16
-    warps at 64 heads and 8 at 32, two splits (the launcher's form at 64 rows) and two splits
-    with the selected ids resolved first (``RESOLVE_SELECTED``) at two and three stages."""
+    warps at 64 heads and 8 at 32, two splits (the launcher's form at 64 rows) at two and three
+    stages, and two splits with the selected ids resolved first (``RESOLVE``) at two and three
+    stages (``RESOLVE_SELECTED``'s form: three)."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
     ptrs.update({"kv_ptr": "*bf16", "plane_ptr": "*bf16", "part_o_ptr": "*fp32"})
-    ptrs.update({"part_ml_ptr": "*fp32", "sel_ptr": "*i64"})
+    ptrs.update({"part_ml_ptr": "*fp32"})
     ptrs.update({n: "*i64" for n in ("rows_ptr", "slot_ptr", "pos_ptr", "window_lo_ptr")})
     ptrs.update({n: "*i64" for n in ("ring_until_ptr", "ids_ptr", "pages_ptr")})
     forms = [(64, 8, 1, 32, 2), (32, 4, 1, 32, 2)]
     if every:
         forms += [(hb, w, s, 32, 2) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
-        forms.append((64, 8, 2, 32, 2))  # the launcher's form at 64 rows (8K context)
-        forms += [(64, 8, 2, 32, 2, True), (64, 8, 2, 32, 3, True)]  # RESOLVE_SELECTED's
+        forms += [(64, 8, 2, 32, 2), (64, 8, 2, 32, 3)]  # 64 rows (8K): the launcher's; 3 stages
+        forms += [(64, 8, 2, 32, 2, True), (64, 8, 2, 32, 3, True)]  # RESOLVE_SELECTED's: 3
     out = []
     for hb, warps, splits, bn, stages, *resolve in forms:
         sig = {}
@@ -467,8 +468,9 @@ def main(argv=None) -> int:
         "--mma-layouts",
         action="store_true",
         help="also print each kernel's shared memory bytes, each loop's plain and asynchronous "
-        "global loads and the MMA layouts of its TTGIR (warps per CTA and instruction shape of "
-        "each tensor-core product)",
+        "global loads, the copy groups each loop leaves in flight at its wait (0: none overlaps "
+        "the loop's work) and the MMA layouts of its TTGIR (warps per CTA and instruction shape "
+        "of each tensor-core product)",
     )
     ap.add_argument(
         "--strides16",
@@ -549,7 +551,12 @@ def main(argv=None) -> int:
             mma = re.findall(r"^#mma\d* = (.*)$", k.asm["ttgir"], re.MULTILINE)
             body = [lp[: lp.find("scf.yield")] for lp in loops]
             loads = "+".join(f"{b.count('tt.load ')}/{b.count('async_copy_global')}" for b in body)
+            # the copy groups a loop leaves in flight at its wait (0: it waits on every copy)
+            waits = "+".join(
+                ",".join(re.findall(r"async_wait .*\{num = (\d+)", b)) or "-" for b in body
+            )
             print(f"     shared {k.metadata.shared} B; loop loads plain/async {loads or 0}; "
+                  f"copies in flight at the loop's wait {waits or 0}; "
                   + ("; ".join(mma) or "no MMA layout"))  # fmt: skip
     print(f"{failed} failed")
     return 1 if failed else 0

@@ -601,10 +601,11 @@ def test_attention_splits_leave_no_split_without_keys(tiny):
 @pytest.mark.parametrize("num_sms,heads", [(1, 4), (64, 4), (64, 32)])
 def test_resolved_selected_rows_give_the_launch_s_bits(tiny, kv_dtype, num_sms, heads):
     """``RESOLVE``: each program turning its row's selected ids into plane offsets before the
-    block loop reads the same keys in the same order, so the output is the unresolved launch's
-    bit for bit (one pass, key splits, two head blocks each with its own offsets row), and the
-    reference's within float32 rounding. The FP4 plane's 36-byte rows are laid in 48-byte ones
-    (the path needs strides in multiples of 16 elements, as every V4.1-Flash plane has)."""
+    block loop (a register gather a block) reads the same keys in the same blocks and order, so
+    the output is the unresolved launch's bit for bit (one pass, key splits, two head blocks;
+    ids with -1 padding and a missing page), and the reference's within float32 rounding. The
+    FP4 plane's 36-byte rows are laid in 48-byte ones (the path needs strides in multiples of
+    16 elements, as every V4.1-Flash plane has)."""
     import v41plan.runtime.kernels.triton_backend as tb
 
     args, (plane, ids, pages, rpp) = _attention_case(tiny, kv_dtype, False, seed=23)
@@ -636,15 +637,27 @@ def test_resolved_selected_rows_give_the_launch_s_bits(tiny, kv_dtype, num_sms, 
     torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_resolve_takes_every_output_column_and_no_prefetch():
+def test_resolve_selected_takes_three_stages_every_column_and_no_prefetch(monkeypatch):
+    """``RESOLVE_SELECTED``: bf16 launches resolve and take three stages (the form whose loops
+    keep a block's keys in flight), fp32 ones keep their one stage; ``RESOLVE`` with a column
+    share or the manual prefetch is refused."""
+    import v41plan.runtime.kernels.triton_backend as tb
+
     kb = TritonBackend(num_sms=132)
-    shape = (64, 512, 128, 512, "cpu", torch.bfloat16)
+    shape = (64, 512, 128, 512, "cpu")
+    off = kb.attention_config(64, *shape, torch.bfloat16)
+    assert off["RESOLVE"] is False and off["num_stages"] == 2  # staged off
+    monkeypatch.setattr(tb, "RESOLVE_SELECTED", True)
+    on = kb.attention_config(64, *shape, torch.bfloat16)
+    assert on["RESOLVE"] is True and on["num_stages"] == 3
+    assert {k: v for k, v in on.items() if k not in ("RESOLVE", "num_stages")} == {
+        k: v for k, v in off.items() if k not in ("RESOLVE", "num_stages")
+    }
+    assert kb.attention_config(64, *shape, torch.float32)["num_stages"] == 1
     for bad in ({"DV": 256}, {"PREFETCH": 1}):
         kb.attention_override = {"RESOLVE": True} | bad
         with pytest.raises(ValueError, match="RESOLVE"):
-            kb.attention_config(64, *shape)
-    kb.attention_override = None
-    assert kb.attention_config(64, *shape)["RESOLVE"] is False  # staged off
+            kb.attention_config(64, *shape, torch.bfloat16)
 
 
 def test_the_default_backend_is_the_reference_off_cuda():

@@ -149,7 +149,6 @@ def sparse_attention_kernel(
     s_pages_row,
     part_o_ptr,
     part_ml_ptr,
-    sel_ptr,
     qk_scale,
     H,
     ring_rows,
@@ -181,7 +180,12 @@ def sparse_attention_kernel(
     ids and pages blocks ahead, so a block waits on its keys alone, and 2 loads the keys a
     block ahead too (0: no pipeline). ``DV`` < ``D`` (PREFETCH 0): the program accumulates
     output columns ``[dv * DV, (dv + 1) * DV)`` only (axis 1 is ``hb * (D // DV) + dv``): every
-    program computes the whole logits, and its accumulator is ``[HB, DV]`` (``DV = D``: all)."""
+    program computes the whole logits, and its accumulator is ``[HB, DV]`` (``DV = D``: all).
+    ``RESOLVE`` (PREFETCH 0, DV = D): the program first turns every selected id of its row into
+    the row's offset in the plane (its page through ``pages``; in 16-element units, both plane
+    strides multiples of 16) and holds them in registers; a selected block's offsets are then a
+    register gather, not two dependent loads, so the pipeliner can keep the next block's keys in
+    flight (at three stages). The same blocks, keys and order as without it: the same bits."""
     pdl_enter(PDL)
     i = tl.program_id(0)
     NDV: tl.constexpr = D // DV
@@ -289,22 +293,21 @@ def sparse_attention_kernel(
         sb0 = tl.maximum(b_lo, NWB)
         sb1 = tl.minimum(b_hi, s_hi)
         if RESOLVE:
-            own = (i * tl.num_programs(1) + tl.program_id(1)) * SPLITS + sp
-            own_row = sel_ptr + own.to(tl.int64) * KSEL_P2
+            # every selected id's row offset in the plane, once, held in registers; a block's
+            # offsets are a register gather, so its key copy's address waits on no load of the
+            # loop (16-element units: the launcher checks both strides divide, so the row
+            # starts are known 16-aligned and the key loads stay 16-byte asynchronous copies)
             cv = call.to(tl.int32)
             ca = tl.maximum(cv, 0)
             pg = tl.load(
                 pages_ptr + i * s_pages_row + tl.minimum(ca // RPP, P - 1), mask=cv >= 0, other=-1
             ).to(tl.int32)
-            # in 16-element units (the launcher checks both strides divide): the loop's row
-            # starts are then known 16-aligned, so its key loads are 16-byte asynchronous copies
             off = pg.to(tl.int64) * (s_plane_page // 16) + (ca % RPP) * (s_plane_row // 16)
-            tl.store(own_row + jall, tl.where((cv >= 0) & (pg >= 0), off, -1))
-            tl.debug_barrier()  # the block loop reads what other threads of the program stored
+            off = tl.where((cv >= 0) & (pg >= 0), off, -1)
             for b in range(sb0, sb1):
                 jj = (b - NWB) * BN + tl.arange(0, BN)
-                o = tl.load(own_row + jj, mask=jj < KSEL_P2, other=-1)
-                valid = o >= 0
+                o = tl.gather(off, tl.minimum(jj, KSEL_P2 - 1), 0)
+                valid = (o >= 0) & (jj < KSEL_P2)
                 kbase = plane_ptr + tl.maximum(o, 0) * 16
                 vm = valid[:, None]
                 if PLANE_FP4:

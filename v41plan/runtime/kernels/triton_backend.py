@@ -45,12 +45,13 @@ _INTERPRETED = interpreted(S.ring_write_kernel)
 tensors, and only CPU tensors)."""
 
 RESOLVE_SELECTED = False
-"""Whether an attention launch over a main plane first resolves each selected id to its row's
-offset in the plane (the kernel's ``RESOLVE``), so the selected-block loop loads keys behind one
-load instead of the ids-then-pages chain. Staged off, untimed: in the sm_90 build of the default
-form the selected loop waits on every copy in flight at each block (``DEPBAR.LE SB0, 0x0``), so
-the next block's keys never overlap a block's products (``scripts/check_dense_kernels_sm90.py
---only "sparse attention flash" --mma-layouts``)."""
+"""Whether attention launches over a main plane (bf16 or fp16 operands) resolve each selected id
+to its row's offset in the plane before the block loop (the kernel's ``RESOLVE``) and run three
+stages: a block's key copy then waits on no load of the loop, and both loops keep the next
+block's keys in flight through a block's products. Staged off, untimed. The sm_90 build of the
+64-row flash form (``scripts/check_dense_kernels_sm90.py --only "SPLITS=2" --mma-layouts``): no
+spills (the default: 128 bytes) and one copy group in flight at each loop's wait, where the
+default, at two stages or three, waits on every copy in its selected blocks' loop."""
 
 
 def resolves_selected(cfg: dict, plane: torch.Tensor | None) -> bool:
@@ -623,6 +624,8 @@ class TritonBackend(TorchBackend):
             "PREFETCH": 0,  # 1 and 2 lost in both sweeps (reports/gpu/bench_kernels_sweep*.json)
             "RESOLVE": RESOLVE_SELECTED,
         }
+        if RESOLVE_SELECTED and not f32:
+            cfg["num_stages"] = 3
         cfg.update(self.attention_override or {})
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
         dv = cfg.setdefault("DV", 0)
@@ -690,11 +693,6 @@ class TritonBackend(TorchBackend):
             part_o = torch.empty(tq, splits, h, d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(tq, splits, h, 2, dtype=torch.float32, device=q.device)
         resolve = resolves_selected(cfg, plane)
-        sel = part_o
-        if resolve:  # each program's selected rows as plane offsets (the kernel's RESOLVE)
-            sel = torch.empty(
-                grid[0] * grid[1] * grid[2], next_pow2(ksel), dtype=torch.int64, device=q.device
-            )
         out_bf16 = out.dtype == torch.bfloat16
         dst = _bits16(out)
         rows = _vec(rows)
@@ -728,7 +726,6 @@ class TritonBackend(TorchBackend):
             pgt.stride(0),
             part_o,
             part_ml,
-            sel,
             float(scale) * A.LOG2E,
             h,
             ring.shape[1],
