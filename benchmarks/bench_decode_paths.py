@@ -40,7 +40,10 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B;
 - ``compiled_resolve_selected``: ``compiled`` with the attention resolving each selected id to
   its plane offset before the block loop (``triton_backend.RESOLVE_SELECTED``, off by default):
-  its A/B.
+  its A/B;
+- ``compiled_balanced_splits``: ``compiled`` with the flash-decoding splits sharing each row's
+  own key blocks equally (``triton_backend.BALANCED_SPLITS``, off by default): its A/B;
+- ``compiled_resolve_balanced``: ``compiled`` with both attention flags above.
 
 Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
 compiled_decode_fp8_rows,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
@@ -114,6 +117,8 @@ VARIANTS = {
     "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_resolve_selected": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_balanced_splits": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_resolve_balanced": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -127,6 +132,11 @@ GEMM_FLAGS = {
     "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
     "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
     "compiled_resolve_selected": {"kernels.triton_backend.RESOLVE_SELECTED": True},
+    "compiled_balanced_splits": {"kernels.triton_backend.BALANCED_SPLITS": True},
+    "compiled_resolve_balanced": {
+        "kernels.triton_backend.RESOLVE_SELECTED": True,
+        "kernels.triton_backend.BALANCED_SPLITS": True,
+    },
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

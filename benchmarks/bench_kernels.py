@@ -923,6 +923,9 @@ def main(argv=None) -> int:
                     # stages (three: the next block's keys in flight through a block)
                     {"SPLITS": 2, "RESOLVE": True},
                     {"SPLITS": 2, "RESOLVE": True, "num_stages": 3},
+                    # every row's blocks shared between the splits (at 8K with full selections
+                    # the fixed shares already are: this row checks it costs nothing there)
+                    {"SPLITS": 2, "RESOLVE": True, "num_stages": 3, "BALANCE": True},
                 ],
                 ceil,
                 kb,

@@ -280,7 +280,8 @@ def _attention_variants(every: bool = False) -> list:
     the launcher picks, key splits 10 (one row) and 3 (64 rows) with their fp32 partials, 16
     warps at 64 heads and 8 at 32, two splits (the launcher's form at 64 rows) at two and three
     stages, and two splits with the selected ids resolved first (``RESOLVE``) at two and three
-    stages (``RESOLVE_SELECTED``'s form: three)."""
+    stages (``RESOLVE_SELECTED``'s form: three), and each with its splits balanced over the row's
+    own blocks (``BALANCED_SPLITS``)."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
@@ -293,8 +294,10 @@ def _attention_variants(every: bool = False) -> list:
         forms += [(hb, w, s, 32, 2) for hb, w in ((64, 8), (64, 16), (32, 8)) for s in (1, 10, 3)]
         forms += [(64, 8, 2, 32, 2), (64, 8, 2, 32, 3)]  # 64 rows (8K): the launcher's; 3 stages
         forms += [(64, 8, 2, 32, 2, True), (64, 8, 2, 32, 3, True)]  # RESOLVE_SELECTED's: 3
+        forms += [(64, 8, 2, 32, 2, False, True), (64, 8, 2, 32, 3, True, True)]  # BALANCED_SPLITS
     out = []
-    for hb, warps, splits, bn, stages, *resolve in forms:
+    for hb, warps, splits, bn, stages, *flags in forms:
+        resolve, balance = (list(flags) + [False, False])[:2]
         sig = {}
         for n in ta.sparse_attention_kernel.arg_names:
             if n in ptrs:
@@ -309,12 +312,13 @@ def _attention_variants(every: bool = False) -> list:
         cx.update({"RING_FP8": False, "PLANE_FP4": False, "HAS_PLANE": True, "SPLITS": splits})
         cx.update({"OUT_BF16": True, "DOT_BF16": True, "F32_DOT": "ieee", "PREFETCH": 0})
         cx["DV"] = 512
-        cx["RESOLVE"] = bool(resolve)
+        cx["RESOLVE"], cx["BALANCE"] = bool(resolve), bool(balance)
         sig.update(dict.fromkeys(cx, "constexpr"))
         name = f"sparse attention flash HB={hb} warps={warps} SPLITS={splits}"
         name += f" BN={bn}" if bn != 32 else ""
         name += f" stages={stages}" if stages != 2 else ""
         name += " resolve" if resolve else ""
+        name += " balance" if balance else ""
         opts = {"num_warps": warps, "num_stages": stages}
         out.append((name, ta.sparse_attention_kernel, sig, cx, opts))
     return out

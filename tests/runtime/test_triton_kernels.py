@@ -637,6 +637,31 @@ def test_resolved_selected_rows_give_the_launch_s_bits(tiny, kv_dtype, num_sms, 
     torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype,window_only", [("bf16", False), ("fp4", False), ("bf16", True)])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_balanced_splits_share_each_row_s_own_blocks(tiny, kv_dtype, window_only, splits):
+    """``BALANCE``: the splits share each row's own key blocks (its visible window's, then its
+    selected ids'), so rows with few blocks (a decode row at 21 with a window floor, prefill rows
+    near the start, a row whose ids are all padding) spread them, and splits past them stay
+    empty; every key counted once: the reference's output within float32 rounding, with and
+    without the resolved offsets."""
+    args, sel = _attention_case(tiny, kv_dtype, window_only, seed=29)
+    ref = torch.full_like(args[0], float("nan"))
+    REF.sparse_attention(*args, *sel, ref)
+    outs = []
+    for extra in ({}, {"BALANCE": True}, {"BALANCE": True, "RESOLVE": True}):
+        kb = TritonBackend(num_sms=64)
+        kb.attention_override = {"BN": 4, "SPLITS": splits} | extra
+        out = torch.full_like(args[0], float("nan"))
+        kb.sparse_attention(*args, *sel, out)
+        assert not kb.fallbacks
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        outs.append(out)
+    if kv_dtype == "bf16":  # RESOLVE needs 16-element strides (tiny's FP4 rows are 36 bytes)
+        assert torch.equal(outs[1], outs[2])
+    assert TritonBackend(num_sms=64).attention_config(9, 4, 64, 8, 12, "cpu")["BALANCE"] is False
+
+
 def test_resolve_selected_takes_three_stages_every_column_and_no_prefetch(monkeypatch):
     """``RESOLVE_SELECTED``: bf16 launches resolve and take three stages (the form whose loops
     keep a block's keys in flight), fp32 ones keep their one stage; ``RESOLVE`` with a column

@@ -171,6 +171,7 @@ def sparse_attention_kernel(
     PREFETCH: tl.constexpr,
     DV: tl.constexpr,
     RESOLVE: tl.constexpr = False,
+    BALANCE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Attention of query row ``i`` (see the module docstring). ``out [Tq, H, D]`` in the query's
@@ -185,7 +186,11 @@ def sparse_attention_kernel(
     the row's offset in the plane (its page through ``pages``; in 16-element units, both plane
     strides multiples of 16) and holds them in registers; a selected block's offsets are then a
     register gather, not two dependent loads, so the pipeliner can keep the next block's keys in
-    flight (at three stages). The same blocks, keys and order as without it: the same bits."""
+    flight (at three stages). The same blocks, keys and order as without it: the same bits.
+    ``BALANCE`` (with ``SPLITS > 1``): split ``sp`` takes an equal share of the row's own key
+    blocks (its visible window's, then its selected ids'), not a fixed share of every block the
+    shapes allow, so a short context's few blocks spread over the splits (the same keys; the
+    merge's float32 sums differ by rounding)."""
     pdl_enter(PDL)
     i = tl.program_id(0)
     NDV: tl.constexpr = D // DV
@@ -212,9 +217,23 @@ def sparse_attention_kernel(
 
     NWB: tl.constexpr = (W + BN - 1) // BN
     NSB: tl.constexpr = (KSEL + BN - 1) // BN
-    PER: tl.constexpr = (NWB + NSB + SPLITS - 1) // SPLITS
-    b_lo = sp * PER
-    b_hi = b_lo + PER
+    # window blocks from the first holding a visible position (none without a slot)
+    first = pos - (W - 1)
+    w_from = tl.where(slot >= 0, tl.maximum(lo - first, 0) // BN, NWB)
+    if BALANCE:
+        # the row's own blocks (its visible window's, then its selected ids') in equal shares
+        b_end = NWB
+        if HAS_PLANE:
+            jn = tl.arange(0, KSEL_P2)
+            cn = tl.load(ids_ptr + i * s_ids_row + jn, mask=jn < KSEL, other=-1)
+            b_end = NWB + (tl.max(tl.where(cn >= 0, jn + 1, 0), axis=0) + BN - 1) // BN
+        per = (b_end - w_from + SPLITS - 1) // SPLITS
+        b_lo = w_from + sp * per
+        b_hi = b_lo + per
+    else:
+        PER: tl.constexpr = (NWB + NSB + SPLITS - 1) // SPLITS
+        b_lo = sp * PER
+        b_hi = b_lo + PER
 
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
     if sp == 0:
@@ -225,9 +244,6 @@ def sparse_attention_kernel(
         l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, VW), dtype=tl.float32)
 
-    # window blocks from the first holding a visible position (none without a slot)
-    first = pos - (W - 1)
-    w_from = tl.where(slot >= 0, tl.maximum(lo - first, 0) // BN, NWB)
     for b in range(tl.maximum(b_lo, w_from), tl.minimum(b_hi, NWB)):
         j = b * BN + tl.arange(0, BN)
         kp = first + j

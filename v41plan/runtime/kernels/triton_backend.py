@@ -54,6 +54,15 @@ spills (the default: 128 bytes) and one copy group in flight at each loop's wait
 default, at two stages or three, waits on every copy in its selected blocks' loop."""
 
 
+BALANCED_SPLITS = False
+"""Whether an attention launch whose keys split (flash decoding) gives each split an equal
+share of the row's own key blocks (the kernel's ``BALANCE``), not a fixed share of every block
+the shapes allow: at 256 tokens of context a 64-row flash_slice decode step's rows hold 4
+window blocks and 1-2 selected ones, all in the first of its two splits, the second writing an
+empty partial. Staged off, untimed (``bench_decode_paths.py`` variant
+``compiled_balanced_splits``)."""
+
+
 def resolves_selected(cfg: dict, plane: torch.Tensor | None) -> bool:
     """Whether an attention launch of ``cfg`` resolves its selected ids first (``RESOLVE``):
     asked for, over a main plane whose page and row strides are multiples of 16 elements (the
@@ -564,7 +573,7 @@ class TritonBackend(TorchBackend):
     attention_override: dict | None = None
     """Launch settings that replace the computed ones (``BN``, ``HB``, ``SPLITS``, ``num_warps``,
     ``num_stages``, ``PREFETCH``, ``DV``: output columns a program accumulates, 0 all of them;
-    ``RESOLVE``): the benchmark's sweep."""
+    ``RESOLVE``, ``BALANCE``): the benchmark's sweep."""
     f32_dot = "ieee"
     """fp32 attention's dot precision on the GPU: ``ieee`` (fp32 FMAs, the validation mode's
     arithmetic) or ``tf32x3`` (three tensor-core passes, about fp32 accuracy, faster)."""
@@ -623,6 +632,7 @@ class TritonBackend(TorchBackend):
             "DOT_BF16": dot_bf16,
             "PREFETCH": 0,  # 1 and 2 lost in both sweeps (reports/gpu/bench_kernels_sweep*.json)
             "RESOLVE": RESOLVE_SELECTED,
+            "BALANCE": BALANCED_SPLITS,
         }
         if RESOLVE_SELECTED and not f32:
             cfg["num_stages"] = 3
@@ -748,6 +758,7 @@ class TritonBackend(TorchBackend):
             PREFETCH=cfg["PREFETCH"],
             DV=cfg["DV"] or d,
             RESOLVE=resolve,
+            BALANCE=bool(cfg["BALANCE"]) and splits > 1,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl_launch(q.device, tq),
