@@ -45,13 +45,14 @@ _INTERPRETED = interpreted(S.ring_write_kernel)
 tensors, and only CPU tensors)."""
 
 RESOLVE_SELECTED = False
-"""Whether attention launches over a main plane (bf16 or fp16 operands) resolve each selected id
-to its row's offset in the plane before the block loop (the kernel's ``RESOLVE``) and run three
-stages: a block's key copy then waits on no load of the loop, and both loops keep the next
-block's keys in flight through a block's products. Staged off, untimed. The sm_90 build of the
-64-row flash form (``scripts/check_dense_kernels_sm90.py --only "SPLITS=2" --mma-layouts``): no
-spills (the default: 128 bytes) and one copy group in flight at each loop's wait, where the
-default, at two stages or three, waits on every copy in its selected blocks' loop."""
+"""Whether attention launches over a main plane resolve each selected id to its row's offset
+in the plane before the block loop (the kernel's ``RESOLVE``), those with bf16 operands at three
+stages (fp32 ones keep one): a block's key copy then waits on no load of the loop, and both
+loops keep the next block's keys in flight through a block's products. Staged off, untimed.
+The sm_90 build of the 64-row flash form (``scripts/check_dense_kernels_sm90.py --only
+"SPLITS=2" --mma-layouts``): no spills (the default: 128 bytes) and one copy group in flight at
+each loop's wait, where the default, at two stages or three, waits on every copy in its
+selected blocks' loop."""
 
 
 BALANCED_SPLITS = False
