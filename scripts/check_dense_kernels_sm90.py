@@ -281,7 +281,7 @@ def _attention_variants(every: bool = False) -> list:
     warps at 64 heads and 8 at 32, two splits (the launcher's form at 64 rows) at two and three
     stages, and two splits with the selected ids resolved first (``RESOLVE``) at two and three
     stages (``RESOLVE_SELECTED``'s form: three), and each with its splits balanced over the row's
-    own blocks (``BALANCED_SPLITS``)."""
+    own blocks (``BALANCED_SPLITS``); and ``RESOLVE_SELECTED``'s one-split form (prefill)."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
@@ -295,6 +295,7 @@ def _attention_variants(every: bool = False) -> list:
         forms += [(64, 8, 2, 32, 2), (64, 8, 2, 32, 3)]  # 64 rows (8K): the launcher's; 3 stages
         forms += [(64, 8, 2, 32, 2, True), (64, 8, 2, 32, 3, True)]  # RESOLVE_SELECTED's: 3
         forms += [(64, 8, 2, 32, 2, False, True), (64, 8, 2, 32, 3, True, True)]  # BALANCED_SPLITS
+        forms.append((64, 8, 1, 32, 3, True))  # RESOLVE_SELECTED's one-split form (prefill)
     out = []
     for hb, warps, splits, bn, stages, *flags in forms:
         resolve, balance = (list(flags) + [False, False])[:2]
