@@ -220,13 +220,15 @@ def sparse_attention_kernel(
     # window blocks from the first holding a visible position (none without a slot)
     first = pos - (W - 1)
     w_from = tl.where(slot >= 0, tl.maximum(lo - first, 0) // BN, NWB)
+    if HAS_PLANE and BALANCE:  # the ids before the window loop: their count sets the shares
+        jall = tl.arange(0, KSEL_P2)
+        call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
+        n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
     if BALANCE:
         # the row's own blocks (its visible window's, then its selected ids') in equal shares
         b_end = NWB
         if HAS_PLANE:
-            jn = tl.arange(0, KSEL_P2)
-            cn = tl.load(ids_ptr + i * s_ids_row + jn, mask=jn < KSEL, other=-1)
-            b_end = NWB + (tl.max(tl.where(cn >= 0, jn + 1, 0), axis=0) + BN - 1) // BN
+            b_end = NWB + (n_sel + BN - 1) // BN
         per = (b_end - w_from + SPLITS - 1) // SPLITS
         b_lo = w_from + sp * per
         b_hi = b_lo + per
@@ -302,9 +304,10 @@ def sparse_attention_kernel(
 
     if HAS_PLANE:
         # selected blocks up to the one holding the last id (-1 padding costs nothing)
-        jall = tl.arange(0, KSEL_P2)
-        call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
-        n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
+        if not BALANCE:
+            jall = tl.arange(0, KSEL_P2)
+            call = tl.load(ids_ptr + i * s_ids_row + jall, mask=jall < KSEL, other=-1)
+            n_sel = tl.max(tl.where(call >= 0, jall + 1, 0), axis=0)
         s_hi = NWB + (n_sel + BN - 1) // BN
         sb0 = tl.maximum(b_lo, NWB)
         sb1 = tl.minimum(b_hi, s_hi)
