@@ -1,6 +1,6 @@
 """TritonBackend kernels on the GPU: each op against its floor and an in-image peer, one run.
 
-    python benchmarks/bench_kernels.py [--out FILE] [--budget-s 170] [--only SUBSTRING]
+    python benchmarks/bench_kernels.py [--out FILE] [--budget-s 170] [--only "SUBSTRING|..."]
 
 Both ceilings (copy bandwidth, bf16 matmul rate: ``ceilings.py``) are measured first in this
 process. A row's floor is ``max(bytes / copy bandwidth, FLOPs / bf16 rate)`` with the bytes the
@@ -822,7 +822,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_kernels.json)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip rows past this time")
-    ap.add_argument("--only", default=None, help="run the rows whose name contains this")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="run the rows whose name contains this (alternatives split by '|')",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (interpreter)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -1030,7 +1034,7 @@ def main(argv=None) -> int:
     ]
     rows, skipped = [], []
     for name, fn in plan:
-        if args.only and args.only not in name:
+        if args.only and not any(o in name for o in args.only.split("|")):
             continue
         if time.perf_counter() - t0 > args.budget_s:
             skipped.append(name)

@@ -325,6 +325,37 @@ def _attention_variants(every: bool = False) -> list:
     return out
 
 
+def _scorer_variants() -> list:
+    """The index scorer's decode form (one row a program, 32-key tiles, 4 warps as launched) on
+    the fp8 plane at V4.1-Flash widths (32 heads x 128) and medium's (16 x 128), bf16 dot
+    operands (the exact E4M3 decode), and on the fp4 plane at flash widths."""
+    from v41plan.runtime.kernels import triton_scorer as sc
+
+    out = []
+    for name, hp, fp4 in (
+        ("flash fp8", 32, False),
+        ("medium fp8", 16, False),
+        ("flash fp4", 32, True),
+    ):
+        sig = {}
+        for n in sc.score_kernel.arg_names:
+            if n.endswith("_ptr"):
+                sig[n] = "*fp32" if n in ("q_ptr", "w_ptr", "out_ptr") else "*i64"
+            elif n.startswith("s_") or n in ("T", "H", "P"):
+                sig[n] = "i32"
+        sig["key_ptr"] = "*u8"
+        sig["ksc_ptr"] = "*u8"
+        sig["q_ptr"] = sig["w_ptr"] = "*bf16"
+        sig["cand_ptr"] = "*u8"
+        sig["bound_ptr"] = "*i64"
+        cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": 32, "CHUNK": 1024, "FP4": fp4}
+        cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
+        cx.update({"DOT_BF16": True, "PREFETCH": 0, "PDL": False})
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        out.append((f"scorer decode {name} H={hp}", sc.score_kernel, sig, cx, 4))
+    return out
+
+
 def _router_variants() -> list:
     """The router: one kernel (medium's gate) and the GEMV split over ``D`` with its select
     (V4.1-Flash widths: 32 x 5120)."""
@@ -447,7 +478,7 @@ def _loop_histogram(cubin: bytes, cuobjdump: str) -> str:
         return "loop none"
     ops = Counter(t.split()[0].split(".")[0] for t in body)
     moves = sum(1 for t in body if "MOV" in t.split()[0])
-    top = " ".join(f"{op}:{n}" for op, n in ops.most_common(8))
+    top = " ".join(f"{op}:{n}" for op, n in ops.most_common(int(os.environ.get("LOOP_TOP", "8"))))
     return f"loop {len(body)} instructions, {moves} moves; {top}"
 
 
@@ -506,7 +537,7 @@ def main(argv=None) -> int:
     cuobjdump, ptxas = str(bin_dir / "cuobjdump"), str(bin_dir / "ptxas")
     variants = _variants(td, args.hidden, args.quick)
     if not args.quick:
-        variants += _attention_variants(every=True)
+        variants += _attention_variants(every=True) + _scorer_variants()
     # the GEMM, router and attention forms come once per split-site form: build each once
     names = set()
     variants = [v for v in variants if not (v[0] in names or names.add(v[0]))]

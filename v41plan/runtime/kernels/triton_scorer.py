@@ -26,7 +26,6 @@ from v41plan.runtime.kernels.triton_common import (
     bf16_round,
     div_rn,
     e2m1_value,
-    e4m3_value,
     e8m0_value,
     pdl_enter,
     pow2,
@@ -60,6 +59,17 @@ def _round_query(q, w, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, QUAN
 
 
 @triton.jit
+def _word_bytes(words, D: tl.constexpr):
+    """The bytes ``[BN, D]`` (uint8, in memory order) of little-endian words ``[BN, D / 4]``."""
+    b0 = (words & 0xFF).to(tl.uint8)
+    b1 = ((words >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((words >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((words >> 24) & 0xFF).to(tl.uint8)
+    quad = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., i, j] = byte 2 i + j
+    return tl.reshape(quad, (words.shape[0], D))
+
+
+@triton.jit
 def _key_raw(
     key_ptr,
     s_key_page,
@@ -88,8 +98,12 @@ def _key_raw(
         a = packed.to(tl.int32)
         b = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
     else:
-        d = tl.arange(0, D)
-        a = tl.load(kbase[:, None] + d[None, :], mask=kvalid[:, None], other=0)
+        # four codes a word: a row's stride (D + 4 bytes) is no multiple of 16, so byte loads
+        # would be one instruction (and one address) a byte
+        w = tl.arange(0, D // 4)
+        wbase = kbase.to(tl.pointer_type(tl.int32))
+        words = tl.load(wbase[:, None] + w[None, :], mask=kvalid[:, None], other=0)
+        a = _word_bytes(words, D)
         kptr = (kbase + D).to(tl.pointer_type(tl.float32))
         b = tl.load(kptr, mask=kvalid, other=0.0)
     return a, b
@@ -159,7 +173,9 @@ def _score_tile(
         q, qw = _round_query(
             tl.reshape(q, (M, D)), tl.reshape(w.to(tl.float32), (M,)), M, D, FP4, QUANT
         )
-        if DOT_BF16:
+        if DOT_BF16 and QUANT and not FP4:
+            qd = q.to(tl.float16)
+        elif DOT_BF16:
             qd = q.to(tl.bfloat16)
         else:
             qd = q
@@ -202,12 +218,14 @@ def _score_tile(
             if FP4:
                 k = tl.interleave(e2m1_value(ra & 15), e2m1_value(ra >> 4)) * e8m0_value(rb)
             else:
-                # decoded in fp32 (exact), then to the dot's type (exact again): the hardware
-                # fp8e4nv -> bf16 cast disagreed with the decode on the H200
-                k = e4m3_value(ra)
+                k = ra.to(tl.float8e4nv, bitcast=True).to(tl.float16)
                 ks = rb
-            if DOT_BF16:
-                logits = tl.dot(qd, tl.trans(k.to(tl.bfloat16)))
+            if DOT_BF16 and QUANT and not FP4:
+                logits = tl.dot(qd, tl.trans(k))
+            elif DOT_BF16:
+                logits = tl.dot(qd, tl.trans(k.to(tl.float32).to(tl.bfloat16)))
+            elif not FP4:
+                logits = tl.dot(qd, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 logits = tl.dot(qd, tl.trans(k), input_precision="ieee")
             if FP4:
