@@ -328,15 +328,14 @@ def _attention_variants(every: bool = False) -> list:
 def _scorer_variants() -> list:
     """The index scorer's decode form (one row a program, 32-key tiles, 4 warps as launched) on
     the fp8 plane at V4.1-Flash widths (32 heads x 128) and medium's (16 x 128), bf16 dot
-    operands (the exact E4M3 decode), and on the fp4 plane at flash widths."""
+    operands (the hardware's exact E4M3 -> fp16), with the prefetch (``score_prefetch``) and
+    without, and on the fp4 plane at flash widths."""
     from v41plan.runtime.kernels import triton_scorer as sc
 
     out = []
-    for name, hp, fp4 in (
-        ("flash fp8", 32, False),
-        ("medium fp8", 16, False),
-        ("flash fp4", 32, True),
-    ):
+    forms = [("flash fp8", 32, False, 0), ("medium fp8", 16, False, 0), ("flash fp4", 32, True, 0)]
+    forms.append(("flash fp8 prefetch", 32, False, 1))  # score_prefetch's form
+    for name, hp, fp4, prefetch in forms:
         sig = {}
         for n in sc.score_kernel.arg_names:
             if n.endswith("_ptr"):
@@ -350,9 +349,18 @@ def _scorer_variants() -> list:
         sig["bound_ptr"] = "*i64"
         cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": 32, "CHUNK": 1024, "FP4": fp4}
         cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
-        cx.update({"DOT_BF16": True, "PREFETCH": 0, "PDL": False})
+        cx.update({"DOT_BF16": True, "PREFETCH": prefetch, "PDL": False})
         sig.update(dict.fromkeys(cx, "constexpr"))
-        out.append((f"scorer decode {name} H={hp}", sc.score_kernel, sig, cx, 4))
+        out.append(
+            (
+                f"scorer decode {name.replace(' prefetch', '')} H={hp}"
+                + (" prefetch" if prefetch else ""),
+                sc.score_kernel,
+                sig,
+                cx,
+                4,
+            )
+        )
     return out
 
 

@@ -70,6 +70,18 @@ def _word_bytes(words, D: tl.constexpr):
 
 
 @triton.jit
+def _tile_pages(pg_row, j, end, RPP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
+    """Pages of keys ``[j, j + BN)`` (-1 past ``end``): one scalar where every tile lies in one
+    page (``BN`` divides the page's rows and the chunk), so a key's address is the tile's base
+    and a loop-invariant offset; else one a key."""
+    if RPP % BN == 0 and CHUNK % BN == 0:
+        return tl.load(pg_row + j // RPP, mask=j < end, other=-1)
+    else:
+        n = j + tl.arange(0, BN)
+        return tl.load(pg_row + n // RPP, mask=n < end, other=-1)
+
+
+@triton.jit
 def _key_raw(
     key_ptr,
     s_key_page,
@@ -185,13 +197,13 @@ def _score_tile(
             # pages two tiles ahead, keys one: every load takes addresses loaded in an earlier
             # iteration, so a tile's keys arrive while the tile before it multiplies
             n_a = start + tl.arange(0, BN)
-            pg_a = tl.load(pg_row + n_a // RPP, mask=n_a < end, other=-1)
+            pg_a = _tile_pages(pg_row, start, end, RPP, BN, CHUNK)
             ra_a, rb_a = _key_raw(
                 key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row,
                 pg_a, n_a, end, RPP, D, FP4,
             )  # fmt: skip
             n_b = n_a + BN
-            pg_b = tl.load(pg_row + n_b // RPP, mask=n_b < end, other=-1)
+            pg_b = _tile_pages(pg_row, start + BN, end, RPP, BN, CHUNK)
         for j0 in range(start, end, BN):
             if PREFETCH:
                 n = n_a
@@ -205,10 +217,10 @@ def _score_tile(
                     pg_a, n_a, end, RPP, D, FP4,
                 )  # fmt: skip
                 n_b = n_b + BN
-                pg_b = tl.load(pg_row + n_b // RPP, mask=n_b < end, other=-1)
+                pg_b = _tile_pages(pg_row, j0 + 2 * BN, end, RPP, BN, CHUNK)
             else:
                 n = j0 + tl.arange(0, BN)
-                page = tl.load(pg_row + n // RPP, mask=n < end, other=-1)
+                page = _tile_pages(pg_row, j0, end, RPP, BN, CHUNK)
                 ra, rb = _key_raw(
                     key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row,
                     page, n, end, RPP, D, FP4,
