@@ -38,12 +38,12 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   (``triton_moe.FOLDED_SCALES`` off): its A/B;
 - ``compiled_decode_fp8_rows``: ``compiled`` with the W8A8 linears at 17-64 rows in the fp8
   mode, not the bf16 mode's 64-row tiles (``triton_gemm.DECODE_BF16_ROWS`` off): its A/B;
-- ``compiled_resolve_selected``: ``compiled`` with the attention resolving each selected id to
-  its plane offset before the block loop (``triton_backend.RESOLVE_SELECTED``, off by default):
-  its A/B;
-- ``compiled_balanced_splits``: ``compiled`` with the flash-decoding splits sharing each row's
-  own key blocks equally (``triton_backend.BALANCED_SPLITS``, off by default): its A/B;
-- ``compiled_resolve_balanced``: ``compiled`` with both attention flags above.
+- ``compiled_unresolved``: ``compiled`` with the attention reading each selected id's page in
+  the block loop, not resolved to plane offsets first (``triton_backend.RESOLVE_SELECTED``
+  off): its A/B;
+- ``compiled_fixed_splits``: ``compiled`` with the flash-decoding splits taking fixed shares of
+  every block the shapes allow (``triton_backend.BALANCED_SPLITS`` off): its A/B;
+- ``compiled_unresolved_fixed``: ``compiled`` with both attention flags above off.
 
 Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
 compiled_decode_fp8_rows,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
@@ -116,9 +116,9 @@ VARIANTS = {
     "compiled_no_site_codes": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unfolded_scales": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_decode_fp8_rows": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_resolve_selected": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_balanced_splits": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_resolve_balanced": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_unresolved": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_fixed_splits": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_unresolved_fixed": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -131,11 +131,11 @@ GEMM_FLAGS = {
     "compiled_no_site_codes": {"paged_model.SITE_CODES": False},
     "compiled_unfolded_scales": {"kernels.triton_moe.FOLDED_SCALES": False},
     "compiled_decode_fp8_rows": {"kernels.triton_gemm.DECODE_BF16_ROWS": False},
-    "compiled_resolve_selected": {"kernels.triton_backend.RESOLVE_SELECTED": True},
-    "compiled_balanced_splits": {"kernels.triton_backend.BALANCED_SPLITS": True},
-    "compiled_resolve_balanced": {
-        "kernels.triton_backend.RESOLVE_SELECTED": True,
-        "kernels.triton_backend.BALANCED_SPLITS": True,
+    "compiled_unresolved": {"kernels.triton_backend.RESOLVE_SELECTED": False},
+    "compiled_fixed_splits": {"kernels.triton_backend.BALANCED_SPLITS": False},
+    "compiled_unresolved_fixed": {
+        "kernels.triton_backend.RESOLVE_SELECTED": False,
+        "kernels.triton_backend.BALANCED_SPLITS": False,
     },
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their

@@ -404,9 +404,9 @@ def _scores_row(kb, args, want, shape, nbytes, flops, ceil) -> dict:
 
 
 def scorer_sweep(width, ix, context, ceil, kb, ref):
-    """Decode scoring alone (``scores``: the fp32 score rows) and with its top-k, without and
-    with the scorer's prefetch (``score_prefetch``): where the time goes, and what the
-    pipeline buys."""
+    """Decode scoring alone (``scores``: the fp32 score rows) in the scorer's forms (the
+    backend's ``score_*`` settings: the chunk's pages loaded first, the prefetch, 64-key tiles,
+    other chunks), and the default with its top-k in both select forms: where the time goes."""
     _, hi = WIDTHS[width]
     rows = SIZES["decode_rows"]
     pools = Pools(rows, context // PAGE, "bf16" if ix == "fp8" else "fp4", ix)
@@ -419,35 +419,41 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     key_bytes = rows * n_comp * pools.index_row_bytes()
     flops = 2 * hi * INDEX_D * rows * n_comp
     want = ref.scores(planes, q, w, bound, pages)
+    shape = f"{width} index {hi}x{INDEX_D} {ix} decode T={rows} ctx={context}"
+    args = (planes, q, w, bound, pages)
     out = []
-    shipped = kb.score_prefetch, kb.select_programs
-    for prefetch, programs in ((0, 1), (1, 1), (0, 0), (1, 0)):
-        kb.score_prefetch, kb.select_programs = prefetch, programs
+    forms = [
+        {},  # the default, in the same run
+        {"score_chunk_pages": False},
+        {"score_prefetch": 1},
+        {"score_block": 64},
+        {"score_block": 64, "score_prefetch": 1},
+        {"score_chunk": 1024},
+        {"score_chunk": 256},
+    ]
+    forms += [{"select_programs": 1, "topk": True}, {"select_programs": 0, "topk": True}]
+    for form in forms:
+        attrs = {k: v for k, v in form.items() if k != "topk"}
+        shipped = {k: getattr(kb, k) for k in attrs}
         try:
-            shape = f"{width} index {hi}x{INDEX_D} {ix} decode T={rows} ctx={context}"
-            if programs == 1:  # the scores alone (the segment select does not change them)
-                args = (planes, q, w, bound, pages)
+            for k, v in attrs.items():
+                setattr(kb, k, v)
+            if form.get("topk"):
+                ms = _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None))
+                name = f"{shape} top-{K} sweep {attrs}"
+                out.append(_row("score_topk", name, ms, key_bytes + rows * K * 8, flops, ceil))
+            else:
                 nbytes = key_bytes + rows * n_comp * 4
                 out.append(
-                    _scores_row(
-                        kb, args, want, f"{shape} sweep prefetch={prefetch}", nbytes, flops, ceil
-                    )
+                    _scores_row(kb, args, want, f"{shape} sweep {attrs}", nbytes, flops, ceil)
                 )
-            out.append(
-                _row(
-                    "score_topk",
-                    f"{shape} top-{K} sweep prefetch={prefetch}"
-                    + ("" if programs == 1 else " select_programs=0"),
-                    _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
-                    key_bytes + rows * K * 8,
-                    flops,
-                    ceil,
-                )
-            )
         except Exception as e:  # noqa: BLE001 - reported in the row, the others still run
-            out.append({"kernel": "scores", "shape": f"prefetch={prefetch}", "error": str(e)[:300]})
+            out.append(
+                {"kernel": "scores", "shape": f"{shape} sweep {form}", "error": str(e)[:300]}
+            )
         finally:
-            kb.score_prefetch, kb.select_programs = shipped
+            for k, v in shipped.items():
+                setattr(kb, k, v)
     del pools
     return out
 
@@ -903,33 +909,15 @@ def main(argv=None) -> int:
                 "flash",
                 [
                     {},  # the default, in the same run
-                    {"HB": 64, "SPLITS": 1},
-                    {"HB": 64, "SPLITS": 2, "BN": 16},
+                    # the forms before the selected ids were resolved first (RESOLVE) and the
+                    # splits shared each row's own blocks (BALANCE): 0.0651 ms on an H100
+                    {"RESOLVE": False, "BALANCE": False, "num_stages": 2},
+                    {"num_stages": 2},  # resolved, two stages
+                    {"BALANCE": False},
+                    {"SPLITS": 1},
+                    {"SPLITS": 3},
                     {"HB": 32, "SPLITS": 1, "num_warps": 8},
-                    {"PREFETCH": 1},
-                    {"PREFETCH": 2},
-                    {"HB": 32, "SPLITS": 2, "num_warps": 8},
-                    {"HB": 32, "SPLITS": 2, "BN": 16, "num_warps": 4},
-                    {"HB": 16, "SPLITS": 2, "num_warps": 4},
-                    {"HB": 32, "SPLITS": 1, "num_warps": 8, "num_stages": 3},
-                    {"HB": 64, "SPLITS": 3, "BN": 16},
-                    {"HB": 64, "SPLITS": 4, "BN": 16},
-                    {"DV": 256},
-                    {"DV": 128},
-                    {"DV": 256, "num_warps": 4},
-                    {"DV": 256, "HB": 32, "SPLITS": 2},
-                    # four warpgroups (64 accumulator registers a thread, but 128 at most);
-                    # one wave of 128 programs, also in 64-key blocks
                     {"num_warps": 16},
-                    {"SPLITS": 2},
-                    # the selected ids resolved to plane offsets before the block loop (one
-                    # load ahead of a block's keys, not two dependent ones), at two and three
-                    # stages (three: the next block's keys in flight through a block)
-                    {"SPLITS": 2, "RESOLVE": True},
-                    {"SPLITS": 2, "RESOLVE": True, "num_stages": 3},
-                    # every row's blocks shared between the splits (at 8K with full selections
-                    # the fixed shares already are: this row checks it costs nothing there)
-                    {"SPLITS": 2, "RESOLVE": True, "num_stages": 3, "BALANCE": True},
                 ],
                 ceil,
                 kb,
@@ -1000,8 +988,10 @@ def main(argv=None) -> int:
             lambda: attention_sweep(
                 "flash",
                 [
-                    *({}, {"PREFETCH": 1}, {"PREFETCH": 2}, {"HB": 32}, {"BN": 16}, {"DV": 256}),
-                    {"RESOLVE": True, "num_stages": 3},  # RESOLVE_SELECTED's form
+                    {},  # the default (RESOLVE_SELECTED's form), in the same run
+                    {"RESOLVE": False, "num_stages": 2},  # before it: 5.52 ms on an H100
+                    {"num_stages": 2},
+                    {"HB": 32},
                 ],
                 ceil,
                 kb,

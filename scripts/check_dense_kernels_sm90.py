@@ -270,7 +270,7 @@ def _gemm_variants(hidden: int) -> list:
         sig.update(dict.fromkeys(cx, "constexpr"))
         name = f"moe align_rows{' one-hot' if one_hot else ''}"
         out.append((name, tm._align_rows_kernel, dict(sig), cx, 8 if one_hot else 4))
-    return out + _router_variants() + _attention_variants()
+    return out + _router_variants() + _attention_variants() + _scorer_variants()
 
 
 def _attention_variants(every: bool = False) -> list:
@@ -325,16 +325,17 @@ def _attention_variants(every: bool = False) -> list:
     return out
 
 
-def _scorer_variants() -> list:
+def _scorer_variants(every: bool = False) -> list:
     """The index scorer's decode form (one row a program, 32-key tiles, 4 warps as launched) on
-    the fp8 plane at V4.1-Flash widths (32 heads x 128) and medium's (16 x 128), bf16 dot
-    operands (the hardware's exact E4M3 -> fp16), with the prefetch (``score_prefetch``) and
-    without, and on the fp4 plane at flash widths."""
+    the fp8 plane at V4.1-Flash widths (32 heads x 128), fp16 dot operands (the hardware's exact
+    E4M3 -> fp16); ``every``: also medium's widths (16 x 128), the prefetch
+    (``score_prefetch``) and the fp4 plane at flash widths."""
     from v41plan.runtime.kernels import triton_scorer as sc
 
     out = []
     forms = [("flash fp8", 32, False, 0), ("medium fp8", 16, False, 0), ("flash fp4", 32, True, 0)]
     forms.append(("flash fp8 prefetch", 32, False, 1))  # score_prefetch's form
+    forms = forms if every else forms[:1]
     for name, hp, fp4, prefetch in forms:
         sig = {}
         for n in sc.score_kernel.arg_names:
@@ -350,6 +351,7 @@ def _scorer_variants() -> list:
         cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": 32, "CHUNK": 1024, "FP4": fp4}
         cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
         cx.update({"DOT_BF16": True, "PREFETCH": prefetch, "PDL": False})
+        cx["CHUNK_PAGES"] = 0 if prefetch else 1024 // 64  # the launcher's (score_chunk_pages)
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append(
             (
@@ -545,7 +547,7 @@ def main(argv=None) -> int:
     cuobjdump, ptxas = str(bin_dir / "cuobjdump"), str(bin_dir / "ptxas")
     variants = _variants(td, args.hidden, args.quick)
     if not args.quick:
-        variants += _attention_variants(every=True) + _scorer_variants()
+        variants += _attention_variants(every=True) + _scorer_variants(every=True)
     # the GEMM, router and attention forms come once per split-site form: build each once
     names = set()
     variants = [v for v in variants if not (v[0] in names or names.add(v[0]))]

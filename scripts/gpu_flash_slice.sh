@@ -29,11 +29,11 @@
 #   STEPS="mm ckpt prefill" PREFILL_FLAG=kernels.triton_gemm.MM_ROWS=None ...  # the mm mode:
 #       its GPU tests and bench rows ($OUT/bench_gemm_moe_mm.json), the 8K prefill's A/B
 #   STEPS="ckpt decode" DECODE_BATCHES=64
-#   DECODE_VARIANTS=compiled,compiled_resolve_selected,compiled_balanced_splits,compiled_resolve_balanced,compiled
+#   DECODE_VARIANTS=compiled,compiled_unresolved,compiled_fixed_splits,compiled_unresolved_fixed,compiled
 #       # A/B/../A (a later variant of a process has run faster whichever it was; rows:
-#       # run_index): here the attention's selected ids resolved to plane offsets first
-#       # (triton_backend.RESOLVE_SELECTED) and its splits balanced over each row's own
-#       # blocks (triton_backend.BALANCED_SPLITS), alone and together
+#       # run_index): here the attention without its selected ids resolved to plane offsets
+#       # first (triton_backend.RESOLVE_SELECTED) and without its splits balanced over each
+#       # row's own blocks (triton_backend.BALANCED_SPLITS), alone and together
 # Reports: $OUT/bench_decode_flash_slice.json, bench_prefill_flash_slice.json,
 # bench_gemm_moe_flash_slice.json (each with resident_bytes and checkpoint_bytes).
 set -u -o pipefail

@@ -567,9 +567,9 @@ def test_attention_splits_leave_no_split_without_keys(tiny):
     """Key splits are as many as keep the programs one wave and as ``cdiv(blocks, splits)``
     blocks a split fills: V4.1-Flash's decode of 4 rows (20 blocks of 32 keys) takes 10 splits
     of two, not 16 with 6 empty; one or two bf16 rows (``few_rows``) take 16-head blocks and a
-    split a key block (packed or float32 keys keep the rule). An
-    empty split's partial adds exact zeros to the merge: 4 splits of 5 blocks (one empty) and
-    3 give the same bits."""
+    split a key block (packed or float32 keys keep the rule). In the fixed shares (without
+    ``BALANCE``) an empty split's partial adds exact zeros to the merge: 4 splits of 5 blocks
+    (one empty) and 3 give the same bits."""
     kb = TritonBackend(num_sms=132)
     cfg = kb.attention_config(4, 64, 512, 128, 512, torch.device("cpu"), torch.bfloat16)
     assert (cfg["BN"], cfg["HB"], cfg["SPLITS"]) == (32, 64, 10)
@@ -590,7 +590,8 @@ def test_attention_splits_leave_no_split_without_keys(tiny):
     outs = []
     for splits in (4, 3):
         kb = TritonBackend(num_sms=64)
-        kb.attention_override = {"BN": 4, "SPLITS": splits}  # 2 window + 3 selected blocks
+        # 2 window + 3 selected blocks, in the fixed shares (BALANCE spreads each row's own)
+        kb.attention_override = {"BN": 4, "SPLITS": splits, "BALANCE": False}
         out = torch.full_like(args[0], float("nan"))
         kb.sparse_attention(*args, *sel, out)
         outs.append(out)
@@ -659,25 +660,31 @@ def test_balanced_splits_share_each_row_s_own_blocks(tiny, kv_dtype, window_only
         outs.append(out)
     if kv_dtype == "bf16":  # RESOLVE needs 16-element strides (tiny's FP4 rows are 36 bytes)
         assert torch.equal(outs[1], outs[2])
-    assert TritonBackend(num_sms=64).attention_config(9, 4, 64, 8, 12, "cpu")["BALANCE"] is False
+    assert TritonBackend(num_sms=64).attention_config(9, 4, 64, 8, 12, "cpu")["BALANCE"] is True
 
 
 def test_resolve_selected_takes_three_stages_every_column_and_no_prefetch(monkeypatch):
-    """``RESOLVE_SELECTED``: bf16 launches resolve and take three stages (the form whose loops
-    keep a block's keys in flight), fp32 ones keep their one stage; ``RESOLVE`` with a column
-    share or the manual prefetch is refused."""
+    """``RESOLVE_SELECTED`` (the default): bf16 launches resolve and take three stages (the form
+    whose loops keep a block's keys in flight) where the shared memory holds them, two where it
+    does not (an sm_80 part at flash widths), fp32 ones keep their one stage; ``RESOLVE`` with a
+    column share or the manual prefetch is refused."""
     import v41plan.runtime.kernels.triton_backend as tb
 
     kb = TritonBackend(num_sms=132)
     shape = (64, 512, 128, 512, "cpu")
-    off = kb.attention_config(64, *shape, torch.bfloat16)
-    assert off["RESOLVE"] is False and off["num_stages"] == 2  # staged off
-    monkeypatch.setattr(tb, "RESOLVE_SELECTED", True)
     on = kb.attention_config(64, *shape, torch.bfloat16)
     assert on["RESOLVE"] is True and on["num_stages"] == 3
+    monkeypatch.setattr(tb, "RESOLVE_SELECTED", False)
+    off = kb.attention_config(64, *shape, torch.bfloat16)
+    assert off["RESOLVE"] is False and off["num_stages"] == 2
     assert {k: v for k, v in on.items() if k not in ("RESOLVE", "num_stages")} == {
         k: v for k, v in off.items() if k not in ("RESOLVE", "num_stages")
     }
+    monkeypatch.setattr(tb, "RESOLVE_SELECTED", True)
+    # 64 heads x 512 lanes, 32-key blocks: 64 KB of queries, 32 KB a stage, 4 KB of the rest
+    for limit, stages in ((227 * 1024, 3), (168 * 1024, 3), (163 * 1024, 2)):
+        monkeypatch.setattr(kb, "shared_bytes", lambda device, limit=limit: limit)
+        assert kb.attention_config(64, *shape, torch.bfloat16)["num_stages"] == stages
     assert kb.attention_config(64, *shape, torch.float32)["num_stages"] == 1
     for bad in ({"DV": 256}, {"PREFETCH": 1}):
         kb.attention_override = {"RESOLVE": True} | bad
@@ -712,3 +719,17 @@ def test_scorer_splits_a_short_row_over_the_multiprocessors(tiny):
             got = kb.score_topk(*one, topk, None)
             assert torch.equal(got, REF.score_topk(*one, topk, None)), (r, topk)
     assert not kb.fallbacks
+
+
+def test_scorer_loads_a_chunk_s_pages_first_where_its_tiles_lie_in_one_page():
+    """``chunk_pages_for``: the page ids a program loads before its tile loop, a power of two
+    covering its chunk (one more where chunks do not start on a page), and none where a tile
+    can straddle a page, with the prefetch, or when turned off."""
+    kb = _tk(score_block=32)
+    assert kb.chunk_pages_for(512, 64) == 8  # chunks start on a page
+    assert kb.chunk_pages_for(32, 64) == 1  # within one page
+    assert kb.chunk_pages_for(64, 96) == 2  # 96-row pages: a chunk may cross one edge
+    assert kb.chunk_pages_for(512, 96) == 8  # cdiv(512, 96) + 1 = 7 pages
+    assert kb.chunk_pages_for(512, 48) == 0  # 32-key tiles straddle 48-row pages
+    assert _tk(score_block=32, score_prefetch=1).chunk_pages_for(512, 64) == 0
+    assert _tk(score_block=32, score_chunk_pages=False).chunk_pages_for(512, 64) == 0

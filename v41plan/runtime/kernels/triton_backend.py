@@ -44,24 +44,27 @@ _INTERPRETED = interpreted(S.ring_write_kernel)
 """Whether this process decorated the kernels under ``TRITON_INTERPRET=1`` (they then take CPU
 tensors, and only CPU tensors)."""
 
-RESOLVE_SELECTED = False
+RESOLVE_SELECTED = True
 """Whether attention launches over a main plane resolve each selected id to its row's offset
 in the plane before the block loop (the kernel's ``RESOLVE``), those with bf16 operands at three
-stages (fp32 ones keep one): a block's key copy then waits on no load of the loop, and both
-loops keep the next block's keys in flight through a block's products. Staged off, untimed.
-The sm_90 build of the 64-row flash form (``scripts/check_dense_kernels_sm90.py --only
-"SPLITS=2" --mma-layouts``): no spills (the default: 128 bytes) and one copy group in flight at
-each loop's wait, where the default, at two stages or three, waits on every copy in its
-selected blocks' loop."""
+stages where the device's shared memory holds them (``attention_stages``; fp32 ones keep one):
+a block's key copy then waits on no load of the loop, and both loops keep the next block's keys
+in flight through a block's products. sm_90 build of the 64-row flash form
+(``scripts/check_dense_kernels_sm90.py --only "SPLITS=2" --mma-layouts``): no spills (without:
+128 bytes) and one copy group in flight at each loop's wait (without: none). H100, flash widths,
+8K context: decode attention at 64 rows 0.0651 -> 0.0458 ms, prefill 8K 5.52 -> 3.79 ms
+(reports/gpu/bench_kernels_attn_scorer_h100_274a82b.json,
+bench_kernels_prefill_sweep_h100_274a82b.json); the flash_slice decode step at batch 64 28.17
+-> 27.66 ms (bench_decode_flash_slice_b64_resolve_h100_274a82b.json)."""
 
 
-BALANCED_SPLITS = False
+BALANCED_SPLITS = True
 """Whether an attention launch whose keys split (flash decoding) gives each split an equal
 share of the row's own key blocks (the kernel's ``BALANCE``), not a fixed share of every block
 the shapes allow: at 256 tokens of context a 64-row flash_slice decode step's rows hold 4
-window blocks and 1-2 selected ones, all in the first of its two splits, the second writing an
-empty partial. Staged off, untimed (``bench_decode_paths.py`` variant
-``compiled_balanced_splits``)."""
+window blocks and 1-2 selected ones, which the fixed shares put all in the first of two splits.
+H100, with ``RESOLVE_SELECTED``: that step 27.66 -> 27.29 ms; the 8K sweep row, where the fixed
+shares are already even, 0.0458 -> 0.0467 ms."""
 
 
 def resolves_selected(cfg: dict, plane: torch.Tensor | None) -> bool:
@@ -118,6 +121,22 @@ class TritonBackend(TorchBackend):
             else:
                 self._num_sms = 4
         return self._num_sms
+
+    def shared_bytes(self, device) -> int | None:
+        """Shared memory a program may take on ``device`` (the multiprocessor's less the 1 KB
+        the driver keeps: 227 KB on sm_90, 163 KB on sm_80); ``None`` (no limit) off CUDA."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor - 1024
+
+    def attention_stages(self, hb: int, bn: int, d: int, device) -> int:
+        """Stages of a resolved bf16 attention launch: three where the query tile, three key
+        blocks and the 4 KB of the rest fit the device's shared memory (sm_90 builds of the
+        flash form: 168 KB at three, 135 KB at two), else two."""
+        limit = self.shared_bytes(device)
+        need = 2 * hb * d + 3 * 2 * bn * d + 4096
+        return 3 if limit is None or need <= limit else 2
 
     # -- rings ----------------------------------------------------------------------------
     def ring_write(self, ring, kv, slot, position, write_from, sink_slot):
@@ -327,6 +346,12 @@ class TritonBackend(TorchBackend):
     the one before it multiplies (H200: faster at 64K keys, slower at 8K; off until a rule by
     context is measured, reports/gpu/bench_kernels_sweep*.json)."""
 
+    score_chunk_pages = True
+    """Load a scorer program's page ids before its tile loop (``chunk_pages_for``), so the
+    pipeline keeps the next tile's keys in flight (sm_90 build: one copy group in flight at the
+    loop's wait, none without). Untimed alone: ``bench_kernels.py --only "scorer decode sweep"``
+    has its A/B."""
+
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different
         requests), else enough for a 64-row dot (a prefill chunk's rows share their keys)."""
@@ -345,6 +370,16 @@ class TritonBackend(TorchBackend):
             while chunk > self.score_block and row_programs * triton_cdiv(n, chunk) < sms:
                 chunk //= 2
         return chunk
+
+    def chunk_pages_for(self, chunk: int, rpp: int) -> int:
+        """Page ids a scorer program loads before its tile loop (the ``CHUNK_PAGES`` of its
+        chunk of ``chunk`` keys, a power of two): with ``score_chunk_pages``, where every tile
+        lies in one page and the prefetch is off; else 0 (a tile's pages loaded in the loop)."""
+        block = self.score_block
+        if not self.score_chunk_pages or self.score_prefetch or rpp % block or chunk % block:
+            return 0
+        aligned = chunk % rpp == 0 or rpp % chunk == 0  # chunks start on a page or within one
+        return next_pow2(triton_cdiv(chunk, rpp) + (0 if aligned else 1))
 
     def _dot_bf16(self, exact_operands: bool) -> bool:
         """bf16 dot operands on the GPU when they are exact; fp32 under the interpreter (its bf16
@@ -408,6 +443,7 @@ class TritonBackend(TorchBackend):
             ROUND_BF16=fp4 and q.dtype == torch.bfloat16,
             DOT_BF16=self._dot_bf16(quant or q.dtype == torch.bfloat16),
             PREFETCH=self.score_prefetch,
+            CHUNK_PAGES=self.chunk_pages_for(chunk, rpp),
             **pdl_launch(q.device, t),
         )
 
@@ -636,10 +672,17 @@ class TritonBackend(TorchBackend):
             "BALANCE": BALANCED_SPLITS,
         }
         if RESOLVE_SELECTED and not f32:
-            cfg["num_stages"] = 3
-        cfg.update(self.attention_override or {})
+            cfg["num_stages"] = self.attention_stages(hb, bn, d, device)
+        override = self.attention_override or {}
+        cfg.update(override)
         cfg["n_hb"] = triton_cdiv(h, cfg["HB"])
         dv = cfg.setdefault("DV", 0)
+        if "RESOLVE" not in override and (dv or cfg["PREFETCH"]):
+            # a column share or the manual prefetch asked for: the unresolved form, which
+            # takes them (and its two stages, unless asked otherwise)
+            cfg["RESOLVE"] = False
+            if "num_stages" not in override and not f32:
+                cfg["num_stages"] = 2
         if dv and (dv >= d or d % dv or dv != next_pow2(dv) or cfg["PREFETCH"]):
             raise ValueError(f"DV {dv}: a power of two below head_dim {d}, with PREFETCH 0")
         if cfg["RESOLVE"] and (dv or cfg["PREFETCH"]):

@@ -159,6 +159,7 @@ def _score_tile(
     ROUND_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PREFETCH: tl.constexpr,
+    CHUNK_PAGES: tl.constexpr,
 ):
     """Scores of rows ``[t0, t0 + ROWS)`` over keys ``[c * CHUNK, (c + 1) * CHUNK)``, every
     row reading row ``t0``'s pages (the caller checked they are the same): one dot of
@@ -204,6 +205,10 @@ def _score_tile(
             )  # fmt: skip
             n_b = n_a + BN
             pg_b = _tile_pages(pg_row, start + BN, end, RPP, BN, CHUNK)
+        if CHUNK_PAGES:
+            p0 = start // RPP
+            pidx = tl.arange(0, CHUNK_PAGES)
+            cpages = tl.load(pg_row + p0 + pidx, mask=(p0 + pidx) * RPP < end, other=-1)
         for j0 in range(start, end, BN):
             if PREFETCH:
                 n = n_a
@@ -218,6 +223,15 @@ def _score_tile(
                 )  # fmt: skip
                 n_b = n_b + BN
                 pg_b = _tile_pages(pg_row, j0 + 2 * BN, end, RPP, BN, CHUNK)
+            elif CHUNK_PAGES:
+                # the tile's page from the chunk's, loaded before the loop: its keys' copy
+                # waits on no load of the loop, so the pipeline keeps the next tiles in flight
+                n = j0 + tl.arange(0, BN)
+                page = tl.sum(tl.where(pidx == j0 // RPP - p0, cpages, 0), axis=0)
+                ra, rb = _key_raw(
+                    key_ptr, s_key_page, s_key_row, ksc_ptr, s_ksc_page, s_ksc_row,
+                    page, n, end, RPP, D, FP4,
+                )  # fmt: skip
             else:
                 n = j0 + tl.arange(0, BN)
                 page = _tile_pages(pg_row, j0, end, RPP, BN, CHUNK)
@@ -297,6 +311,7 @@ def score_kernel(
     DOT_BF16: tl.constexpr,
     PREFETCH: tl.constexpr = 0,
     PDL: tl.constexpr = False,
+    CHUNK_PAGES: tl.constexpr = 0,
 ):
     """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
     for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
@@ -304,7 +319,9 @@ def score_kernel(
     matrix), else only up to the bound. fp8 plane: ``key_ptr`` the E4M3 codes, the fp32 row
     scale at byte ``D`` of the row; fp4: ``key_ptr`` the packed E2M1 values, ``ksc_ptr`` the E8M0
     scales plane. With ``ROWS > 1`` rows that read the same pages in this range (a prefill
-    chunk's rows) share each key tile; rows of different requests are scored one by one."""
+    chunk's rows) share each key tile; rows of different requests are scored one by one.
+    ``CHUNK_PAGES`` (where every tile lies in one page, ``PREFETCH`` 0): the chunk's page ids
+    are loaded before the tile loop, so no key copy waits on a load of the loop."""
     pdl_enter(PDL)
     t0 = tl.program_id(0) * ROWS
     c = tl.program_id(1)
@@ -314,6 +331,7 @@ def score_kernel(
         _score_tile(
             t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
             RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16, PREFETCH,
+            CHUNK_PAGES,
         )  # fmt: skip
     else:
         NCOL: tl.constexpr = (CHUNK + RPP - 1) // RPP
@@ -327,14 +345,14 @@ def score_kernel(
             _score_tile(
                 t0, c, T, *args, *args2, out_ptr, s_out_row, H, P,
                 RPP, ROWS, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
-                PREFETCH,
+                PREFETCH, CHUNK_PAGES,
             )  # fmt: skip
         else:
             for i in tl.static_range(ROWS):
                 _score_tile(
                     t0 + i, c, T, *args, *args2, out_ptr, s_out_row, H, P,
                     RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
-                    PREFETCH,
+                    PREFETCH, CHUNK_PAGES,
                 )  # fmt: skip
 
 
