@@ -637,20 +637,18 @@ def scorer_prefill_split(context, ceil, kb, ref):
 
 
 def select_sweep(n, ceil, kb, ref):
-    """The top-k select alone over ``n`` scores a row (decode rows), one program a row against
-    the segment select (``select_programs``: 0 by the row's length and the device, or a fixed
-    count), and one program a row with 4 to 32 warps (``select_warps``, with ``select_chunk``)."""
+    """The top-k select alone over ``n`` scores a row (decode rows): the default, the digit
+    select in one program a row and in segments (``select_programs``), and the resident select
+    (``select_resident_max``) at longer rows than its default."""
     rows = SIZES["decode_rows"]
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
     want = ref.topk_ids(score, K)
-    # the segment select's programs; then one program a row with more warps (a decode batch
-    # leaves most multiprocessors idle)
-    forms = [{"select_programs": p} for p in (1, 0, 4, 16, 32)]
-    forms += [
-        {"select_programs": 1, "select_warps": w, "select_chunk": c}
-        for w, c in ((4, 2048), (8, 2048), (16, 2048), (16, 4096), (32, 4096))
-    ]
+    # the default; the digit select (one program, then segments); the resident select past
+    # its default length (one program a row, the row in registers: spills at 16,384 and more)
+    forms = [{}, {"select_resident_max": 0}]
+    forms += [{"select_programs": p, "select_resident_max": 0} for p in (1, 4, 16)]
+    forms += [{"select_programs": 1, "select_resident_max": m} for m in (16384, 32768)]
     out = []
     for attrs in forms:
         shipped = {a: getattr(kb, a) for a in attrs}

@@ -270,7 +270,9 @@ def _gemm_variants(hidden: int) -> list:
         sig.update(dict.fromkeys(cx, "constexpr"))
         name = f"moe align_rows{' one-hot' if one_hot else ''}"
         out.append((name, tm._align_rows_kernel, dict(sig), cx, 8 if one_hot else 4))
-    return out + _router_variants() + _attention_variants() + _scorer_variants()
+    return (
+        out + _router_variants() + _attention_variants() + _scorer_variants() + _select_variants()
+    )
 
 
 def _attention_variants(every: bool = False) -> list:
@@ -362,6 +364,26 @@ def _scorer_variants(every: bool = False) -> list:
                 cx,
                 4,
             )
+        )
+    return out
+
+
+def _select_variants(every: bool = False) -> list:
+    """The resident top-k select (``select_resident_kernel``) at 4,096 elements a row, the
+    launcher's warps (an 8K decode's compressed rows); ``every``: also 8,192 and 16,384 (its
+    longest rows) and 32,768 (a 64K context's, past it)."""
+    from v41plan.runtime.kernels import triton_scorer as sc
+    from v41plan.runtime.kernels.triton_backend import TritonBackend
+
+    out = []
+    for np_ in (4096, 8192, 16384, 32768) if every else (4096,):
+        sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64"}
+        sig.update({"out_ptr": "*i64", "s_out_row": "i32", "K": "i32", "N": "i32"})
+        cx = {"HAS_BOUND": True, "NP": np_, "KP": 512, "PDL": False}
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        warps = TritonBackend().resident_select_warps(np_)
+        out.append(
+            (f"select resident N={np_} warps={warps}", sc.select_resident_kernel, sig, cx, warps)
         )
     return out
 
@@ -548,6 +570,7 @@ def main(argv=None) -> int:
     variants = _variants(td, args.hidden, args.quick)
     if not args.quick:
         variants += _attention_variants(every=True) + _scorer_variants(every=True)
+        variants += _select_variants(every=True)
     # the GEMM, router and attention forms come once per split-site form: build each once
     names = set()
     variants = [v for v in variants if not (v[0] in names or names.add(v[0]))]

@@ -336,11 +336,16 @@ def _tied_scores(t: int, n: int, seed: int) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("chunk, programs", [(16, 1), (2048, 1), (16, 3)], ids=lambda v: str(v))
-def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk, programs):
+@pytest.mark.parametrize(
+    "chunk, programs, resident",
+    [(16, 1, 0), (2048, 1, 0), (16, 3, 0), (16, 1, 8192)],
+    ids=["digits-16", "digits-2048", "segments", "resident"],
+)
+def test_topk_ids_of_a_given_score_matrix_are_the_references(chunk, programs, resident):
     # programs 3: rows of 40, 96 and 200 split in three segments (whole 16s: 16, 32, 80; the
-    # half-masked row's last ones lie past its visible part)
-    kb = _tk(select_chunk=chunk, select_programs=programs)
+    # half-masked row's last ones lie past its visible part); resident: each row held in
+    # registers (select_resident_kernel), the digit select's rows otherwise
+    kb = _tk(select_chunk=chunk, select_programs=programs, select_resident_max=resident)
     for n, topk, dtype in (
         (40, 4, torch.float32),
         (12, 16, torch.float32),
@@ -357,7 +362,13 @@ def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
     # elements still wanted: after the first digit (five scores in [1024, 2048) share the top
     # byte, k = 5), after a later one (distinct random scores), or never (k inside a bin of
     # equal scores: ties by position)
-    kb = _tk(select_chunk=chunk, select_programs=1, select_warps=warps, select_warps_from=0)
+    kb = _tk(
+        select_chunk=chunk,
+        select_programs=1,
+        select_warps=warps,
+        select_warps_from=0,
+        select_resident_max=0,  # the digit select (a resident row is the test below's)
+    )
     g = torch.Generator().manual_seed(13)
     s = torch.rand(4, 300, generator=g) * 0.5
     big = torch.randperm(300, generator=g)[:5]
@@ -369,6 +380,29 @@ def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
         assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (chunk, topk)
     got = kb.topk_ids(s, 5)[0]
     assert torch.equal(got, big.sort().values)
+
+
+def test_resident_select_finds_the_kth_key_a_bit_at_a_time():
+    """``select_resident_kernel``: the k-th key built a bit at a time over the held row, with
+    keys of both signs and every magnitude (the sign step), ties at the k-th key taken from the
+    smallest position, -0.0 tied with 0.0, -inf never taken, infinities, k of 0 and past the
+    visible keys (-1 padded), and a row's bound (``score_topk``'s)."""
+    kb = _tk(select_resident_max=8192)
+    g = torch.Generator().manual_seed(17)
+    n = 300
+    s = torch.randn(8, n, generator=g)
+    s[0] *= 1e30  # exponents far apart
+    s[1] = -torch.rand(n, generator=g) - 1e-30  # all negative
+    s[2, ::3] = 0.25  # 100 ties
+    s[3] = torch.where(torch.arange(n) % 2 == 0, 0.0, -0.0)  # every key +0
+    s[4, 10:200] = NEG
+    s[4, 5], s[4, 7] = float("inf"), -float("inf")
+    s[5] = NEG  # nothing visible
+    s[6] = torch.randint(-2, 3, (n,), generator=g).float() * 2.0**-140  # subnormals, ties
+    s[7] = torch.tensor([3.4e38, -3.4e38] * (n // 2))  # the largest finite keys of both signs
+    for topk in (0, 1, 2, 5, 99, 100, 101, 150, 299, 300, 301, 512):
+        assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), topk
+    assert kb.topk_ids(s, 5).shape == (8, 5) and not kb.fallbacks
 
 
 def test_segment_select_finds_the_kth_key_among_close_scores():

@@ -331,6 +331,11 @@ class TritonBackend(TorchBackend):
     select_programs = 0
     """Programs a row's top-k select takes: 0 by the row's length and the device
     (``select_segments_for``); n >= 1 that many (1: one program a row)."""
+    select_resident_max = 8192
+    """Longest row (elements, rounded up to a power of two) whose ids one program selects with
+    the row held in registers (``select_resident_kernel``: one read, a compare and a sum a
+    bit); longer rows, block mode and 0 take the digit select (``select_kernel``) or the
+    segments."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -458,6 +463,23 @@ class TritonBackend(TorchBackend):
         if segments > 1:
             self._select_segments(score, bound, k, out, segments)
             return
+        if segments == 1 and next_pow2(n) <= self.select_resident_max:
+            np_ = max(16, next_pow2(n))
+            SC.select_resident_kernel[(t,)](
+                score,
+                score.stride(0),
+                _vec(bound) if bound is not None else score,
+                out,
+                out.stride(0),
+                k,
+                n,
+                HAS_BOUND=bound is not None,
+                NP=np_,
+                KP=next_pow2(k),
+                num_warps=self.resident_select_warps(np_),
+                **pdl_launch(score.device, t),
+            )
+            return
         g = max(block_rows, 1)
         elems = n // g
         SC.select_kernel[(t,)](
@@ -476,6 +498,11 @@ class TritonBackend(TorchBackend):
             num_warps=self.select_warps if elems >= self.select_warps_from else 4,
             **pdl_launch(score.device, t),
         )
+
+    def resident_select_warps(self, padded_elems: int) -> int:
+        """Warps of a resident select over ``padded_elems`` (a power of two): 16 elements a
+        thread, 4 to 32 warps."""
+        return max(4, min(16, padded_elems // (16 * 32)))
 
     def select_segments_for(self, t: int, n: int, device) -> int:
         """Programs a row's top-k select takes (1: one, the whole row in up to five passes). With
@@ -522,6 +549,10 @@ class TritonBackend(TorchBackend):
         d = q.shape[-1]
         ok = q.dtype in _FLOAT and d == next_pow2(d) and d >= 32
         ok = ok and pages.shape[1] * planes[0].shape[1] > 0
+        key = planes[0]
+        if plane_format(planes) == "fp8":  # the kernel copies a key row's codes 4 bytes at a time
+            ok = ok and key.data_ptr() % 4 == 0 and key.stride(0) % 4 == 0
+            ok = ok and key.stride(1) % 4 == 0
         if not ok:
             self.fallbacks.add(op)
         return ok and self._runs(op, *planes, q, pages)

@@ -110,12 +110,11 @@ def _key_raw(
         a = packed.to(tl.int32)
         b = tl.load(sbase[:, None] + d[None, :] // 32, mask=kvalid[:, None], other=127)
     else:
-        # four codes a word: a row's stride (D + 4 bytes) is no multiple of 16, so byte loads
-        # would be one instruction (and one address) a byte
-        w = tl.arange(0, D // 4)
-        wbase = kbase.to(tl.pointer_type(tl.int32))
-        words = tl.load(wbase[:, None] + w[None, :], mask=kvalid[:, None], other=0)
-        a = _word_bytes(words, D)
+        # four codes a copy: a row's stride (D + 4 bytes) is no multiple of 16, but of 4 (the
+        # launcher checks), and without the hint each byte is a load of its own
+        d = tl.arange(0, D)
+        koff = tl.multiple_of(page * s_key_page + row * s_key_row, 4)
+        a = tl.load(key_ptr + koff[:, None] + d[None, :], mask=kvalid[:, None], other=0)
         kptr = (kbase + D).to(tl.pointer_type(tl.float32))
         b = tl.load(kptr, mask=kvalid, other=0.0)
     return a, b
@@ -461,6 +460,61 @@ def select_kernel(
         j = tl.arange(0, KP)
         fill = tl.full((KP,), -1, tl.int64)
         tl.store(out_ptr + t * s_out_row + j, fill, mask=(j >= taken) & (j < K))
+
+
+@triton.jit
+def select_resident_kernel(
+    score_ptr,
+    s_score_row,
+    bound_ptr,
+    out_ptr,
+    s_out_row,
+    K,
+    N,
+    HAS_BOUND: tl.constexpr,
+    NP: tl.constexpr,
+    KP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
+    ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
+    k-th largest key is found a bit at a time (32 counts over the held keys: the largest ``T``
+    with at least ``min(K, valid)`` keys ``>= T``), then one cumulative sum in position order
+    places the keys above it and the first ties at it. The digit passes of ``select_kernel``
+    read the row up to five times with a 256-bin histogram each; here a bit costs a compare
+    and a sum."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    row_ptr = score_ptr + t * s_score_row
+    if HAS_BOUND:
+        n_elem = tl.minimum(tl.load(bound_ptr + t), N)
+    else:
+        n_elem = N + tl.zeros((), dtype=tl.int64)
+    e = tl.arange(0, NP)
+    inb = e < n_elem
+    v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
+    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    valid = inb & (key > NEG_INF_KEY)
+    key = tl.where(valid, key, NEG_INF_KEY)  # never counted: every threshold lies above it
+    rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
+    # the sign first (keys >= 0 enough?), then bits 30..0 set while enough keys lie at or
+    # above: OR-ing a bit into a negative threshold raises it as into a positive one
+    lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
+    for i in tl.static_range(31):
+        cand = lo | (1 << (30 - i))
+        lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
+    above = key > lo
+    need = rem - tl.sum(above.to(tl.int32), axis=0)
+    eq = ((key == lo) & valid).to(tl.int32)
+    sel = above | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))
+    sel = sel & (rem > 0)
+    si = sel.to(tl.int32)
+    idx = tl.cumsum(si, axis=0) - si
+    tl.store(out_ptr + t * s_out_row + idx, e.to(tl.int64), mask=sel)
+    j = tl.arange(0, KP)
+    fill = tl.full((KP,), -1, tl.int64)
+    tl.store(out_ptr + t * s_out_row + j, fill, mask=(j >= rem) & (j < K))
 
 
 # -- the select over segments: a row's elements split among programs (few rows, long rows) --------
