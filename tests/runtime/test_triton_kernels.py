@@ -405,6 +405,33 @@ def test_resident_select_finds_the_kth_key_a_bit_at_a_time():
     assert kb.topk_ids(s, 5).shape == (8, 5) and not kb.fallbacks
 
 
+@pytest.mark.parametrize("resident_max", [16, 64])
+def test_long_row_select_takes_the_keys_above_its_segments_bounds(resident_max):
+    """Rows longer than ``select_resident_max``: each segment's own k-th key bounds the row's
+    from below, and the keys at or above the largest bound are selected from a list (distinct
+    scores: at most k a segment); many ties at the bound overflow the list and take the digit
+    select. Both give the reference's ids: ties from the smallest position, -1 padding past the
+    visible keys, a row with no segment of k valid keys (no bound), rows of one segment."""
+    kb = _tk(select_resident_max=resident_max, select_chunk=32)
+    g = torch.Generator().manual_seed(19)
+    for n in (resident_max // 2, 200, 300):
+        s = torch.randn(6, n, generator=g)  # distinct: the list
+        s[1] = torch.randint(-1, 2, (n,), generator=g).float()  # ties: the overflow
+        s[2, : n - 7] = NEG  # 7 visible keys
+        s[3] = torch.where(torch.arange(n) % 2 == 0, 0.0, -0.0)
+        s[4, ::5] = float("inf")
+        s[5] = -s[5].abs() * 1e-30
+        for topk in (0, 1, 3, 8, 40, n, n + 3):
+            assert torch.equal(kb.topk_ids(s, topk), REF.topk_ids(s, topk)), (n, topk)
+    bound = torch.tensor([300, 150, 17, 0, 299, 5])
+    s = torch.randn(6, 300, generator=g)
+    work = s.masked_fill(torch.arange(300) >= bound[:, None], NEG)
+    out = torch.empty(6, 8, dtype=torch.long)
+    kb._select(s.contiguous(), bound, 8, out)  # score_topk's form: each row's bound
+    assert torch.equal(out, REF.topk_ids(work, 8))
+    assert not kb.fallbacks
+
+
 def test_segment_select_finds_the_kth_key_among_close_scores():
     # every score in one coarse bin (the top 11 bits equal), so the k-th key comes from the
     # gathered list alone; distinct low bits, ties and both signs across rows

@@ -334,8 +334,9 @@ class TritonBackend(TorchBackend):
     select_resident_max = 8192
     """Longest row (elements, rounded up to a power of two) whose ids one program selects with
     the row held in registers (``select_resident_kernel``: one read, a compare and a sum a
-    bit); longer rows, block mode and 0 take the digit select (``select_kernel``) or the
-    segments."""
+    bit). Longer rows, with ``select_programs`` 0, take the long-row select over segments of
+    this many (``_select_long``); block mode, other ``select_programs`` and 0 the digit select
+    (``select_kernel``) or the digit segments."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -459,6 +460,9 @@ class TritonBackend(TorchBackend):
         if t == 0 or (k == 0 and not block_rows):  # no ids asked: ``out`` has no columns
             return
         assert score.stride(1) == 1 and out.stride(1) == 1
+        if not block_rows and self.select_programs == 0 and n > self.select_resident_max > 0:
+            self._select_long(score, bound, k, out)
+            return
         segments = 0 if block_rows else self.select_segments_for(t, n, score.device)
         if segments > 1:
             self._select_segments(score, bound, k, out, segments)
@@ -498,6 +502,32 @@ class TritonBackend(TorchBackend):
             num_warps=self.select_warps if elems >= self.select_warps_from else 4,
             **pdl_launch(score.device, t),
         )
+
+    def _select_long(self, score, bound, k: int, out) -> None:
+        """The top-k ids of rows longer than ``select_resident_max``: each segment of that many
+        elements finds its own k-th key (held in registers), then one program a row selects
+        from the keys at or above the largest of them (``triton_scorer``'s long-row select)."""
+        t, n = score.shape
+        seg = self.select_resident_max
+        segments = triton_cdiv(n, seg)
+        np_seg = next_pow2(seg)
+        # room for k candidates a segment and as many again of ties, up to what a program holds
+        npc = max(16, min(np_seg, next_pow2(2 * segments * max(k, 1))))
+        ws = torch.empty(t, next_pow2(segments), dtype=torch.int32, device=score.device)
+        lists = torch.empty(t, npc, dtype=torch.int32, device=score.device)
+        b = _vec(bound) if bound is not None else score
+        has = bound is not None
+        SC.select_bound_kernel[(t, segments)](
+            score, score.stride(0), b, ws, ws.stride(0), k, n, seg,
+            HAS_BOUND=has, NP=np_seg, num_warps=self.resident_select_warps(np_seg),
+        )  # fmt: skip
+        SC.select_final_kernel[(t,)](
+            score, score.stride(0), b, ws, ws.stride(0), lists, lists.stride(0), out,
+            out.stride(0), k, n, segments, HAS_BOUND=has, SP=next_pow2(segments),
+            CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
+            DIGIT_CHUNK=min(self.select_chunk, next_pow2(n)),
+            num_warps=self.resident_select_warps(npc),
+        )  # fmt: skip
 
     def resident_select_warps(self, padded_elems: int) -> int:
         """Warps of a resident select over ``padded_elems`` (a power of two): 16 elements a

@@ -59,17 +59,6 @@ def _round_query(q, w, M: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, QUAN
 
 
 @triton.jit
-def _word_bytes(words, D: tl.constexpr):
-    """The bytes ``[BN, D]`` (uint8, in memory order) of little-endian words ``[BN, D / 4]``."""
-    b0 = (words & 0xFF).to(tl.uint8)
-    b1 = ((words >> 8) & 0xFF).to(tl.uint8)
-    b2 = ((words >> 16) & 0xFF).to(tl.uint8)
-    b3 = ((words >> 24) & 0xFF).to(tl.uint8)
-    quad = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., i, j] = byte 2 i + j
-    return tl.reshape(quad, (words.shape[0], D))
-
-
-@triton.jit
 def _tile_pages(pg_row, j, end, RPP: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr):
     """Pages of keys ``[j, j + BN)`` (-1 past ``end``): one scalar where every tile lies in one
     page (``BN`` divides the page's rows and the chunk), so a key's address is the tile's base
@@ -381,6 +370,30 @@ def select_kernel(
     their reads of the row (distinct scores: usually the fourth)."""
     pdl_enter(PDL)
     t = tl.program_id(0)
+    _digit_select(
+        t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
+        HAS_BOUND, G, BLOCK_MODE, CHUNK, KP,
+    )  # fmt: skip
+
+
+@triton.jit
+def _digit_select(
+    t,
+    score_ptr,
+    s_score_row,
+    bound_ptr,
+    out_ptr,
+    s_out_row,
+    K,
+    N,
+    HAS_BOUND: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_MODE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    KP: tl.constexpr,
+):
+    """``select_kernel``'s work for row ``t`` (also the long-row select's way out where a row's
+    candidates overflow their list)."""
     row_ptr = score_ptr + t * s_score_row
     if HAS_BOUND:
         bound = tl.load(bound_ptr + t)
@@ -463,6 +476,48 @@ def select_kernel(
 
 
 @triton.jit
+def _row_keys(row_ptr, e, n_elem):
+    """Order-preserving int32 keys of scores ``e`` of a row (``-0.0`` as ``+0.0``) and which are
+    valid (below ``n_elem``, above ``-inf``); invalid keys set to ``NEG_INF_KEY``."""
+    inb = e < n_elem
+    v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
+    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    valid = inb & (key > NEG_INF_KEY)
+    return tl.where(valid, key, NEG_INF_KEY), valid
+
+
+@triton.jit
+def _kth_key(key, rem):
+    """The largest key ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1; the
+    rem-th largest), a bit at a time: the sign first (keys >= 0 enough?), then bits 30..0 set
+    while enough keys lie at or above (OR-ing a bit into a negative threshold raises it as into
+    a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them."""
+    lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
+    for i in tl.static_range(31):
+        cand = lo | (1 << (30 - i))
+        lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
+    return lo
+
+
+@triton.jit
+def _write_selected(out_row, key, valid, pos, rem, K, KP: tl.constexpr):
+    """The ``rem`` largest of ``key`` (in position order, ``pos`` ascending) into ``out_row``:
+    every key above the rem-th largest, then the ties at it from the first; -1 after them."""
+    if rem > 0:
+        kth = _kth_key(key, rem)
+        above = key > kth
+        need = rem - tl.sum(above.to(tl.int32), axis=0)
+        eq = ((key == kth) & valid).to(tl.int32)
+        sel = above | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))
+        si = sel.to(tl.int32)
+        idx = tl.cumsum(si, axis=0) - si
+        tl.store(out_row + idx, pos.to(tl.int64), mask=sel)
+    j = tl.arange(0, KP)
+    tl.store(out_row + j, tl.full((KP,), -1, tl.int64), mask=(j >= rem) & (j < K))
+
+
+@triton.jit
 def select_resident_kernel(
     score_ptr,
     s_score_row,
@@ -478,43 +533,121 @@ def select_resident_kernel(
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
     ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
-    k-th largest key is found a bit at a time (32 counts over the held keys: the largest ``T``
-    with at least ``min(K, valid)`` keys ``>= T``), then one cumulative sum in position order
-    places the keys above it and the first ties at it. The digit passes of ``select_kernel``
-    read the row up to five times with a 256-bin histogram each; here a bit costs a compare
-    and a sum."""
+    k-th largest key found a bit at a time (``_kth_key``: 32 counts over the held keys), then
+    one cumulative sum in position order places the keys above it and the first ties at it.
+    The digit passes of ``select_kernel`` read the row up to five times with a 256-bin
+    histogram each; here a bit costs a compare and a sum."""
     pdl_enter(PDL)
+    t = tl.program_id(0)
+    if HAS_BOUND:
+        n_elem = tl.minimum(tl.load(bound_ptr + t), N)
+    else:
+        n_elem = N + tl.zeros((), dtype=tl.int64)
+    e = tl.arange(0, NP)
+    key, valid = _row_keys(score_ptr + t * s_score_row, e, n_elem)
+    rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
+    _write_selected(out_ptr + t * s_out_row, key, valid, e, rem, K, KP)
+
+
+# -- the long-row select: segment bounds, then the candidates above them --------------------------
+# A row longer than one program holds takes two launches. Each segment program finds its own
+# k-th key (held in registers, as select_resident_kernel): the row's k-th key is at least the
+# largest of them, since that segment alone holds k keys at or above it. One program a row then
+# gathers the keys at or above that bound in position order (at most k a segment, save ties)
+# into a list, and selects from the list held in registers; a list that overflows (many ties at
+# the bound) takes the digit select over the whole row instead.
+
+
+@triton.jit
+def select_bound_kernel(
+    score_ptr,
+    s_score_row,
+    bound_ptr,
+    ws_ptr,
+    s_ws_row,
+    K,
+    N,
+    SEG,
+    HAS_BOUND: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """Segment ``s`` of row ``t`` (``SEG <= NP`` elements): its own k-th key into ``ws[t, s]``,
+    or ``NEG_INF_KEY`` where it holds fewer than ``K`` valid keys (no bound from it)."""
+    t = tl.program_id(0)
+    sg = tl.program_id(1)
+    if HAS_BOUND:
+        n_elem = tl.minimum(tl.load(bound_ptr + t), N)
+    else:
+        n_elem = N + tl.zeros((), dtype=tl.int64)
+    i = tl.arange(0, NP)
+    e = sg * SEG + i
+    key, valid = _row_keys(score_ptr + t * s_score_row, e, tl.where(i < SEG, n_elem, 0))
+    valid = valid & (i < SEG)
+    key = tl.where(valid, key, NEG_INF_KEY)
+    have = tl.sum(valid.to(tl.int32), axis=0)
+    kth = NEG_INF_KEY + tl.zeros((), dtype=tl.int32)
+    if (have >= K) & (K > 0):
+        kth = _kth_key(key, K)
+    tl.store(ws_ptr + t * s_ws_row + sg, kth)
+
+
+@triton.jit
+def select_final_kernel(
+    score_ptr,
+    s_score_row,
+    bound_ptr,
+    ws_ptr,
+    s_ws_row,
+    list_ptr,
+    s_list_row,
+    out_ptr,
+    s_out_row,
+    K,
+    N,
+    S,
+    HAS_BOUND: tl.constexpr,
+    SP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NPC: tl.constexpr,
+    KP: tl.constexpr,
+    DIGIT_CHUNK: tl.constexpr,
+):
+    """Row ``t``'s top-``K`` ids from its segments' bounds (``select_bound_kernel``): the keys at
+    or above the largest bound, gathered in position order into ``list [T, NPC]`` (their
+    positions), then selected from the list held in registers; past ``NPC`` of them, the digit
+    select over the row."""
     t = tl.program_id(0)
     row_ptr = score_ptr + t * s_score_row
     if HAS_BOUND:
         n_elem = tl.minimum(tl.load(bound_ptr + t), N)
     else:
         n_elem = N + tl.zeros((), dtype=tl.int64)
-    e = tl.arange(0, NP)
-    inb = e < n_elem
-    v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
-    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
-    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    valid = inb & (key > NEG_INF_KEY)
-    key = tl.where(valid, key, NEG_INF_KEY)  # never counted: every threshold lies above it
-    rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    # the sign first (keys >= 0 enough?), then bits 30..0 set while enough keys lie at or
-    # above: OR-ing a bit into a negative threshold raises it as into a positive one
-    lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
-    for i in tl.static_range(31):
-        cand = lo | (1 << (30 - i))
-        lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
-    above = key > lo
-    need = rem - tl.sum(above.to(tl.int32), axis=0)
-    eq = ((key == lo) & valid).to(tl.int32)
-    sel = above | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))
-    sel = sel & (rem > 0)
-    si = sel.to(tl.int32)
-    idx = tl.cumsum(si, axis=0) - si
-    tl.store(out_ptr + t * s_out_row + idx, e.to(tl.int64), mask=sel)
-    j = tl.arange(0, KP)
-    fill = tl.full((KP,), -1, tl.int64)
-    tl.store(out_ptr + t * s_out_row + j, fill, mask=(j >= rem) & (j < K))
+    sj = tl.arange(0, SP)
+    floor = tl.max(tl.load(ws_ptr + t * s_ws_row + sj, mask=sj < S, other=NEG_INF_KEY), axis=0)
+    lst = list_ptr + t * s_list_row
+    count = tl.zeros((), dtype=tl.int32)
+    for e0 in range(0, n_elem, CHUNK):
+        e = e0 + tl.arange(0, CHUNK)
+        key, valid = _row_keys(row_ptr, e, n_elem)
+        cand = valid & (key >= floor)
+        ci = cand.to(tl.int32)
+        idx = count + tl.cumsum(ci, axis=0) - ci
+        tl.store(lst + idx, e.to(tl.int32), mask=cand & (idx < NPC))
+        count += tl.sum(ci, axis=0)
+    if count <= NPC:
+        i = tl.arange(0, NPC)
+        held = i < count
+        pos = tl.load(lst + i, mask=held, other=0)
+        key, valid = _row_keys(row_ptr, pos, tl.where(held, n_elem, 0))
+        valid = valid & held
+        key = tl.where(valid, key, NEG_INF_KEY)
+        rem = tl.minimum(count, K)
+        _write_selected(out_ptr + t * s_out_row, key, valid, pos, rem, K, KP)
+    else:
+        _digit_select(
+            t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
+            HAS_BOUND, 1, False, DIGIT_CHUNK, KP,
+        )  # fmt: skip
 
 
 # -- the select over segments: a row's elements split among programs (few rows, long rows) --------
