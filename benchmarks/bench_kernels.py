@@ -649,6 +649,7 @@ def select_sweep(n, ceil, kb, ref):
     forms = [{}, {"select_resident_max": 0}]
     forms += [{"select_programs": p, "select_resident_max": 0} for p in (1, 4, 16)]
     forms += [{"select_programs": 1, "select_resident_max": m} for m in (16384, 32768)]
+    forms.append({"select_resident_max": 4096})  # long rows: segments of 4,096
     out = []
     for attrs in forms:
         shipped = {a: getattr(kb, a) for a in attrs}
