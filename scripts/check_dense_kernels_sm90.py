@@ -331,14 +331,19 @@ def _scorer_variants(every: bool = False) -> list:
     """The index scorer's decode form (one row a program, 32-key tiles, 4 warps as launched) on
     the fp8 plane at V4.1-Flash widths (32 heads x 128), fp16 dot operands (the hardware's exact
     E4M3 -> fp16); ``every``: also medium's widths (16 x 128), the prefetch
-    (``score_prefetch``) and the fp4 plane at flash widths."""
+    (``score_prefetch``), the chunk's pages loaded first (``score_chunk_pages``), 64-key tiles
+    and the fp4 plane at flash widths."""
     from v41plan.runtime.kernels import triton_scorer as sc
 
     out = []
-    forms = [("flash fp8", 32, False, 0), ("medium fp8", 16, False, 0), ("flash fp4", 32, True, 0)]
-    forms.append(("flash fp8 prefetch", 32, False, 1))  # score_prefetch's form
+    forms = [("flash fp8", 32, False, 0, 0), ("medium fp8", 16, False, 0, 0)]
+    forms += [("flash fp4", 32, True, 0, 0), ("flash fp8", 32, False, 1, 0)]  # + prefetch
+    forms.append(("flash fp8", 32, False, 0, 1024 // 64))  # score_chunk_pages's form (staged)
+    forms.append(("flash fp8", 64, False, 0, 0))  # score_block 64 (a sweep row): BN below
     forms = forms if every else forms[:1]
-    for name, hp, fp4, prefetch in forms:
+    for name, hp, fp4, prefetch, chunk_pages in forms:
+        bn = 64 if hp == 64 else 32
+        hp = 32 if hp == 64 else hp
         sig = {}
         for n in sc.score_kernel.arg_names:
             if n.endswith("_ptr"):
@@ -350,15 +355,17 @@ def _scorer_variants(every: bool = False) -> list:
         sig["q_ptr"] = sig["w_ptr"] = "*bf16"
         sig["cand_ptr"] = "*u8"
         sig["bound_ptr"] = "*i64"
-        cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": 32, "CHUNK": 1024, "FP4": fp4}
+        cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": bn, "CHUNK": 1024, "FP4": fp4}
         cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
         cx.update({"DOT_BF16": True, "PREFETCH": prefetch, "PDL": False})
-        cx["CHUNK_PAGES"] = 0 if prefetch else 1024 // 64  # the launcher's (score_chunk_pages)
+        cx["CHUNK_PAGES"] = chunk_pages
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append(
             (
-                f"scorer decode {name.replace(' prefetch', '')} H={hp}"
-                + (" prefetch" if prefetch else ""),
+                f"scorer decode {name} H={hp}"
+                + (" prefetch" if prefetch else "")
+                + (" chunk-pages" if chunk_pages else "")
+                + (f" BN={bn}" if bn != 32 else ""),
                 sc.score_kernel,
                 sig,
                 cx,

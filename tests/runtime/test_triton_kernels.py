@@ -286,8 +286,22 @@ def test_scores_match_the_reference(tiny, index_dtype, dtype):
 
 @pytest.mark.parametrize(
     "index_dtype, small, prefetch, select_programs",
-    [("fp8", True, 0, 1), ("fp4", False, 0, 1), ("fp8", True, 1, 3), ("fp4", True, 1, 1)],
-    ids=["fp8-small-tiles", "fp4", "fp8-small-tiles-prefetch-segments", "fp4-small-tiles-prefetch"],
+    [
+        ("fp8", True, 0, 1),
+        ("fp4", False, 0, 1),
+        ("fp8", True, 1, 3),
+        ("fp4", True, 1, 1),
+        ("fp8", True, 0, 0),
+        ("fp4", True, 0, 0),
+    ],
+    ids=[
+        "fp8-small-tiles",
+        "fp4",
+        "fp8-small-tiles-prefetch-segments",
+        "fp4-small-tiles-prefetch",
+        "fp8-chunk-pages-long-select",
+        "fp4-chunk-pages-long-select",
+    ],
 )
 def test_score_topk_is_exact_where_the_scores_are(
     tiny, index_dtype, small, prefetch, select_programs
@@ -297,19 +311,26 @@ def test_score_topk_is_exact_where_the_scores_are(
     # rows: one of rows of one request (a shared key tile), one of two requests (row by row),
     # one past the last row. Prefetch: 4-key tiles over 64-key programs, so a program's tiles
     # cross pages (16 rows a page). Select asked for 3 programs a row: two segments of 32 of the
-    # 64 rows (the bounds 33 and 40 end in the second, 16 in the first)
+    # 64 rows (the bounds 33 and 40 end in the second, 16 in the first). Select programs 0 here:
+    # the staged forms, the chunk's pages loaded first (score_chunk_pages) and the long-row
+    # select over 16-element segments (select_resident_max 16)
+    staged = select_programs == 0
     kb = (
         _tk(
-            score_chunk=64 if prefetch else 16,
+            score_chunk=64 if prefetch else 32 if staged else 16,
             score_block=4 if prefetch else 16,
             select_chunk=16,
             score_rows=4,
             score_prefetch=prefetch,
             select_programs=select_programs,
+            score_chunk_pages=staged,
+            select_resident_max=16 if staged else 0,
         )
         if small
         else _tk()
     )
+    if staged:
+        assert kb.chunk_pages_for(32, planes[0].shape[1]) == 2
     s_ref = REF.scores(planes, q, w, bound, pages)
     assert torch.equal(kb.scores(planes, q, w, bound, pages), s_ref)
     for topk in (4, 64):
@@ -786,11 +807,13 @@ def test_scorer_loads_a_chunk_s_pages_first_where_its_tiles_lie_in_one_page():
     """``chunk_pages_for``: the page ids a program loads before its tile loop, a power of two
     covering its chunk (one more where chunks do not start on a page), and none where a tile
     can straddle a page, with the prefetch, or when turned off."""
-    kb = _tk(score_block=32)
+    assert _tk(score_block=32).chunk_pages_for(512, 64) == 0  # staged off
+    kb = _tk(score_block=32, score_chunk_pages=True)
     assert kb.chunk_pages_for(512, 64) == 8  # chunks start on a page
     assert kb.chunk_pages_for(32, 64) == 1  # within one page
     assert kb.chunk_pages_for(64, 96) == 2  # 96-row pages: a chunk may cross one edge
     assert kb.chunk_pages_for(512, 96) == 8  # cdiv(512, 96) + 1 = 7 pages
     assert kb.chunk_pages_for(512, 48) == 0  # 32-key tiles straddle 48-row pages
-    assert _tk(score_block=32, score_prefetch=1).chunk_pages_for(512, 64) == 0
-    assert _tk(score_block=32, score_chunk_pages=False).chunk_pages_for(512, 64) == 0
+    assert (
+        _tk(score_block=32, score_chunk_pages=True, score_prefetch=1).chunk_pages_for(512, 64) == 0
+    )

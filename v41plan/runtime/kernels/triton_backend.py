@@ -331,12 +331,13 @@ class TritonBackend(TorchBackend):
     select_programs = 0
     """Programs a row's top-k select takes: 0 by the row's length and the device
     (``select_segments_for``); n >= 1 that many (1: one program a row)."""
-    select_resident_max = 8192
+    select_resident_max = 0
     """Longest row (elements, rounded up to a power of two) whose ids one program selects with
     the row held in registers (``select_resident_kernel``: one read, a compare and a sum a
-    bit). Longer rows, with ``select_programs`` 0, take the long-row select over segments of
-    this many (``_select_long``); block mode, other ``select_programs`` and 0 the digit select
-    (``select_kernel``) or the digit segments."""
+    bit); longer rows, with ``select_programs`` 0, take the long-row select over segments of
+    this many (``_select_long``). 0: the digit select (``select_kernel``) or its segments for
+    every row, as block mode always. Staged off, untimed: 8,192 (no spills in the sm_90 build;
+    16,384 spills) is the value to time, ``bench_kernels.py --only "select sweep"``."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -352,11 +353,11 @@ class TritonBackend(TorchBackend):
     the one before it multiplies (H200: faster at 64K keys, slower at 8K; off until a rule by
     context is measured, reports/gpu/bench_kernels_sweep*.json)."""
 
-    score_chunk_pages = True
+    score_chunk_pages = False
     """Load a scorer program's page ids before its tile loop (``chunk_pages_for``), so the
-    pipeline keeps the next tile's keys in flight (sm_90 build: one copy group in flight at the
-    loop's wait, none without). Untimed alone: ``bench_kernels.py --only "scorer decode sweep"``
-    has its A/B."""
+    pipeline keeps the next tile's keys in flight (sm_90 build of the flash fp8 decode form: one
+    copy group in flight at the loop's wait, none without; 426 instructions a tile against 415).
+    Staged off, untimed: ``bench_kernels.py --only "scorer decode sweep"`` has its A/B."""
 
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different
