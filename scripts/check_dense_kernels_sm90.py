@@ -553,7 +553,7 @@ def main(argv=None) -> int:
         "--loop-histogram",
         action="store_true",
         help="also print the SASS of each kernel's longest loop: instructions, register moves, "
-        "the most frequent opcodes",
+        "the most frequent opcodes (LOOP_TOP in the environment: how many, default 8)",
     )
     ap.add_argument(
         "--mma-layouts",

@@ -310,7 +310,10 @@ class TritonBackend(TorchBackend):
     score_chunk = 512
     """Keys one scorer program covers (a row's programs past its bound return at once)."""
     score_block = 32
-    """Keys per scorer tile (the dot's N; 64 spills registers at sm_90 in the fp8 scorer)."""
+    """Keys per scorer tile (the dot's N). 64 spilled registers at sm_90 in the fp8 scorer while
+    its codes were decoded in software; since they are copied whole and converted by the
+    hardware it does not (561 instructions a 64-key tile against 415 a 32-key one): a sweep row
+    of ``bench_kernels.py --only "scorer decode sweep"``, untimed."""
     score_fill_sms = True
     """Halve a program's keys (down to ``score_block``) while the scorer's programs are fewer
     than the device's multiprocessors. A decode over a short context is otherwise one program
