@@ -471,16 +471,12 @@ class TritonBackend(TorchBackend):
         if segments > 1:
             self._select_segments(score, bound, k, out, segments)
             return
+        head = (score, score.stride(0), _vec(bound) if bound is not None else score)
+        head += (out, out.stride(0), k, n)
         if segments == 1 and next_pow2(n) <= self.select_resident_max:
             np_ = max(16, next_pow2(n))
             SC.select_resident_kernel[(t,)](
-                score,
-                score.stride(0),
-                _vec(bound) if bound is not None else score,
-                out,
-                out.stride(0),
-                k,
-                n,
+                *head,
                 HAS_BOUND=bound is not None,
                 NP=np_,
                 KP=next_pow2(k),
@@ -491,13 +487,7 @@ class TritonBackend(TorchBackend):
         g = max(block_rows, 1)
         elems = n // g
         SC.select_kernel[(t,)](
-            score,
-            score.stride(0),
-            _vec(bound) if bound is not None else score,
-            out,
-            out.stride(0),
-            k,
-            n,
+            *head,
             HAS_BOUND=bound is not None,
             G=g,
             BLOCK_MODE=block_rows > 0,

@@ -479,11 +479,7 @@ def _digit_select(
 def _row_keys(row_ptr, e, n_elem):
     """Order-preserving int32 keys of scores ``e`` of a row (``-0.0`` as ``+0.0``) and which are
     valid (below ``n_elem``, above ``-inf``); invalid keys set to ``NEG_INF_KEY``."""
-    inb = e < n_elem
-    v = tl.load(row_ptr + e, mask=inb, other=float("-inf")).to(tl.float32)
-    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
-    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    valid = inb & (key > NEG_INF_KEY)
+    key, valid = _seg_keys(row_ptr, e, n_elem)
     return tl.where(valid, key, NEG_INF_KEY), valid
 
 
