@@ -4,8 +4,13 @@
 ``t`` and returns at once when that range starts past the row's bound, so the work follows each
 row's own context, never the block-table width. It rounds the query itself (E4M3 per (row, head)
 with an fp32 scale for the fp8 plane, E2M1 with E8M0 per 32 lanes for the fp4 plane) and reads
-the key rows in place through the row's page list. Every operand of the dot lies on a grid bf16
-holds exactly, so the products are exact and the sums fp32.
+the key rows in place through the row's page list. Every operand of the dot lies on a grid its
+type holds exactly (fp16 on the fp8 plane, bf16 on the fp4 plane), so the products are exact and
+the sums fp32.
+
+``select_resident_kernel`` (rows up to ``select_resident_max``) and the long-row select
+(``select_bound_kernel`` then ``select_final_kernel``): staged forms of the same top-k with the
+row held in registers, the k-th key found a bit at a time.
 
 ``select_kernel``: per row, a most-significant-digit radix select (up to four 8-bit passes of
 histograms over order-preserving uint32 keys) finds the k-th largest score; a last pass in
@@ -232,6 +237,8 @@ def _score_tile(
             if FP4:
                 k = tl.interleave(e2m1_value(ra & 15), e2m1_value(ra >> 4)) * e8m0_value(rb)
             else:
+                # fp16 holds every E4M3 value, and fp8 -> fp16 is one hardware instruction a
+                # pair (the fp8 -> bf16 cast disagreed with an exact decode on the H200)
                 k = ra.to(tl.float8e4nv, bitcast=True).to(tl.float16)
                 ks = rb
             if DOT_BF16 and QUANT and not FP4:
