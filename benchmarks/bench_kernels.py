@@ -1005,13 +1005,14 @@ def main(argv=None) -> int:
                 "medium",
                 [
                     {},  # the default, in the same run
-                    # resolved at three stages (the default since 6a8d119) a 16-head program
-                    # takes 119 KB of shared memory: one a multiprocessor, where the splits
-                    # count two; two stages (86 KB) or 16-key blocks (70 KB) fit two or three
+                    # resolved at three stages (the default since 6a8d119; untimed at medium
+                    # widths): 86 KB of shared memory and 188 registers a thread, two programs
+                    # a multiprocessor (sm_90 build); two stages 53 KB, 16-key blocks 53 KB
+                    # and 168 registers (three a multiprocessor), and the form timed at 0.41
                     {"num_stages": 2},
                     {"BN": 16},
                     {"SPLITS": 2},
-                    {"RESOLVE": False, "BALANCE": False, "num_stages": 2},  # the form of 0.41
+                    {"RESOLVE": False, "BALANCE": False, "num_stages": 2},
                     {"SPLITS": 1},
                     {"SPLITS": 4, "BN": 16},
                     {"SPLITS": 8, "BN": 16},

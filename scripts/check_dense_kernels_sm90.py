@@ -283,7 +283,9 @@ def _attention_variants(every: bool = False) -> list:
     warps at 64 heads and 8 at 32, two splits (the launcher's form at 64 rows) at two and three
     stages, and two splits with the selected ids resolved first (``RESOLVE``) at two and three
     stages (``RESOLVE_SELECTED``'s form: three), and each with its splits balanced over the row's
-    own blocks (``BALANCED_SPLITS``); and ``RESOLVE_SELECTED``'s one-split form (prefill)."""
+    own blocks (``BALANCED_SPLITS``); ``RESOLVE_SELECTED``'s one-split form (prefill); and
+    medium's 16-head form at 64 rows (4 splits, resolved and balanced) at three stages, two,
+    and 16-key blocks."""
     from v41plan.runtime.kernels import triton_attention as ta
 
     ptrs = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*i16", "ring_ptr": "*bf16"}
@@ -298,6 +300,9 @@ def _attention_variants(every: bool = False) -> list:
         forms += [(64, 8, 2, 32, 2, True), (64, 8, 2, 32, 3, True)]  # RESOLVE_SELECTED's: 3
         forms += [(64, 8, 2, 32, 2, False, True), (64, 8, 2, 32, 3, True, True)]  # BALANCED_SPLITS
         forms.append((64, 8, 1, 32, 3, True))  # RESOLVE_SELECTED's one-split form (prefill)
+        # medium (16 heads, 4 warps) at 64 rows: the launcher's four splits, resolved and
+        # balanced, at three stages (its default) and two, and 16-key blocks at three
+        forms += [(16, 4, 4, bn, st, True, True) for bn, st in ((32, 3), (32, 2), (16, 3))]
     out = []
     for hb, warps, splits, bn, stages, *flags in forms:
         resolve, balance = (list(flags) + [False, False])[:2]
@@ -317,7 +322,8 @@ def _attention_variants(every: bool = False) -> list:
         cx["DV"] = 512
         cx["RESOLVE"], cx["BALANCE"] = bool(resolve), bool(balance)
         sig.update(dict.fromkeys(cx, "constexpr"))
-        name = f"sparse attention flash HB={hb} warps={warps} SPLITS={splits}"
+        width = "medium" if hb == 16 else "flash"
+        name = f"sparse attention {width} HB={hb} warps={warps} SPLITS={splits}"
         name += f" BN={bn}" if bn != 32 else ""
         name += f" stages={stages}" if stages != 2 else ""
         name += " resolve" if resolve else ""
