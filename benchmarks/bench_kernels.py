@@ -1030,7 +1030,20 @@ def main(argv=None) -> int:
             ),
         ),
     ]
+    from v41plan.validation.provenance import provenance
+
     rows, skipped = [], []
+    report = {
+        "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": _commit(),
+        "spec": "medium and V4.1-Flash attention widths (WIDTHS: H, index heads; D, W, top-k)",
+        "provenance": provenance(),
+        "ceilings": ceil,
+        "rows": rows,
+        "skipped": skipped,
+    }
     for name, fn in plan:
         if args.only and not any(o in name for o in args.only.split("|")):
             continue
@@ -1043,21 +1056,10 @@ def main(argv=None) -> int:
             rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:400]})
             traceback.print_exc(limit=3)
         torch.cuda.empty_cache()
-    from v41plan.validation.provenance import provenance
-
-    report = {
-        "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": _commit(),
-        "spec": "medium and V4.1-Flash attention widths (WIDTHS: H, index heads; D, W, top-k)",
-        "provenance": provenance(),
-        "ceilings": ceil,
-        "rows": rows,
-        "skipped": skipped,
-        "fallbacks": sorted(kb.fallbacks),
-        "wall_s": time.perf_counter() - t0,
-    }
+        # the rows so far, so that a run stopped by its device call's limit still reports them
+        report.update(fallbacks=sorted(kb.fallbacks), wall_s=time.perf_counter() - t0)
+        write_report(report, args.out, "bench_kernels.json")
+    report.update(fallbacks=sorted(kb.fallbacks), wall_s=time.perf_counter() - t0)
     print(
         f"{report['device']}  copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s  "
         f"bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s  commit {report['commit']}"
