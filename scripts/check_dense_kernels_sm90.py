@@ -532,15 +532,22 @@ def _loop_fchk(cubin: bytes, cuobjdump: str) -> int:
 
 
 def _loop_histogram(cubin: bytes, cuobjdump: str) -> str:
-    """The SASS of the kernel's longest loop (the span of its longest backward branch):
-    instructions, register moves (``MOV``, ``IMAD.MOV``) and the most frequent opcodes."""
-    body: list[str] = max(_loops(cubin, cuobjdump), key=len, default=[])
-    if not body:
+    """The SASS of the kernel's longest loop (the span of its longest backward branch), or with
+    ``LOOP_ALL`` set in the environment of every loop, in code order: instructions, register
+    moves (``MOV``, ``IMAD.MOV``) and the most frequent opcodes."""
+    loops = _loops(cubin, cuobjdump)
+    if not os.environ.get("LOOP_ALL"):
+        loops = [max(loops, key=len)] if loops else []
+    if not loops:
         return "loop none"
-    ops = Counter(t.split()[0].split(".")[0] for t in body)
-    moves = sum(1 for t in body if "MOV" in t.split()[0])
-    top = " ".join(f"{op}:{n}" for op, n in ops.most_common(int(os.environ.get("LOOP_TOP", "8"))))
-    return f"loop {len(body)} instructions, {moves} moves; {top}"
+    lines = []
+    for body in loops:
+        ops = Counter(t.split()[0].split(".")[0] for t in body)
+        moves = sum(1 for t in body if "MOV" in t.split()[0])
+        n_top = int(os.environ.get("LOOP_TOP", "8"))
+        top = " ".join(f"{op}:{n}" for op, n in ops.most_common(n_top))
+        lines.append(f"loop {len(body)} instructions, {moves} moves; {top}")
+    return "\n     ".join(lines)
 
 
 def _div64(ptx: str) -> int:
@@ -559,7 +566,8 @@ def main(argv=None) -> int:
         "--loop-histogram",
         action="store_true",
         help="also print the SASS of each kernel's longest loop: instructions, register moves, "
-        "the most frequent opcodes (LOOP_TOP in the environment: how many, default 8)",
+        "the most frequent opcodes (LOOP_TOP in the environment: how many, default 8; "
+        "LOOP_ALL: every loop, not the longest)",
     )
     ap.add_argument(
         "--mma-layouts",
