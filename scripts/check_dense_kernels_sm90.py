@@ -409,7 +409,7 @@ def _select_variants(every: bool = False) -> list:
     sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
     sig.update({"s_ws_row": "i32", "list_ptr": "*i32", "s_list_row": "i32", "out_ptr": "*i64"})
     sig.update({"s_out_row": "i32", "K": "i32", "N": "i32", "S": "i32"})
-    cx = {"HAS_BOUND": True, "SP": 4, "CHUNK": 2048, "NPC": 4096, "KP": 512, "DIGIT_CHUNK": 2048}
+    cx = {"HAS_BOUND": True, "SP": 4, "CHUNK": 2048, "NPC": 4096, "KP": 512}
     sig.update(dict.fromkeys(cx, "constexpr"))
     warps = TritonBackend().resident_select_warps(4096)
     name = f"select long final NPC=4096 warps={warps}"

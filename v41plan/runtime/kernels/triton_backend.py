@@ -519,7 +519,6 @@ class TritonBackend(TorchBackend):
             score, score.stride(0), b, ws, ws.stride(0), lists, lists.stride(0), out,
             out.stride(0), k, n, segments, HAS_BOUND=has, SP=next_pow2(segments),
             CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
-            DIGIT_CHUNK=min(self.select_chunk, next_pow2(n)),
             num_warps=self.resident_select_warps(npc),
         )  # fmt: skip
 

@@ -613,7 +613,6 @@ def select_final_kernel(
     CHUNK: tl.constexpr,
     NPC: tl.constexpr,
     KP: tl.constexpr,
-    DIGIT_CHUNK: tl.constexpr,
 ):
     """Row ``t``'s top-``K`` ids from its segments' bounds (``select_bound_kernel``): the keys at
     or above the largest bound, gathered in position order into ``list [T, NPC]`` (their
@@ -649,7 +648,7 @@ def select_final_kernel(
     else:
         _digit_select(
             t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
-            HAS_BOUND, 1, False, DIGIT_CHUNK, KP,
+            HAS_BOUND, 1, False, CHUNK, KP,
         )  # fmt: skip
 
 
