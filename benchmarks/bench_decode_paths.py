@@ -43,7 +43,10 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
   off): its A/B;
 - ``compiled_fixed_splits``: ``compiled`` with the flash-decoding splits taking fixed shares of
   every block the shapes allow (``triton_backend.BALANCED_SPLITS`` off): its A/B;
-- ``compiled_unresolved_fixed``: ``compiled`` with both attention flags above off.
+- ``compiled_unresolved_fixed``: ``compiled`` with both attention flags above off;
+- ``compiled_digit_select``: ``compiled`` with the index scorer's 32-key tiles and the digit
+  select for every row (``TritonBackend.score_block`` 32, ``select_resident_max`` 0): the
+  forms before the 64-key tiles and the resident select became the default, their A/B.
 
 Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
 compiled_decode_fp8_rows,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
@@ -119,6 +122,7 @@ VARIANTS = {
     "compiled_unresolved": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_fixed_splits": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unresolved_fixed": ("triton", "triton", "grouped", True, "inductor"),
+    "compiled_digit_select": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -136,6 +140,10 @@ GEMM_FLAGS = {
     "compiled_unresolved_fixed": {
         "kernels.triton_backend.RESOLVE_SELECTED": False,
         "kernels.triton_backend.BALANCED_SPLITS": False,
+    },
+    "compiled_digit_select": {
+        "kernels.triton_backend.TritonBackend.score_block": 32,
+        "kernels.triton_backend.TritonBackend.select_resident_max": 0,
     },
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
@@ -310,16 +318,23 @@ def _kernel_table(fn, steps: int, top: int) -> tuple[list[dict], float | None]:
     return table, busy_us / 1e3
 
 
-@contextlib.contextmanager
-def module_flags(flags: dict):
-    """Set module flags (``module.NAME`` under ``v41plan.runtime`` -> value) for the body,
-    restored after it."""
+def _flag_owner(key: str) -> tuple:
+    """(module or class, attribute name) of a flag ``module.NAME`` / ``module.Class.NAME``."""
     import importlib
 
-    where = {
-        k: (importlib.import_module(f"v41plan.runtime.{k.rsplit('.', 1)[0]}"), k.rsplit(".", 1)[1])
-        for k in flags
-    }
+    path, attr = key.rsplit(".", 1)
+    try:
+        return importlib.import_module(f"v41plan.runtime.{path}"), attr
+    except ModuleNotFoundError:
+        mod, cls = path.rsplit(".", 1)
+        return getattr(importlib.import_module(f"v41plan.runtime.{mod}"), cls), attr
+
+
+@contextlib.contextmanager
+def module_flags(flags: dict):
+    """Set module flags (``module.NAME`` or ``module.Class.NAME`` under ``v41plan.runtime`` ->
+    value) for the body, restored after it."""
+    where = {k: _flag_owner(k) for k in flags}
     saved = {k: getattr(mod, attr) for k, (mod, attr) in where.items()}
     try:
         for k, v in flags.items():

@@ -426,8 +426,8 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
         {},  # the default, in the same run
         {"score_chunk_pages": True},  # staged off
         {"score_prefetch": 1},
-        {"score_block": 64},
-        {"score_block": 64, "score_prefetch": 1},
+        {"score_block": 32},
+        {"score_block": 32, "score_chunk_pages": True},
         {"score_chunk": 1024},
         {"score_chunk": 256},
     ]
@@ -637,18 +637,18 @@ def scorer_prefill_split(context, ceil, kb, ref):
 
 
 def select_sweep(n, ceil, kb, ref):
-    """The top-k select alone over ``n`` scores a row (decode rows): the default (the digit
-    select), the resident and long-row selects (``select_resident_max``, staged off) at 8,192
-    and beyond, and the digit select in one program a row and in segments
-    (``select_programs``)."""
+    """The top-k select alone over ``n`` scores a row (decode rows): the default (the resident
+    select up to ``select_resident_max``, the long-row select past it), the digit select
+    (``select_resident_max`` 0) by the device, in one program a row and in segments
+    (``select_programs``), and the resident and long-row selects at other lengths."""
     rows = SIZES["decode_rows"]
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
     want = ref.topk_ids(score, K)
     # the default; the digit select (one program, then segments); the resident select past
     # its default length (one program a row, the row in registers: spills at 16,384 and more)
-    forms = [{}, {"select_resident_max": 8192}]  # the default; the staged resident select
-    forms += [{"select_programs": p} for p in (1, 4, 16)]
+    forms = [{}, {"select_resident_max": 0}]  # the default; the digit select
+    forms += [{"select_programs": p, "select_resident_max": 0} for p in (1, 4, 16)]
     forms += [{"select_programs": 1, "select_resident_max": m} for m in (16384, 32768)]
     forms.append({"select_resident_max": 4096})  # long rows: segments of 4,096
     out = []

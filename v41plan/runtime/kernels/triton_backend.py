@@ -309,11 +309,11 @@ class TritonBackend(TorchBackend):
     # -- scorer -------------------------------------------------------------------------------
     score_chunk = 512
     """Keys one scorer program covers (a row's programs past its bound return at once)."""
-    score_block = 32
-    """Keys per scorer tile (the dot's N). 64 spilled registers at sm_90 in the fp8 scorer while
-    its codes were decoded in software; since they are copied whole and converted by the
-    hardware it does not (561 instructions a 64-key tile against 415 a 32-key one): a sweep row
-    of ``bench_kernels.py --only "scorer decode sweep"``, untimed."""
+    score_block = 64
+    """Keys per scorer tile (the dot's N). 64 against 32: H100, 64 decode rows, fp8 plane,
+    medium 8K 17.1 us against 20.8, flash 64K 163 us against 196
+    (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json); the sm_90 build copies a
+    tile's codes whole and converts them in hardware, so the wider tile does not spill."""
     score_fill_sms = True
     """Halve a program's keys (down to ``score_block``) while the scorer's programs are fewer
     than the device's multiprocessors. A decode over a short context is otherwise one program
@@ -334,13 +334,14 @@ class TritonBackend(TorchBackend):
     select_programs = 0
     """Programs a row's top-k select takes: 0 by the row's length and the device
     (``select_segments_for``); n >= 1 that many (1: one program a row)."""
-    select_resident_max = 0
+    select_resident_max = 8192
     """Longest row (elements, rounded up to a power of two) whose ids one program selects with
     the row held in registers (``select_resident_kernel``: one read, a compare and a sum a
     bit); longer rows, with ``select_programs`` 0, take the long-row select over segments of
     this many (``_select_long``). 0: the digit select (``select_kernel``) or its segments for
-    every row, as block mode always. Staged off, untimed: 8,192 (no spills in the sm_90 build;
-    16,384 spills) is the value to time, ``bench_kernels.py --only "select sweep"``."""
+    every row, as block mode always. 8,192 (16,384 spills in the sm_90 build): H100, 64 rows,
+    4,096 keys 12.5 us against 20.5 for the digit select, 32,768 keys 65 us against 105 for
+    its segments (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json)."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -360,7 +361,10 @@ class TritonBackend(TorchBackend):
     """Load a scorer program's page ids before its tile loop (``chunk_pages_for``), so the
     pipeline keeps the next tile's keys in flight (sm_90 build of the flash fp8 decode form: one
     copy group in flight at the loop's wait, none without; 426 instructions a tile against 415).
-    Staged off, untimed: ``bench_kernels.py --only "scorer decode sweep"`` has its A/B."""
+    Staged off: with 32-key tiles it took H100's 64-row decode scores from 20.8 to 19.6 us
+    (medium 8K) and 196 to 185 (flash 64K), less than 64-key tiles alone
+    (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json); with 64-key tiles untimed,
+    ``bench_kernels.py --only "scorer decode sweep"``."""
 
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different

@@ -9,16 +9,16 @@ type holds exactly (fp16 on the fp8 plane, bf16 on the fp4 plane), so the produc
 the sums fp32.
 
 ``select_resident_kernel`` (rows up to ``select_resident_max``) and the long-row select
-(``select_bound_kernel`` then ``select_final_kernel``): staged forms of the same top-k with the
-row held in registers, the k-th key found a bit at a time.
+(``select_bound_kernel`` then ``select_final_kernel``): the default top-k, the row held in
+registers, the k-th key found a bit at a time.
 
-``select_kernel``: per row, a most-significant-digit radix select (up to four 8-bit passes of
-histograms over order-preserving uint32 keys) finds the k-th largest score; a last pass in
-position order takes everything above it and the ties at it from the smallest position up, so
-the output comes out ascending without a sort. Invalid entries (``-inf``) never count. In block
-mode an element is the max of ``G`` consecutive scores (the candidate source's blocks, the block
-of the newest visible row forced to ``+inf``) and the output is the row mask of the chosen
-blocks.
+``select_kernel`` (block mode, and every row with ``select_resident_max`` 0): per row, a most-
+significant-digit radix select (up to four 8-bit passes of histograms over order-preserving uint32
+keys) finds the k-th largest score; a last pass in position order takes everything above it and the
+ties at it from the smallest position up, so the output comes out ascending without a sort. Invalid
+entries (``-inf``) never count. In block mode an element is the max of ``G`` consecutive scores (the
+candidate source's blocks, the block of the newest visible row forced to ``+inf``) and the output is
+the row mask of the chosen blocks.
 """
 
 from __future__ import annotations
