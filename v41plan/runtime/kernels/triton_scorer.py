@@ -10,7 +10,7 @@ the sums fp32.
 
 ``select_resident_kernel`` (rows up to ``select_resident_max``) and the long-row select
 (``select_bound_kernel`` then ``select_final_kernel``): the default top-k, the row held in
-registers, the k-th key found a bit at a time.
+registers, the k-th key found two bits at a time.
 
 ``select_kernel`` (block mode, and every row with ``select_resident_max`` 0): per row, a most-
 significant-digit radix select (up to four 8-bit passes of histograms over order-preserving uint32
@@ -493,14 +493,29 @@ def _row_keys(row_ptr, e, n_elem):
 @triton.jit
 def _kth_key(key, rem):
     """The largest key ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1; the
-    rem-th largest), a bit at a time: the sign first (keys >= 0 enough?), then bits 30..0 set
-    while enough keys lie at or above (OR-ing a bit into a negative threshold raises it as into
-    a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them."""
+    rem-th largest): the sign first (keys >= 0 enough?), then bits 30..1 two at a time, the
+    largest of the three thresholds the pair can add with enough keys at or above it (OR-ing
+    bits into a negative threshold raises it as into a positive one), then bit 0. A pair's
+    three counts share one reduction (21-bit fields of an int64 sum), so a key takes 17
+    reductions, not 32: the reductions across the program's warps are what the select waits
+    on. ``NEG_INF_KEY`` entries never count: every threshold lies above them."""
     lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
-    for i in tl.static_range(31):
-        cand = lo | (1 << (30 - i))
-        lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
-    return lo
+    for i in tl.static_range(15):
+        hi_bit = 1 << (30 - 2 * i)
+        lo_bit = 1 << (29 - 2 * i)
+        c1 = lo | lo_bit
+        c2 = lo | hi_bit
+        c3 = c2 | lo_bit
+        packed = (key >= c1).to(tl.int64)
+        packed += (key >= c2).to(tl.int64) << 21
+        packed += (key >= c3).to(tl.int64) << 42
+        counts = tl.sum(packed, axis=0)
+        n1 = counts & 0x1FFFFF
+        n2 = (counts >> 21) & 0x1FFFFF
+        n3 = counts >> 42
+        lo = tl.where(n3 >= rem, c3, tl.where(n2 >= rem, c2, tl.where(n1 >= rem, c1, lo)))
+    cand = lo | 1
+    return tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
 
 
 @triton.jit
@@ -536,10 +551,10 @@ def select_resident_kernel(
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
     ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
-    k-th largest key found a bit at a time (``_kth_key``: 32 counts over the held keys), then
+    k-th largest key found two bits a step (``_kth_key``: 17 reductions over the held keys), then
     one cumulative sum in position order places the keys above it and the first ties at it.
     The digit passes of ``select_kernel`` read the row up to five times with a 256-bin
-    histogram each; here a bit costs a compare and a sum."""
+    histogram each; here two bits cost three compares and one sum."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     if HAS_BOUND:
