@@ -334,28 +334,31 @@ def _attention_variants(every: bool = False) -> list:
 
 
 def _scorer_variants(every: bool = False) -> list:
-    """The index scorer's decode form (one row a program, 32-key tiles, 4 warps as launched) on
+    """The index scorer's decode form (one row a program, 64-key tiles, 4 warps as launched) on
     the fp8 plane at V4.1-Flash widths (32 heads x 128), fp16 dot operands (the hardware's exact
     E4M3 -> fp16); ``every``: also medium's widths (16 x 128), the prefetch
-    (``score_prefetch``), the chunk's pages loaded first (``score_chunk_pages``), 64-key tiles
-    and the fp4 plane at flash widths."""
+    (``score_prefetch``), the chunk's pages loaded first (``score_chunk_pages``), 32-key tiles,
+    the fp4 plane at flash widths and the fused select (``score_select_fused``) at 4,096 and
+    8,192 columns."""
     from v41plan.runtime.kernels import triton_scorer as sc
 
     out = []
-    forms = [("flash fp8", 32, False, 0, 0), ("medium fp8", 16, False, 0, 0)]
-    forms += [("flash fp4", 32, True, 0, 0), ("flash fp8", 32, False, 1, 0)]  # + prefetch
-    forms.append(("flash fp8", 32, False, 0, 1024 // 64))  # score_chunk_pages's form (staged)
-    forms.append(("flash fp8", 64, False, 0, 0))  # score_block 64 (a sweep row): BN below
+    # (name, heads padded, fp4, prefetch, chunk pages, keys a tile, fused select columns)
+    forms = [("flash fp8", 32, False, 0, 0, 64, 0), ("medium fp8", 16, False, 0, 0, 64, 0)]
+    forms += [("flash fp4", 32, True, 0, 0, 64, 0), ("flash fp8", 32, False, 1, 0, 64, 0)]
+    forms.append(("flash fp8", 32, False, 0, 1024 // 64, 64, 0))  # score_chunk_pages (staged)
+    forms.append(("flash fp8", 32, False, 0, 0, 32, 0))  # 32-key tiles (the old default)
+    forms.append(("medium fp8", 16, False, 0, 0, 64, 4096))  # the fused select (staged), 8K
+    forms.append(("flash fp8", 32, False, 0, 0, 64, 8192))  # and its longest rows
     forms = forms if every else forms[:1]
-    for name, hp, fp4, prefetch, chunk_pages in forms:
-        bn = 64 if hp == 64 else 32
-        hp = 32 if hp == 64 else hp
+    for name, hp, fp4, prefetch, chunk_pages, bn, select_np in forms:
         sig = {}
         for n in sc.score_kernel.arg_names:
             if n.endswith("_ptr"):
                 sig[n] = "*fp32" if n in ("q_ptr", "w_ptr", "out_ptr") else "*i64"
-            elif n.startswith("s_") or n in ("T", "H", "P"):
+            elif n.startswith("s_") or n in ("T", "H", "P", "K"):
                 sig[n] = "i32"
+        sig["sel_ptr"] = "*i32"
         sig["key_ptr"] = "*u8"
         sig["ksc_ptr"] = "*u8"
         sig["q_ptr"] = sig["w_ptr"] = "*bf16"
@@ -364,14 +367,15 @@ def _scorer_variants(every: bool = False) -> list:
         cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": bn, "CHUNK": 1024, "FP4": fp4}
         cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
         cx.update({"DOT_BF16": True, "PREFETCH": prefetch, "PDL": False})
-        cx["CHUNK_PAGES"] = chunk_pages
+        cx.update({"CHUNK_PAGES": chunk_pages, "SELECT_NP": select_np, "KP": 512})
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append(
             (
                 f"scorer decode {name} H={hp}"
                 + (" prefetch" if prefetch else "")
                 + (" chunk-pages" if chunk_pages else "")
-                + (f" BN={bn}" if bn != 32 else ""),
+                + (f" BN={bn}" if bn != 64 else "")
+                + (f" fused-select={select_np}" if select_np else ""),
                 sc.score_kernel,
                 sig,
                 cx,

@@ -292,6 +292,10 @@ def score_kernel(
     T,
     H,
     P,
+    sel_ptr,
+    ids_ptr,
+    s_ids_row,
+    K,
     RPP: tl.constexpr,
     ROWS: tl.constexpr,
     D: tl.constexpr,
@@ -307,6 +311,8 @@ def score_kernel(
     PREFETCH: tl.constexpr = 0,
     PDL: tl.constexpr = False,
     CHUNK_PAGES: tl.constexpr = 0,
+    SELECT_NP: tl.constexpr = 0,
+    KP: tl.constexpr = 16,
 ):
     """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
     for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
@@ -316,7 +322,12 @@ def score_kernel(
     scales plane. With ``ROWS > 1`` rows that read the same pages in this range (a prefill
     chunk's rows) share each key tile; rows of different requests are scored one by one.
     ``CHUNK_PAGES`` (where every tile lies in one page, ``PREFETCH`` 0): the chunk's page ids
-    are loaded before the tile loop, so no key copy waits on a load of the loop."""
+    are loaded before the tile loop, so no key copy waits on a load of the loop.
+
+    ``SELECT_NP`` (``ROWS`` 1, rows of at most that many columns): the row's program to finish
+    last also selects its top-``K`` ids into ``ids [T, K]`` (``_select_last``), so a decode
+    step's scores and their select are one launch. ``sel [T]`` (int32) counts a row's finished
+    programs: zero before the launch, and the last program sets it back to zero."""
     pdl_enter(PDL)
     t0 = tl.program_id(0) * ROWS
     c = tl.program_id(1)
@@ -328,6 +339,11 @@ def score_kernel(
             RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16, PREFETCH,
             CHUNK_PAGES,
         )  # fmt: skip
+        if SELECT_NP > 0:
+            _select_last(
+                t0, bound_ptr, sel_ptr, out_ptr, s_out_row, ids_ptr, s_ids_row, K, P * RPP,
+                SELECT_NP, KP,
+            )  # fmt: skip
     else:
         NCOL: tl.constexpr = (CHUNK + RPP - 1) // RPP
         r = tl.arange(0, ROWS)
@@ -349,6 +365,34 @@ def score_kernel(
                     RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
                     PREFETCH, CHUNK_PAGES,
                 )  # fmt: skip
+
+
+@triton.jit
+def _select_last(
+    t, bound_ptr, sel_ptr, score_ptr, s_score_row, ids_ptr, s_ids_row, K, N, NP: tl.constexpr,
+    KP: tl.constexpr,
+):  # fmt: skip
+    """Count this program as done with row ``t``'s scores; the row's last program selects its
+    top-``K`` ids as ``select_resident_kernel`` does (the row's ``N <= NP`` columns up to its
+    bound, read from L2) and sets the count back to zero. The barrier puts every thread's score
+    stores before the count's release (the atomic is one thread's); its acquire, before the
+    last program's reads of the other programs' scores."""
+    tl.debug_barrier()
+    done = tl.atomic_add(sel_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(1) - 1:
+        tl.store(sel_ptr + t, 0)
+        n_elem = tl.minimum(tl.load(bound_ptr + t), N)
+        e = tl.arange(0, NP)
+        inb = e < n_elem
+        v = tl.load(
+            score_ptr + t * s_score_row + e, mask=inb, other=float("-inf"), cache_modifier=".cg"
+        )
+        b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+        key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+        valid = inb & (key > NEG_INF_KEY)
+        key = tl.where(valid, key, NEG_INF_KEY)
+        rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
+        _write_selected(ids_ptr + t * s_ids_row, key, valid, e, rem, K, KP)
 
 
 @triton.jit
