@@ -46,9 +46,7 @@ Each variant is a ``RuntimeModel`` with one more of the fast paths switched on, 
 - ``compiled_unresolved_fixed``: ``compiled`` with both attention flags above off;
 - ``compiled_digit_select``: ``compiled`` with the index scorer's 32-key tiles and the digit
   select for every row (``TritonBackend.score_block`` 32, ``select_resident_max`` 0): the
-  forms before the 64-key tiles and the resident select became the default, their A/B;
-- ``compiled_fused_select``: ``compiled`` with each decode row's top-k selected by the
-  scorer's last program of the row (``TritonBackend.score_select_fused`` on): its A/B.
+  forms before the 64-key tiles and the resident select became the default, their A/B.
 
 Variants run in the order given, each in a fresh engine, and a name may repeat (``compiled,
 compiled_decode_fp8_rows,compiled``): a later variant of the process has run 0.2-0.3 ms faster at
@@ -125,7 +123,6 @@ VARIANTS = {
     "compiled_fixed_splits": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_unresolved_fixed": ("triton", "triton", "grouped", True, "inductor"),
     "compiled_digit_select": ("triton", "triton", "grouped", True, "inductor"),
-    "compiled_fused_select": ("triton", "triton", "grouped", True, "inductor"),
 }
 """Variant name -> (kernel backend, dense kernels, MoE, resident weights, compile backend)."""
 
@@ -148,7 +145,6 @@ GEMM_FLAGS = {
         "kernels.triton_backend.TritonBackend.score_block": 32,
         "kernels.triton_backend.TritonBackend.select_resident_max": 0,
     },
-    "compiled_fused_select": {"kernels.triton_backend.TritonBackend.score_select_fused": True},
 }
 """Variants that also set module flags (``module.NAME`` under ``v41plan.runtime``) for their
 run, restored after it: the same step with a flag's other value, timed in the process that

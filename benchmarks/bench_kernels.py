@@ -406,8 +406,7 @@ def _scores_row(kb, args, want, shape, nbytes, flops, ceil) -> dict:
 def scorer_sweep(width, ix, context, ceil, kb, ref):
     """Decode scoring alone (``scores``: the fp32 score rows) in the scorer's forms (the
     backend's ``score_*`` settings: the chunk's pages loaded first, the prefetch, 32-key tiles,
-    other chunks), and the default with its top-k in both select forms and with the select
-    fused into the scorer's launch (``score_select_fused``): where the time goes."""
+    other chunks), and the default with its top-k in both select forms: where the time goes."""
     _, hi = WIDTHS[width]
     rows = SIZES["decode_rows"]
     pools = Pools(rows, context // PAGE, "bf16" if ix == "fp8" else "fp4", ix)
@@ -434,8 +433,6 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     ]
     forms.append({"score_chunk": 2048})
     forms += [{"select_programs": 1, "topk": True}, {"select_programs": 0, "topk": True}]
-    forms.append({"score_select_fused": True, "topk": True})  # staged off
-    forms.append({"score_select_fused": True, "score_chunk": 1024, "topk": True})
     for form in forms:
         attrs = {k: v for k, v in form.items() if k != "topk"}
         shipped = {k: getattr(kb, k) for k in attrs}

@@ -337,28 +337,24 @@ def _scorer_variants(every: bool = False) -> list:
     """The index scorer's decode form (one row a program, 64-key tiles, 4 warps as launched) on
     the fp8 plane at V4.1-Flash widths (32 heads x 128), fp16 dot operands (the hardware's exact
     E4M3 -> fp16); ``every``: also medium's widths (16 x 128), the prefetch
-    (``score_prefetch``), the chunk's pages loaded first (``score_chunk_pages``), 32-key tiles,
-    the fp4 plane at flash widths and the fused select (``score_select_fused``) at 4,096 and
-    8,192 columns."""
+    (``score_prefetch``), the chunk's pages loaded first (``score_chunk_pages``), 32-key tiles
+    and the fp4 plane at flash widths."""
     from v41plan.runtime.kernels import triton_scorer as sc
 
     out = []
-    # (name, heads padded, fp4, prefetch, chunk pages, keys a tile, fused select columns)
-    forms = [("flash fp8", 32, False, 0, 0, 64, 0), ("medium fp8", 16, False, 0, 0, 64, 0)]
-    forms += [("flash fp4", 32, True, 0, 0, 64, 0), ("flash fp8", 32, False, 1, 0, 64, 0)]
-    forms.append(("flash fp8", 32, False, 0, 1024 // 64, 64, 0))  # score_chunk_pages (staged)
-    forms.append(("flash fp8", 32, False, 0, 0, 32, 0))  # 32-key tiles (the old default)
-    forms.append(("medium fp8", 16, False, 0, 0, 64, 4096))  # the fused select (staged), 8K
-    forms.append(("flash fp8", 32, False, 0, 0, 64, 8192))  # and its longest rows
+    # (name, heads padded, fp4, prefetch, chunk pages, keys a tile)
+    forms = [("flash fp8", 32, False, 0, 0, 64), ("medium fp8", 16, False, 0, 0, 64)]
+    forms += [("flash fp4", 32, True, 0, 0, 64), ("flash fp8", 32, False, 1, 0, 64)]
+    forms.append(("flash fp8", 32, False, 0, 1024 // 64, 64))  # score_chunk_pages (staged)
+    forms.append(("flash fp8", 32, False, 0, 0, 32))  # 32-key tiles (the old default)
     forms = forms if every else forms[:1]
-    for name, hp, fp4, prefetch, chunk_pages, bn, select_np in forms:
+    for name, hp, fp4, prefetch, chunk_pages, bn in forms:
         sig = {}
         for n in sc.score_kernel.arg_names:
             if n.endswith("_ptr"):
                 sig[n] = "*fp32" if n in ("q_ptr", "w_ptr", "out_ptr") else "*i64"
-            elif n.startswith("s_") or n in ("T", "H", "P", "K"):
+            elif n.startswith("s_") or n in ("T", "H", "P"):
                 sig[n] = "i32"
-        sig["sel_ptr"] = "*i32"
         sig["key_ptr"] = "*u8"
         sig["ksc_ptr"] = "*u8"
         sig["q_ptr"] = sig["w_ptr"] = "*bf16"
@@ -367,15 +363,14 @@ def _scorer_variants(every: bool = False) -> list:
         cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": bn, "CHUNK": 1024, "FP4": fp4}
         cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
         cx.update({"DOT_BF16": True, "PREFETCH": prefetch, "PDL": False})
-        cx.update({"CHUNK_PAGES": chunk_pages, "SELECT_NP": select_np, "KP": 512})
+        cx["CHUNK_PAGES"] = chunk_pages
         sig.update(dict.fromkeys(cx, "constexpr"))
         out.append(
             (
                 f"scorer decode {name} H={hp}"
                 + (" prefetch" if prefetch else "")
                 + (" chunk-pages" if chunk_pages else "")
-                + (f" BN={bn}" if bn != 64 else "")
-                + (f" fused-select={select_np}" if select_np else ""),
+                + (f" BN={bn}" if bn != 64 else ""),
                 sc.score_kernel,
                 sig,
                 cx,

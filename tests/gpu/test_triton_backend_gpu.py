@@ -243,35 +243,6 @@ def test_scores_within_rounding_and_select_exact_on_one_matrix(name, ix, dtype):
     assert same >= least * sum(len(set(y.tolist())) for y in b)
 
 
-@pytest.mark.parametrize("name", SPECS)
-@pytest.mark.parametrize("ix", ["fp8", "fp4"])
-@pytest.mark.parametrize("chunk", [32, 512])
-def test_fused_select_is_the_separate_select_under_concurrency(name, ix, chunk):
-    """``score_select_fused``: every row's last scorer program selects the ids the separate
-    select takes from the same scores (random keys; 32-key chunks: many programs a row racing
-    to finish), launch after launch, with each row's counter back at zero; on exact scores
-    the reference's ids."""
-    ref, tri = _backends()
-    _, fused = _backends()
-    fused.score_select_fused = True
-    for kb in (tri, fused):
-        kb.score_chunk, kb.score_fill_sms = chunk, False
-    cfg, planes, q, w, bound, pages = _score_case(name, ix, exact=False, t=64, seed=3)
-    k = cfg.index_topk
-    n = pages.shape[1] * planes[0].shape[1]
-    assert fused.fused_select_np(64, n, k, fused.score_tile_rows(64, 16), False)
-    want = tri.score_topk(planes, q, w, bound, pages, k, None)
-    for _ in range(20):
-        assert torch.equal(fused.score_topk(planes, q, w, bound, pages, k, None), want)
-    assert not fused._sel_counts.any()
-    cfg, planes, q, w, bound, pages = _score_case(name, ix, exact=True, t=64, seed=4)
-    assert torch.equal(
-        fused.score_topk(planes, q, w, bound, pages, k, None),
-        ref.score_topk(planes, q, w, bound, pages, k, None),
-    )
-    assert not fused.fallbacks and not tri.fallbacks
-
-
 @pytest.mark.parametrize("programs", [0, 8, 64])
 def test_segment_select_is_the_references_at_decode_sizes(programs):
     # 64 rows of 32K scores (a 64K context at ratio 2): random, tied in steps, some rows
@@ -387,13 +358,10 @@ def test_column_split_attention_within_tolerance(kv, override):
     assert not tri.fallbacks, tri.fallbacks
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["", "fused-select"])
-def test_ops_replay_in_a_cuda_graph(fused):
+def test_ops_replay_in_a_cuda_graph():
     """One capture of attention, scorer and scatters; replays after the inputs change on the
-    device compute what eager runs compute (also with the scorer's fused select, whose row
-    counters the replays share with the eager runs)."""
+    device compute what eager runs compute."""
     _, tri = _backends()
-    tri.score_select_fused = fused
     args, sel = _attention_case("medium", "bf16", torch.bfloat16, t=16)
     cfg, planes, q, w, bound, pages = _score_case("medium", "fp8", exact=True, t=16)
     out = torch.empty_like(args[0])

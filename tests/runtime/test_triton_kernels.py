@@ -346,30 +346,6 @@ def test_score_topk_is_exact_where_the_scores_are(
     assert not kb.fallbacks
 
 
-@pytest.mark.parametrize("index_dtype", ["fp8", "fp4"])
-@pytest.mark.parametrize("chunk", [16, 64], ids=["four-programs-a-row", "one-program-a-row"])
-def test_fused_select_takes_the_ids_the_separate_select_does(tiny, index_dtype, chunk):
-    """``score_select_fused``: a decode row's last scorer program selects its top-k (the scores'
-    ties, bounds 0, at page edges and past the table, a missing page, a padding row, k past the
-    visible keys), in one launch, and leaves each row's counter at zero for the next launch."""
-    planes, q, w, bound, pages = _scorer_case(tiny, index_dtype, exact=True, seed=6)
-    kb = _tk(score_select_fused=True, score_chunk=chunk, score_block=16)
-    n = pages.shape[1] * planes[0].shape[1]
-    assert kb.fused_select_np(len(q), n, 4, 1, False) == 64
-    assert kb.fused_select_np(len(q), n, 0, 1, False) == 0  # no ids: no select
-    assert kb.fused_select_np(len(q), n, 4, 4, False) == 0  # a prefill's rows a program
-    assert kb.fused_select_np(len(q), n, 4, 1, True) == 0  # the candidate path
-    assert _tk(score_select_fused=True, select_resident_max=32).fused_select_np(9, n, 4, 1, 0) == 0
-    for topk in (1, 4, 17, 64, 70):
-        ids = kb.score_topk(planes, q, w, bound, pages, topk, None)
-        assert torch.equal(ids, REF.score_topk(planes, q, w, bound, pages, topk, None)), topk
-        assert not kb._sel_counts.any()
-    cand = torch.rand(len(q), n, generator=torch.Generator().manual_seed(7)) < 0.5
-    ids = kb.score_topk(planes, q, w, bound, pages, 8, cand)
-    assert torch.equal(ids, REF.score_topk(planes, q, w, bound, pages, 8, cand))
-    assert not kb.fallbacks
-
-
 def _tied_scores(t: int, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(-3, 4, (t, n), generator=g).float()

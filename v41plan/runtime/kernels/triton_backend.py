@@ -96,7 +96,6 @@ class TritonBackend(TorchBackend):
 
     def __init__(self, num_sms: int | None = None):
         self._num_sms = num_sms
-        self._sel_counts: torch.Tensor | None = None
         self.fallbacks: set[str] = set()
         """Names of the ops that fell back to the torch implementation at least once."""
 
@@ -367,14 +366,6 @@ class TritonBackend(TorchBackend):
     (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json); with 64-key tiles untimed,
     ``bench_kernels.py --only "scorer decode sweep"``."""
 
-    score_select_fused = False
-    """Decode rows of at most ``fused_select_max`` columns (and ``select_resident_max``): the
-    scorer's launch also selects their top-k, the last program of a row to finish scoring it
-    (``score_kernel``'s ``SELECT_NP``), so the select's launch and its wait on the scorer's tail
-    go. Staged off, untimed: ``bench_kernels.py --only "scorer decode"`` has its A/B."""
-    fused_select_max = 8192
-    """Longest row (columns, a power of two) the fused select holds in the scorer's 4 warps."""
-
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different
         requests), else enough for a 64-row dot (a prefill chunk's rows share their keys)."""
@@ -409,12 +400,9 @@ class TritonBackend(TorchBackend):
         dot is not reliable)."""
         return exact_operands and not _INTERPRETED
 
-    def _score(
-        self, planes, q, weights, bound, pages, candidates, out, fill: bool, select=None
-    ) -> None:
+    def _score(self, planes, q, weights, bound, pages, candidates, out, fill: bool) -> None:
         """Launch the scorer: ``out [T, P*rows]`` fp32 up to each row's bound (every column with
-        ``fill``); with ``select`` ``(ids, k)`` (``fused_select_np`` allows it) the launch also
-        selects each row's top-``k`` ids into ``ids``."""
+        ``fill``)."""
         t, h, d = q.shape
         fp4 = plane_format(planes) == "fp4"
         key = planes[0]
@@ -434,12 +422,6 @@ class TritonBackend(TorchBackend):
         hp = max(16, next_pow2(h))
         rows = self.score_tile_rows(t, hp)
         chunk = self.score_chunk_for(t, n, rows, q.device)
-        ids, k, select_np, sel = out, 0, 0, out
-        if select is not None:
-            ids, k = select
-            select_np = self.fused_select_np(t, n, k, rows, candidates is not None)
-            assert select_np and ids.stride(1) == 1
-            sel = self._select_counts(t, q.device)
         SC.score_kernel[(triton_cdiv(t, rows), triton_cdiv(n, chunk))](
             q,
             q.stride(0),
@@ -462,10 +444,6 @@ class TritonBackend(TorchBackend):
             t,
             h,
             n_pages,
-            sel,
-            ids,
-            ids.stride(0),
-            k,
             RPP=rpp,
             ROWS=rows,
             D=d,
@@ -480,31 +458,8 @@ class TritonBackend(TorchBackend):
             DOT_BF16=self._dot_bf16(quant or q.dtype == torch.bfloat16),
             PREFETCH=self.score_prefetch,
             CHUNK_PAGES=self.chunk_pages_for(chunk, rpp),
-            SELECT_NP=select_np,
-            KP=next_pow2(max(k, 1)),
             **pdl_launch(q.device, t),
         )
-
-    def fused_select_np(self, t: int, n: int, k: int, rows: int, candidates: bool) -> int:
-        """Columns the scorer's own select holds (``score_kernel``'s ``SELECT_NP``), or 0 where
-        the select is a launch of its own: ``score_select_fused`` off, a prefill's several rows
-        a program, the candidate path, no ids asked, or rows past ``select_resident_max``."""
-        np_ = max(16, next_pow2(n))
-        fits = t > 0 and n > 0 and np_ <= min(self.select_resident_max, self.fused_select_max)
-        ok = self.score_select_fused and rows == 1 and not candidates and k > 0 and fits
-        return np_ if ok else 0
-
-    def _select_counts(self, t: int, device) -> torch.Tensor:
-        """The fused select's per-row counters (int32, zero between launches: each launch's
-        last program of a row sets its count back). One buffer, grown outside a capture; a
-        capture that needs more takes zeroed counters of its own (a memset in the graph)."""
-        buf = self._sel_counts
-        if buf is None or buf.numel() < t or buf.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return torch.zeros(t, dtype=torch.int32, device=device)
-            buf = torch.zeros(max(t, 256), dtype=torch.int32, device=device)
-            self._sel_counts = buf
-        return buf
 
     def _select(self, score, bound, k: int, out, block_rows: int = 0) -> None:
         """Launch the radix select over ``score [T, N]``: ids into ``out [T, k]``, or with
@@ -651,12 +606,8 @@ class TritonBackend(TorchBackend):
         t = q.shape[0]
         n = pages.shape[1] * planes[0].shape[1]
         work = torch.empty(t, n, dtype=torch.float32, device=q.device)
-        ids = torch.empty(t, topk, dtype=torch.long, device=q.device)
-        rows = self.score_tile_rows(t, max(16, next_pow2(q.shape[1])))
-        if self.fused_select_np(t, n, topk, rows, candidates is not None):
-            self._score(planes, q, weights, bound, pages, candidates, work, False, (ids, topk))
-            return ids
         self._score(planes, q, weights, bound, pages, candidates, work, fill=False)
+        ids = torch.empty(t, topk, dtype=torch.long, device=q.device)
         self._select(work, bound, topk, ids)
         return ids
 

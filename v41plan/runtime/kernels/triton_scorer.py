@@ -10,7 +10,7 @@ the sums fp32.
 
 ``select_resident_kernel`` (rows up to ``select_resident_max``) and the long-row select
 (``select_bound_kernel`` then ``select_final_kernel``): the default top-k, the row held in
-registers, the k-th key found two bits at a time.
+registers, the k-th key found a bit at a time.
 
 ``select_kernel`` (block mode, and every row with ``select_resident_max`` 0): per row, a most-
 significant-digit radix select (up to four 8-bit passes of histograms over order-preserving uint32
@@ -292,10 +292,6 @@ def score_kernel(
     T,
     H,
     P,
-    sel_ptr,
-    ids_ptr,
-    s_ids_row,
-    K,
     RPP: tl.constexpr,
     ROWS: tl.constexpr,
     D: tl.constexpr,
@@ -311,8 +307,6 @@ def score_kernel(
     PREFETCH: tl.constexpr = 0,
     PDL: tl.constexpr = False,
     CHUNK_PAGES: tl.constexpr = 0,
-    SELECT_NP: tl.constexpr = 0,
-    KP: tl.constexpr = 16,
 ):
     """Scores ``out[t, n] = sum_h relu(q_h . k_n) * w_h`` of query rows ``[ROWS * pid0, ...)``
     for ``n`` in this program's range (``-inf`` past the row's bound, on a missing page or outside
@@ -322,12 +316,7 @@ def score_kernel(
     scales plane. With ``ROWS > 1`` rows that read the same pages in this range (a prefill
     chunk's rows) share each key tile; rows of different requests are scored one by one.
     ``CHUNK_PAGES`` (where every tile lies in one page, ``PREFETCH`` 0): the chunk's page ids
-    are loaded before the tile loop, so no key copy waits on a load of the loop.
-
-    ``SELECT_NP`` (``ROWS`` 1, rows of at most that many columns): the row's program to finish
-    last also selects its top-``K`` ids into ``ids [T, K]`` (``_select_last``), so a decode
-    step's scores and their select are one launch. ``sel [T]`` (int32) counts a row's finished
-    programs: zero before the launch, and the last program sets it back to zero."""
+    are loaded before the tile loop, so no key copy waits on a load of the loop."""
     pdl_enter(PDL)
     t0 = tl.program_id(0) * ROWS
     c = tl.program_id(1)
@@ -339,11 +328,6 @@ def score_kernel(
             RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16, PREFETCH,
             CHUNK_PAGES,
         )  # fmt: skip
-        if SELECT_NP > 0:
-            _select_last(
-                t0, bound_ptr, sel_ptr, out_ptr, s_out_row, ids_ptr, s_ids_row, K, P * RPP,
-                SELECT_NP, KP,
-            )  # fmt: skip
     else:
         NCOL: tl.constexpr = (CHUNK + RPP - 1) // RPP
         r = tl.arange(0, ROWS)
@@ -365,34 +349,6 @@ def score_kernel(
                     RPP, 1, D, HP, BN, CHUNK, FP4, HAS_CAND, FILL, QUANT, ROUND_BF16, DOT_BF16,
                     PREFETCH, CHUNK_PAGES,
                 )  # fmt: skip
-
-
-@triton.jit
-def _select_last(
-    t, bound_ptr, sel_ptr, score_ptr, s_score_row, ids_ptr, s_ids_row, K, N, NP: tl.constexpr,
-    KP: tl.constexpr,
-):  # fmt: skip
-    """Count this program as done with row ``t``'s scores; the row's last program selects its
-    top-``K`` ids as ``select_resident_kernel`` does (the row's ``N <= NP`` columns up to its
-    bound, read from L2) and sets the count back to zero. The barrier puts every thread's score
-    stores before the count's release (the atomic is one thread's); its acquire, before the
-    last program's reads of the other programs' scores."""
-    tl.debug_barrier()
-    done = tl.atomic_add(sel_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(1) - 1:
-        tl.store(sel_ptr + t, 0)
-        n_elem = tl.minimum(tl.load(bound_ptr + t), N)
-        e = tl.arange(0, NP)
-        inb = e < n_elem
-        v = tl.load(
-            score_ptr + t * s_score_row + e, mask=inb, other=float("-inf"), cache_modifier=".cg"
-        )
-        b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
-        key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-        valid = inb & (key > NEG_INF_KEY)
-        key = tl.where(valid, key, NEG_INF_KEY)
-        rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-        _write_selected(ids_ptr + t * s_ids_row, key, valid, e, rem, K, KP)
 
 
 @triton.jit
@@ -537,29 +493,14 @@ def _row_keys(row_ptr, e, n_elem):
 @triton.jit
 def _kth_key(key, rem):
     """The largest key ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1; the
-    rem-th largest): the sign first (keys >= 0 enough?), then bits 30..1 two at a time, the
-    largest of the three thresholds the pair can add with enough keys at or above it (OR-ing
-    bits into a negative threshold raises it as into a positive one), then bit 0. A pair's
-    three counts share one reduction (21-bit fields of an int64 sum), so a key takes 17
-    reductions, not 32: the reductions across the program's warps are what the select waits
-    on. ``NEG_INF_KEY`` entries never count: every threshold lies above them."""
+    rem-th largest), a bit at a time: the sign first (keys >= 0 enough?), then bits 30..0 set
+    while enough keys lie at or above (OR-ing a bit into a negative threshold raises it as into
+    a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them."""
     lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
-    for i in tl.static_range(15):
-        hi_bit = 1 << (30 - 2 * i)
-        lo_bit = 1 << (29 - 2 * i)
-        c1 = lo | lo_bit
-        c2 = lo | hi_bit
-        c3 = c2 | lo_bit
-        packed = (key >= c1).to(tl.int64)
-        packed += (key >= c2).to(tl.int64) << 21
-        packed += (key >= c3).to(tl.int64) << 42
-        counts = tl.sum(packed, axis=0)
-        n1 = counts & 0x1FFFFF
-        n2 = (counts >> 21) & 0x1FFFFF
-        n3 = counts >> 42
-        lo = tl.where(n3 >= rem, c3, tl.where(n2 >= rem, c2, tl.where(n1 >= rem, c1, lo)))
-    cand = lo | 1
-    return tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
+    for i in tl.static_range(31):
+        cand = lo | (1 << (30 - i))
+        lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
+    return lo
 
 
 @triton.jit
@@ -595,10 +536,10 @@ def select_resident_kernel(
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
     ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
-    k-th largest key found two bits a step (``_kth_key``: 17 reductions over the held keys), then
+    k-th largest key found a bit at a time (``_kth_key``: 32 counts over the held keys), then
     one cumulative sum in position order places the keys above it and the first ties at it.
     The digit passes of ``select_kernel`` read the row up to five times with a 256-bin
-    histogram each; here two bits cost three compares and one sum."""
+    histogram each; here a bit costs a compare and a sum."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     if HAS_BOUND:
