@@ -398,17 +398,20 @@ def _select_variants(every: bool = False) -> list:
         out.append(
             (f"select resident N={np_} warps={warps}", sc.select_resident_kernel, sig, cx, warps)
         )
-    # the long-row select at 32,768 elements: four segments of 8,192, a list of 4,096
+    # the long-row select at 32,768 elements: four segments of 8,192 (lists of 1,024: top-512),
+    # a final list of 4,096
     sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
-    sig.update({"s_ws_row": "i32", "K": "i32", "N": "i32", "SEG": "i32"})
-    cx = {"HAS_BOUND": True, "NP": 8192}
+    sig.update({"s_ws_row": "i32", "seg_ptr": "*i32", "s_seg_row": "i32"})
+    sig.update({"K": "i32", "N": "i32", "SEG": "i32"})
+    cx = {"HAS_BOUND": True, "NP": 8192, "SP": 4, "LC": 1024}
     sig.update(dict.fromkeys(cx, "constexpr"))
     warps = TritonBackend().resident_select_warps(8192)
     out.append((f"select long bound N=8192 warps={warps}", sc.select_bound_kernel, sig, cx, warps))
     sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
-    sig.update({"s_ws_row": "i32", "list_ptr": "*i32", "s_list_row": "i32", "out_ptr": "*i64"})
+    sig.update({"s_ws_row": "i32", "seg_ptr": "*i32", "s_seg_row": "i32", "list_ptr": "*i32"})
+    sig.update({"s_list_row": "i32", "out_ptr": "*i64"})
     sig.update({"s_out_row": "i32", "K": "i32", "N": "i32", "S": "i32"})
-    cx = {"HAS_BOUND": True, "SP": 4, "CHUNK": 2048, "NPC": 4096, "KP": 512}
+    cx = {"HAS_BOUND": True, "SP": 4, "LC": 1024, "CHUNK": 2048, "NPC": 4096, "KP": 512}
     sig.update(dict.fromkeys(cx, "constexpr"))
     warps = TritonBackend().resident_select_warps(4096)
     name = f"select long final NPC=4096 warps={warps}"

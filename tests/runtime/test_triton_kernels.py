@@ -453,6 +453,45 @@ def test_long_row_select_takes_the_keys_above_its_segments_bounds(resident_max):
     assert not kb.fallbacks
 
 
+def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound():
+    """``select_bound_kernel``: each segment's k-th key (``NEG_INF_KEY`` with fewer than k
+    valid keys), how many valid keys lie at or above it, and the first ``LC`` of them
+    (positions ascending, their ordered keys): distinct scores, ties past the list (the count
+    says so), a segment with fewer than k valid keys, a short last segment."""
+    from v41plan.runtime.kernels import triton_scorer as SC
+
+    g = torch.Generator().manual_seed(23)
+    t, n, seg, k, lc, sp = 3, 40, 16, 4, 8, 4
+    s = torch.randn(t, n, generator=g)
+    s[1] = torch.randint(-1, 2, (n,), generator=g).float()  # ties
+    s[1, :16] = 0.5  # segment 0: sixteen ties at its bound, past its list
+    s[2, 16:29] = NEG  # segment 1: three valid keys
+    ws = torch.full((t, 2 * sp), -7, dtype=torch.int32)
+    lists = torch.full((t, 3 * 2 * lc), -7, dtype=torch.int32)
+    bound = torch.full((t,), n)
+    SC.select_bound_kernel[(t, 3)](
+        s, s.stride(0), bound, ws, ws.stride(0), lists, lists.stride(0), k, n, seg,
+        HAS_BOUND=True, NP=seg, SP=sp, LC=lc,
+    )  # fmt: skip
+    bits = s.view(torch.int32)
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    neg_key = int(keys[2, 16])  # -inf's key lies below every valid key
+    for r in range(t):
+        for sg in range(3):
+            pos = torch.arange(sg * seg, min(n, (sg + 1) * seg))
+            kk = keys[r, pos]
+            valid = kk > neg_key
+            kth = kk[valid].sort(descending=True).values[k - 1] if valid.sum() >= k else neg_key
+            assert ws[r, sg] == kth, (r, sg)
+            at = pos[valid & (kk >= kth)]
+            assert ws[r, sp + sg] == len(at), (r, sg)
+            held = min(len(at), lc)
+            got = lists[r, sg * 2 * lc : sg * 2 * lc + 2 * lc]
+            assert torch.equal(got[:held].long(), at[:held]), (r, sg)
+            assert torch.equal(got[lc : lc + held], keys[r, at[:held]]), (r, sg)
+    assert ws[1, sp] == 16 and ws[2, 1] == neg_key
+
+
 def test_segment_select_finds_the_kth_key_among_close_scores():
     # every score in one coarse bin (the top 11 bits equal), so the k-th key comes from the
     # gathered list alone; distinct low bits, ties and both signs across rows
@@ -778,6 +817,20 @@ def test_the_default_backend_is_the_reference_off_cuda():
     from v41plan.runtime.kernels import default_backend
 
     assert default_backend("cpu").name == "torch"
+
+
+def test_scorer_chunks_grow_with_the_row_once_the_device_is_full():
+    # a decode batch's long rows take at most score_row_programs programs each (longer chunks),
+    # an 8K context's rows the default chunk; a batch of one still splits to fill the device
+    kb = TritonBackend(num_sms=132)
+    cpu = torch.device("cpu")
+    assert (kb.score_chunk, kb.score_row_programs) == (512, 16)
+    assert kb.score_chunk_for(64, 4096, 1, cpu) == 512
+    assert kb.score_chunk_for(64, 32768, 1, cpu) == 2048
+    assert kb.score_chunk_for(64, 65536, 1, cpu) == 4096
+    assert kb.score_chunk_for(1, 32768, 1, cpu) == 128  # 256 programs, the first past 132
+    kb.score_row_programs = 0
+    assert kb.score_chunk_for(64, 32768, 1, cpu) == 512
 
 
 def test_scorer_splits_a_short_row_over_the_multiprocessors(tiny):

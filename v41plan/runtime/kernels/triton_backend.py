@@ -308,7 +308,13 @@ class TritonBackend(TorchBackend):
 
     # -- scorer -------------------------------------------------------------------------------
     score_chunk = 512
-    """Keys one scorer program covers (a row's programs past its bound return at once)."""
+    """Keys one scorer program covers (a row's programs past its bound return at once), at
+    least (``score_row_programs``)."""
+    score_row_programs = 16
+    """Most programs a row's scorer takes before the device is full: longer rows take longer
+    chunks (H100, 64 decode rows, flash fp8 64K: 32,768 keys in 2,048-key chunks 149 us against
+    162 in 512-key ones; medium 8K: 4,096 keys best at 512, 17.2 us against 20.1 at 2,048;
+    reports/gpu/bench_kernels_fused_select_h100_abf3e65.json). 0: ``score_chunk`` alone."""
     score_block = 64
     """Keys per scorer tile (the dot's N). 64 against 32: H100, 64 decode rows, fp8 plane,
     medium 8K 17.1 us against 20.8, flash 64K 163 us against 196
@@ -375,9 +381,12 @@ class TritonBackend(TorchBackend):
 
     def score_chunk_for(self, t: int, n: int, rows: int, device) -> int:
         """Keys one scorer program covers for ``t`` query rows of ``n`` keys, ``rows`` rows a
-        program: ``score_chunk`` (or the row, if shorter), halved while the programs are fewer
-        than the multiprocessors (``score_fill_sms``). Shapes only: a capture replays it."""
+        program: ``score_chunk`` (or the row, if shorter), doubled while a row takes more than
+        ``score_row_programs``, halved while the programs are fewer than the multiprocessors
+        (``score_fill_sms``). Shapes only: a capture replays it."""
         chunk = min(self.score_chunk, max(self.score_block, next_pow2(n)))
+        while self.score_row_programs and triton_cdiv(n, chunk) > self.score_row_programs:
+            chunk *= 2
         if self.score_fill_sms:
             row_programs = triton_cdiv(t, rows)
             sms = self.num_sms(device)
@@ -506,22 +515,26 @@ class TritonBackend(TorchBackend):
         elements finds its own k-th key (held in registers), then one program a row selects
         from the keys at or above the largest of them (``triton_scorer``'s long-row select)."""
         t, n = score.shape
-        seg = self.select_resident_max
-        segments = triton_cdiv(n, seg)
-        np_seg = next_pow2(seg)
+        seg_elems = self.select_resident_max
+        segments = triton_cdiv(n, seg_elems)
+        np_seg = next_pow2(seg_elems)
         # room for k candidates a segment and as many again of ties, up to what a program holds
         npc = max(16, min(np_seg, next_pow2(2 * segments * max(k, 1))))
-        ws = torch.empty(t, next_pow2(segments), dtype=torch.int32, device=score.device)
+        lc = max(16, min(np_seg, next_pow2(2 * max(k, 1))))  # a segment's list: k and ties
+        sp = next_pow2(segments)
+        ws = torch.empty(t, 2 * sp, dtype=torch.int32, device=score.device)
+        seg = torch.empty(t, segments * 2 * lc, dtype=torch.int32, device=score.device)
         lists = torch.empty(t, npc, dtype=torch.int32, device=score.device)
         b = _vec(bound) if bound is not None else score
         has = bound is not None
         SC.select_bound_kernel[(t, segments)](
-            score, score.stride(0), b, ws, ws.stride(0), k, n, seg,
-            HAS_BOUND=has, NP=np_seg, num_warps=self.resident_select_warps(np_seg),
+            score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), k, n, seg_elems,
+            HAS_BOUND=has, NP=np_seg, SP=sp, LC=lc,
+            num_warps=self.resident_select_warps(np_seg),
         )  # fmt: skip
         SC.select_final_kernel[(t,)](
-            score, score.stride(0), b, ws, ws.stride(0), lists, lists.stride(0), out,
-            out.stride(0), k, n, segments, HAS_BOUND=has, SP=next_pow2(segments),
+            score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), lists,
+            lists.stride(0), out, out.stride(0), k, n, segments, HAS_BOUND=has, SP=sp, LC=lc,
             CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
             num_warps=self.resident_select_warps(npc),
         )  # fmt: skip

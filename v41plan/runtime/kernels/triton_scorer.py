@@ -555,10 +555,15 @@ def select_resident_kernel(
 # -- the long-row select: segment bounds, then the candidates above them --------------------------
 # A row longer than one program holds takes two launches. Each segment program finds its own
 # k-th key (held in registers, as select_resident_kernel): the row's k-th key is at least the
-# largest of them, since that segment alone holds k keys at or above it. One program a row then
-# gathers the keys at or above that bound in position order (at most k a segment, save ties)
-# into a list, and selects from the list held in registers; a list that overflows (many ties at
-# the bound) takes the digit select over the whole row instead.
+# largest of them, since that segment alone holds k keys at or above it. The segment program
+# also writes the keys at or above its own bound (k, save ties) to its list in position order.
+# One program a row then takes the keys at or above the largest bound from the segments' lists
+# (every such key is at or above its own segment's bound, so in its list) into a list, and
+# selects from that list held in registers. The lists are a few thousand entries the segment
+# programs wrote in parallel, where the row itself is a long serial read (64 rows of 32,768
+# scores: 16 steps a row, each waiting on its load). A segment list that overflows (many ties at
+# its bound) makes the row's program read the row instead; a final list that overflows takes
+# the digit select over the whole row.
 
 
 @triton.jit
@@ -568,14 +573,20 @@ def select_bound_kernel(
     bound_ptr,
     ws_ptr,
     s_ws_row,
+    seg_ptr,
+    s_seg_row,
     K,
     N,
     SEG,
     HAS_BOUND: tl.constexpr,
     NP: tl.constexpr,
+    SP: tl.constexpr,
+    LC: tl.constexpr,
 ):
     """Segment ``s`` of row ``t`` (``SEG <= NP`` elements): its own k-th key into ``ws[t, s]``,
-    or ``NEG_INF_KEY`` where it holds fewer than ``K`` valid keys (no bound from it)."""
+    or ``NEG_INF_KEY`` where it holds fewer than ``K`` valid keys (no bound from it); the valid
+    keys at or above it, in position order, into its list (``seg[t, s * 2 * LC:]``: up to ``LC``
+    positions, then their keys) and how many there are into ``ws[t, SP + s]``."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     if HAS_BOUND:
@@ -592,6 +603,24 @@ def select_bound_kernel(
     if (have >= K) & (K > 0):
         kth = _kth_key(key, K)
     tl.store(ws_ptr + t * s_ws_row + sg, kth)
+    cand = valid & (key >= kth)
+    ci = cand.to(tl.int32)
+    idx = tl.cumsum(ci, axis=0) - ci
+    lst = seg_ptr + t * s_seg_row + sg * (2 * LC)
+    fits = cand & (idx < LC)
+    tl.store(lst + idx, e.to(tl.int32), mask=fits)
+    tl.store(lst + LC + idx, key, mask=fits)
+    tl.store(ws_ptr + t * s_ws_row + SP + sg, tl.sum(ci, axis=0))
+
+
+@triton.jit
+def _append_positions(lst, count, pos, cand, NPC: tl.constexpr):
+    """Append the positions ``pos`` where ``cand`` to ``lst`` (``count`` held, up to ``NPC``
+    stored); the new count, which may pass ``NPC``."""
+    ci = cand.to(tl.int32)
+    idx = count + tl.cumsum(ci, axis=0) - ci
+    tl.store(lst + idx, pos.to(tl.int32), mask=cand & (idx < NPC))
+    return count + tl.sum(ci, axis=0)
 
 
 @triton.jit
@@ -601,6 +630,8 @@ def select_final_kernel(
     bound_ptr,
     ws_ptr,
     s_ws_row,
+    seg_ptr,
+    s_seg_row,
     list_ptr,
     s_list_row,
     out_ptr,
@@ -610,14 +641,16 @@ def select_final_kernel(
     S,
     HAS_BOUND: tl.constexpr,
     SP: tl.constexpr,
+    LC: tl.constexpr,
     CHUNK: tl.constexpr,
     NPC: tl.constexpr,
     KP: tl.constexpr,
 ):
-    """Row ``t``'s top-``K`` ids from its segments' bounds (``select_bound_kernel``): the keys at
-    or above the largest bound, gathered in position order into ``list [T, NPC]`` (their
-    positions), then selected from the list held in registers; past ``NPC`` of them, the digit
-    select over the row."""
+    """Row ``t``'s top-``K`` ids from its segments' bounds and lists (``select_bound_kernel``):
+    the keys at or above the largest bound, taken from the segments' lists (from the row where a
+    segment's list overflowed) in position order into ``list [T, NPC]`` (their positions), then
+    selected from the list held in registers; past ``NPC`` of them, the digit select over the
+    row."""
     t = tl.program_id(0)
     row_ptr = score_ptr + t * s_score_row
     if HAS_BOUND:
@@ -628,14 +661,21 @@ def select_final_kernel(
     floor = tl.max(tl.load(ws_ptr + t * s_ws_row + sj, mask=sj < S, other=NEG_INF_KEY), axis=0)
     lst = list_ptr + t * s_list_row
     count = tl.zeros((), dtype=tl.int32)
-    for e0 in range(0, n_elem, CHUNK):
-        e = e0 + tl.arange(0, CHUNK)
-        key, valid = _row_keys(row_ptr, e, n_elem)
-        cand = valid & (key >= floor)
-        ci = cand.to(tl.int32)
-        idx = count + tl.cumsum(ci, axis=0) - ci
-        tl.store(lst + idx, e.to(tl.int32), mask=cand & (idx < NPC))
-        count += tl.sum(ci, axis=0)
+    ws_counts = ws_ptr + t * s_ws_row + SP
+    overflow = tl.max(tl.load(ws_counts + sj, mask=sj < S, other=0), axis=0) > LC
+    if overflow:
+        for e0 in range(0, n_elem, CHUNK):
+            e = e0 + tl.arange(0, CHUNK)
+            key, valid = _row_keys(row_ptr, e, n_elem)
+            count = _append_positions(lst, count, e, valid & (key >= floor), NPC)
+    else:
+        j = tl.arange(0, LC)
+        for sg in range(S):
+            held = j < tl.load(ws_counts + sg)
+            seg = seg_ptr + t * s_seg_row + sg * (2 * LC)
+            pos = tl.load(seg + j, mask=held, other=0)
+            key = tl.load(seg + LC + j, mask=held, other=NEG_INF_KEY)
+            count = _append_positions(lst, count, pos, held & (key >= floor), NPC)
     if count <= NPC:
         i = tl.arange(0, NPC)
         held = i < count
