@@ -428,11 +428,11 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
         {"score_prefetch": 1},
         {"score_block": 32},
         {"score_block": 32, "score_chunk_pages": True},
-        {"score_chunk": 1024},
-        {"score_chunk": 256},
     ]
-    forms.append({"score_chunk": 2048})
+    # fixed chunks (the growth to score_row_programs off)
+    forms += [{"score_chunk": c, "score_row_programs": 0} for c in (256, 512, 1024, 2048)]
     forms += [{"select_programs": 1, "topk": True}, {"select_programs": 0, "topk": True}]
+    forms.append({"select_resident_max": 0, "topk": True})  # the digit select
     for form in forms:
         attrs = {k: v for k, v in form.items() if k != "topk"}
         shipped = {k: getattr(kb, k) for k in attrs}
