@@ -510,6 +510,61 @@ def _decode_scores_inputs(rows: int, context: int, heads: int, seed: int):
     return pools, q, w, n_comp, torch.full((rows,), n_comp, device=DEV)
 
 
+def scorer_split(width, context, ceil, kb):
+    """Where a decode ``score_topk`` spends its time (fp8 plane, 64 rows): the whole op; its
+    scorer alone (``fill`` off, as the op launches it); its select alone on the scorer's own
+    output and on random scores of the same shape (both with the rows' bounds); and each
+    kernel's device time in eager calls under ``torch.profiler``, so a select slower after the
+    scorer than on its own shows as such."""
+    _, hi = WIDTHS[width]
+    rows = SIZES["decode_rows"]
+    pools, q, w, n_comp, bound = _decode_scores_inputs(rows, context, hi, 2)
+    pages, planes = pools.tables, pools.index
+    n = pages.shape[1] * planes[0].shape[1]
+    key_bytes = rows * n_comp * pools.index_row_bytes()
+    flops = 2 * hi * INDEX_D * rows * n_comp
+    shape = f"{width} index {hi}x{INDEX_D} fp8 decode T={rows} ctx={context}"
+    work = torch.empty(rows, n, dtype=torch.float32, device=DEV)
+    ids = torch.empty(rows, K, dtype=torch.long, device=DEV)
+    kb._score(planes, q, w, bound, pages, None, work, fill=False)
+    g = torch.Generator(device=DEV).manual_seed(9)
+    noise = torch.randn(rows, n, generator=g, device=DEV)
+    out = []
+    timed = [
+        ("score_topk", "", lambda: kb.score_topk(planes, q, w, bound, pages, K, None)),
+        (
+            "scores",
+            " scorer alone",
+            lambda: kb._score(planes, q, w, bound, pages, None, work, False),
+        ),
+        ("topk_ids", " select of the scorer's output", lambda: kb._select(work, bound, K, ids)),
+        ("topk_ids", " select of random scores", lambda: kb._select(noise, bound, K, ids)),
+    ]
+    for kernel, what, fn in timed:
+        nbytes = key_bytes if kernel != "topk_ids" else rows * n_comp * 4
+        out.append(_row(kernel, f"{shape}{what} split", _bench(fn), nbytes, flops, ceil))
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEV != "cuda":  # --smoke
+        return out
+    fn = timed[0][2]
+    fn()
+    torch.cuda.synchronize()
+    reps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / reps
+    out[0]["kernels_us"] = {k[:80]: round(v, 2) for k, v in sorted(by_name.items())}
+    print(f"  {shape} eager kernels (us a call): {out[0]['kernels_us']}")
+    del pools
+    return out
+
+
 def scorer_tile_sweep(width, context, ceil, kb, ref):
     """Decode scores alone (fp8 plane) over the keys a program covers (``score_chunk``: more
     programs, fewer tiles each) and the keys a tile holds (``score_block``)."""
@@ -999,6 +1054,14 @@ def main(argv=None) -> int:
                 ref,
                 prefill=True,
             ),
+        ),
+        (
+            "scorer decode split medium fp8 8K",
+            lambda: scorer_split("medium", ctx, ceil, kb),
+        ),
+        (
+            "scorer decode split flash fp8 64K",
+            lambda: scorer_split("flash", long_ctx, ceil, kb),
         ),
         (
             "attention decode sweep medium",

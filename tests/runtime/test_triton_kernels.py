@@ -860,7 +860,9 @@ def test_scorer_loads_a_chunk_s_pages_first_where_its_tiles_lie_in_one_page():
     """``chunk_pages_for``: the page ids a program loads before its tile loop, a power of two
     covering its chunk (one more where chunks do not start on a page), and none where a tile
     can straddle a page, with the prefetch, or when turned off."""
-    assert _tk(score_block=32).chunk_pages_for(512, 64) == 0  # staged off
+    assert _tk(score_block=32).chunk_pages_for(512, 64) == 0  # off below 2,048 keys
+    assert _tk(score_block=64).chunk_pages_for(2048, 64) == 32  # a long row's chunks: on
+    assert _tk(score_block=64, score_chunk_pages_from=0).chunk_pages_for(2048, 64) == 0
     kb = _tk(score_block=32, score_chunk_pages=True)
     assert kb.chunk_pages_for(512, 64) == 8  # chunks start on a page
     assert kb.chunk_pages_for(32, 64) == 1  # within one page

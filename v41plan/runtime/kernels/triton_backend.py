@@ -364,13 +364,15 @@ class TritonBackend(TorchBackend):
     context is measured, reports/gpu/bench_kernels_sweep*.json)."""
 
     score_chunk_pages = False
-    """Load a scorer program's page ids before its tile loop (``chunk_pages_for``), so the
+    """Load every scorer program's page ids before its tile loop (``chunk_pages_for``), so the
     pipeline keeps the next tile's keys in flight (sm_90 build of the flash fp8 decode form: one
     copy group in flight at the loop's wait, none without; 426 instructions a tile against 415).
-    Staged off: with 32-key tiles it took H100's 64-row decode scores from 20.8 to 19.6 us
-    (medium 8K) and 196 to 185 (flash 64K), less than 64-key tiles alone
-    (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json); with 64-key tiles untimed,
-    ``bench_kernels.py --only "scorer decode sweep"``."""
+    Off: chunks from ``score_chunk_pages_from`` keys only. H100, 64 decode rows, 64-key tiles:
+    medium 8K (512-key chunks) 20.7 us with it against 17.0 without; flash 64K (2,048-key
+    chunks) 128 against 147 (reports/gpu/bench_kernels_select_lists_h100_af67f27.json)."""
+    score_chunk_pages_from = 2048
+    """Shortest chunk (keys) whose page ids a program loads before its tile loop where
+    ``score_chunk_pages`` is off (0: none)."""
 
     def score_tile_rows(self, t: int, padded_heads: int) -> int:
         """Rows a scorer program takes: one in a small batch (decode rows are of different
@@ -396,10 +398,13 @@ class TritonBackend(TorchBackend):
 
     def chunk_pages_for(self, chunk: int, rpp: int) -> int:
         """Page ids a scorer program loads before its tile loop (the ``CHUNK_PAGES`` of its
-        chunk of ``chunk`` keys, a power of two): with ``score_chunk_pages``, where every tile
-        lies in one page and the prefetch is off; else 0 (a tile's pages loaded in the loop)."""
+        chunk of ``chunk`` keys, a power of two): with ``score_chunk_pages`` or a chunk of at
+        least ``score_chunk_pages_from`` keys, where every tile lies in one page and the
+        prefetch is off; else 0 (a tile's pages loaded in the loop)."""
         block = self.score_block
-        if not self.score_chunk_pages or self.score_prefetch or rpp % block or chunk % block:
+        from_ = self.score_chunk_pages_from
+        wanted = self.score_chunk_pages or (from_ > 0 and chunk >= from_)
+        if not wanted or self.score_prefetch or rpp % block or chunk % block:
             return 0
         aligned = chunk % rpp == 0 or rpp % chunk == 0  # chunks start on a page or within one
         return next_pow2(triton_cdiv(chunk, rpp) + (0 if aligned else 1))
