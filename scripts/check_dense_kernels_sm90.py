@@ -342,13 +342,14 @@ def _scorer_variants(every: bool = False) -> list:
     from v41plan.runtime.kernels import triton_scorer as sc
 
     out = []
-    # (name, heads padded, fp4, prefetch, chunk pages, keys a tile)
-    forms = [("flash fp8", 32, False, 0, 0, 64), ("medium fp8", 16, False, 0, 0, 64)]
-    forms += [("flash fp4", 32, True, 0, 0, 64), ("flash fp8", 32, False, 1, 0, 64)]
-    forms.append(("flash fp8", 32, False, 0, 1024 // 64, 64))  # score_chunk_pages (staged)
-    forms.append(("flash fp8", 32, False, 0, 0, 32))  # 32-key tiles (the old default)
+    # (name, heads padded, fp4, prefetch, chunk pages, keys a tile, every column: FILL)
+    forms = [("flash fp8", 32, False, 0, 0, 64, 0), ("medium fp8", 16, False, 0, 0, 64, 0)]
+    forms += [("flash fp4", 32, True, 0, 0, 64, 0), ("flash fp8", 32, False, 1, 0, 64, 0)]
+    forms.append(("flash fp8", 32, False, 0, 1024 // 64, 64, 0))  # score_chunk_pages
+    forms.append(("flash fp8", 32, False, 0, 0, 32, 0))  # 32-key tiles (the old default)
+    forms.append(("medium fp8", 16, False, 0, 0, 64, 1))  # scores(): to the table's end
     forms = forms if every else forms[:1]
-    for name, hp, fp4, prefetch, chunk_pages, bn in forms:
+    for name, hp, fp4, prefetch, chunk_pages, bn, fill in forms:
         sig = {}
         for n in sc.score_kernel.arg_names:
             if n.endswith("_ptr"):
@@ -361,7 +362,7 @@ def _scorer_variants(every: bool = False) -> list:
         sig["cand_ptr"] = "*u8"
         sig["bound_ptr"] = "*i64"
         cx = {"RPP": 64, "ROWS": 1, "D": 128, "HP": hp, "BN": bn, "CHUNK": 1024, "FP4": fp4}
-        cx.update({"HAS_CAND": False, "FILL": False, "QUANT": True, "ROUND_BF16": fp4})
+        cx.update({"HAS_CAND": False, "FILL": bool(fill), "QUANT": True, "ROUND_BF16": fp4})
         cx.update({"DOT_BF16": True, "PREFETCH": prefetch, "PDL": False})
         cx["CHUNK_PAGES"] = chunk_pages
         sig.update(dict.fromkeys(cx, "constexpr"))
@@ -370,7 +371,8 @@ def _scorer_variants(every: bool = False) -> list:
                 f"scorer decode {name} H={hp}"
                 + (" prefetch" if prefetch else "")
                 + (" chunk-pages" if chunk_pages else "")
-                + (f" BN={bn}" if bn != 64 else ""),
+                + (f" BN={bn}" if bn != 64 else "")
+                + (" fill" if fill else ""),
                 sc.score_kernel,
                 sig,
                 cx,
