@@ -433,6 +433,7 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     forms += [{"score_chunk": c, "score_row_programs": 0} for c in (256, 512, 1024, 2048)]
     forms += [{"select_programs": 1, "topk": True}, {"select_programs": 0, "topk": True}]
     forms.append({"select_resident_max": 0, "topk": True})  # the digit select
+    forms.append({"select_early_exit": True, "topk": True})  # staged off
     for form in forms:
         attrs = {k: v for k, v in form.items() if k != "topk"}
         shipped = {k: getattr(kb, k) for k in attrs}
@@ -694,16 +695,17 @@ def scorer_prefill_split(context, ceil, kb, ref):
 
 def select_sweep(n, ceil, kb, ref):
     """The top-k select alone over ``n`` scores a row (decode rows): the default (the resident
-    select up to ``select_resident_max``, the long-row select past it), the digit select
-    (``select_resident_max`` 0) by the device, in one program a row and in segments
-    (``select_programs``), and the resident and long-row selects at other lengths."""
+    select up to ``select_resident_max``, the long-row select past it), the same with its early
+    exit (``select_early_exit``, staged off), the digit select (``select_resident_max`` 0) by
+    the device, in one program a row and in segments (``select_programs``), and the resident
+    and long-row selects at other lengths."""
     rows = SIZES["decode_rows"]
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
     want = ref.topk_ids(score, K)
     # the default; the digit select (one program, then segments); the resident select past
     # its default length (one program a row, the row in registers: spills at 16,384 and more)
-    forms = [{}, {"select_resident_max": 0}]  # the default; the digit select
+    forms = [{}, {"select_early_exit": True}, {"select_resident_max": 0}]  # the digit select last
     forms += [{"select_programs": p, "select_resident_max": 0} for p in (1, 4, 16)]
     forms += [{"select_programs": 1, "select_resident_max": m} for m in (16384, 32768)]
     forms.append({"select_resident_max": 4096})  # long rows: segments of 4,096

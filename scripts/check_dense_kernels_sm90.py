@@ -385,21 +385,21 @@ def _scorer_variants(every: bool = False) -> list:
 def _select_variants(every: bool = False) -> list:
     """The resident top-k select (``select_resident_kernel``) at 4,096 elements a row, the
     launcher's warps (an 8K decode's compressed rows); ``every``: also 8,192 and 16,384 (its
-    longest rows) and 32,768 (a 64K context's, past it); the long-row select's two kernels at
-    32,768 elements."""
+    longest rows), 32,768 (a 64K context's, past it) and 4,096 with the early exit
+    (``select_early_exit``); the long-row select's two kernels at 32,768 elements."""
     from v41plan.runtime.kernels import triton_scorer as sc
     from v41plan.runtime.kernels.triton_backend import TritonBackend
 
     out = []
-    for np_ in (4096, 8192, 16384, 32768) if every else (4096,):
+    forms = [(4096, False), (8192, False), (16384, False), (32768, False), (4096, True)]
+    for np_, early in forms if every else forms[:1]:
         sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64"}
         sig.update({"out_ptr": "*i64", "s_out_row": "i32", "K": "i32", "N": "i32"})
-        cx = {"HAS_BOUND": True, "NP": np_, "KP": 512, "PDL": False}
+        cx = {"HAS_BOUND": True, "NP": np_, "KP": 512, "PDL": False, "EARLY": early}
         sig.update(dict.fromkeys(cx, "constexpr"))
         warps = TritonBackend().resident_select_warps(np_)
-        out.append(
-            (f"select resident N={np_} warps={warps}", sc.select_resident_kernel, sig, cx, warps)
-        )
+        name = f"select resident N={np_} warps={warps}" + (" early-exit" if early else "")
+        out.append((name, sc.select_resident_kernel, sig, cx, warps))
     # the long-row select at 32,768 elements: four segments of 8,192 (lists of 1,024: top-512),
     # a final list of 4,096
     sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}

@@ -264,6 +264,25 @@ def test_segment_select_is_the_references_at_decode_sizes(programs):
         assert torch.equal(got, want), k
 
 
+@pytest.mark.parametrize("n", [4096, 32768], ids=["resident", "long-row"])
+def test_early_exit_select_is_the_references_at_decode_sizes(n):
+    # select_early_exit: 64 rows, random and tied in steps, some bounded short or empty
+    g = torch.Generator(device="cuda").manual_seed(14)
+    s = torch.randn(64, n, generator=g, device="cuda")
+    s[::3] = torch.round(s[::3] * 4) / 4  # many ties at the cut: the search runs to the end
+    bound = torch.full((64,), n, device="cuda")
+    bound[1], bound[2], bound[5] = 0, 300, n // 2 + 7
+    s = s.masked_fill(torch.arange(n, device="cuda") >= bound[:, None], NEG)
+    ref, tri = _backends()
+    tri.select_early_exit = True
+    for k in (512, 2048):
+        want = ref.topk_ids(s, k)
+        assert torch.equal(tri.topk_ids(s, k), want), k
+        got = torch.empty_like(want)
+        tri._select(s, bound, k, got)
+        assert torch.equal(got, want), k
+
+
 def _attention_case(name, kv, dtype, heads=None, t=40, seed=0):
     """Query rows of 4 requests (decode rows reading the ring, prefill rows reading this
     forward's rows above a ring cut, an empty window, a padding row) over random pools."""

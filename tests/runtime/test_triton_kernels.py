@@ -403,12 +403,13 @@ def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
     assert torch.equal(got, big.sort().values)
 
 
-def test_resident_select_finds_the_kth_key_a_bit_at_a_time():
+@pytest.mark.parametrize("early", [False, True], ids=["32-bits", "early-exit"])
+def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early):
     """``select_resident_kernel``: the k-th key built a bit at a time over the held row, with
     keys of both signs and every magnitude (the sign step), ties at the k-th key taken from the
     smallest position, -0.0 tied with 0.0, -inf never taken, infinities, k of 0 and past the
     visible keys (-1 padded), and a row's bound (``score_topk``'s)."""
-    kb = _tk(select_resident_max=8192)
+    kb = _tk(select_resident_max=8192, select_early_exit=early)
     g = torch.Generator().manual_seed(17)
     n = 300
     s = torch.randn(8, n, generator=g)
@@ -426,14 +427,15 @@ def test_resident_select_finds_the_kth_key_a_bit_at_a_time():
     assert kb.topk_ids(s, 5).shape == (8, 5) and not kb.fallbacks
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["32-bits", "early-exit"])
 @pytest.mark.parametrize("resident_max", [16, 64])
-def test_long_row_select_takes_the_keys_above_its_segments_bounds(resident_max):
+def test_long_row_select_takes_the_keys_above_its_segments_bounds(resident_max, early):
     """Rows longer than ``select_resident_max``: each segment's own k-th key bounds the row's
     from below, and the keys at or above the largest bound are selected from a list (distinct
     scores: at most k a segment); many ties at the bound overflow the list and take the digit
     select. Both give the reference's ids: ties from the smallest position, -1 padding past the
     visible keys, a row with no segment of k valid keys (no bound), rows of one segment."""
-    kb = _tk(select_resident_max=resident_max, select_chunk=32)
+    kb = _tk(select_resident_max=resident_max, select_chunk=32, select_early_exit=early)
     g = torch.Generator().manual_seed(19)
     for n in (resident_max // 2, 200, 300):
         s = torch.randn(6, n, generator=g)  # distinct: the list

@@ -348,6 +348,11 @@ class TritonBackend(TorchBackend):
     every row, as block mode always. 8,192 (16,384 spills in the sm_90 build): H100, 64 rows,
     4,096 keys 12.5 us against 20.5 for the digit select, 32,768 keys 65 us against 105 for
     its segments (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json)."""
+    select_early_exit = False
+    """The resident and long-row selects stop their bit-at-a-time search at the first threshold
+    with exactly k keys at or above it (``_kth_key``'s ``EARLY``: a loop of up to 32 steps in
+    place of 32 unrolled ones). Staged off, untimed: ``bench_kernels.py --only "select sweep"``
+    has its A/B."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -498,6 +503,7 @@ class TritonBackend(TorchBackend):
                 HAS_BOUND=bound is not None,
                 NP=np_,
                 KP=next_pow2(k),
+                EARLY=self.select_early_exit,
                 num_warps=self.resident_select_warps(np_),
                 **pdl_launch(score.device, t),
             )
@@ -534,14 +540,14 @@ class TritonBackend(TorchBackend):
         has = bound is not None
         SC.select_bound_kernel[(t, segments)](
             score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), k, n, seg_elems,
-            HAS_BOUND=has, NP=np_seg, SP=sp, LC=lc,
+            HAS_BOUND=has, NP=np_seg, SP=sp, LC=lc, EARLY=self.select_early_exit,
             num_warps=self.resident_select_warps(np_seg),
         )  # fmt: skip
         SC.select_final_kernel[(t,)](
             score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), lists,
             lists.stride(0), out, out.stride(0), k, n, segments, HAS_BOUND=has, SP=sp, LC=lc,
             CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
-            num_warps=self.resident_select_warps(npc),
+            EARLY=self.select_early_exit, num_warps=self.resident_select_warps(npc),
         )  # fmt: skip
 
     def resident_select_warps(self, padded_elems: int) -> int:

@@ -497,24 +497,40 @@ def _row_keys(row_ptr, e, n_elem):
 
 
 @triton.jit
-def _kth_key(key, rem):
+def _kth_key(key, rem, EARLY: tl.constexpr = False):
     """The largest key ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1; the
     rem-th largest), a bit at a time: the sign first (keys >= 0 enough?), then bits 30..0 set
     while enough keys lie at or above (OR-ing a bit into a negative threshold raises it as into
-    a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them."""
-    lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
-    for i in tl.static_range(31):
-        cand = lo | (1 << (30 - i))
-        lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
-    return lo
+    a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them.
+    ``EARLY``: stop at the first threshold with exactly ``rem`` keys at or above it, whose
+    smallest is then the answer (distinct scores: after about 20 of the 32 bits)."""
+    if EARLY:
+        n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
+        n_all = tl.sum((key >= -2147483648).to(tl.int32), axis=0)
+        lo = tl.where(n_pos >= rem, 0, -2147483648)
+        n_lo = tl.where(n_pos >= rem, n_pos, n_all)
+        i = 0
+        while (i < 31) & (n_lo != rem):
+            cand = lo | (1 << (30 - i))
+            n_cand = tl.sum((key >= cand).to(tl.int32), axis=0)
+            lo = tl.where(n_cand >= rem, cand, lo)
+            n_lo = tl.where(n_cand >= rem, n_cand, n_lo)
+            i += 1
+        return tl.min(tl.where(key >= lo, key, 2147483647), axis=0)
+    else:
+        lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
+        for i in tl.static_range(31):
+            cand = lo | (1 << (30 - i))
+            lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
+        return lo
 
 
 @triton.jit
-def _write_selected(out_row, key, valid, pos, rem, K, KP: tl.constexpr):
+def _write_selected(out_row, key, valid, pos, rem, K, KP: tl.constexpr, EARLY: tl.constexpr):
     """The ``rem`` largest of ``key`` (in position order, ``pos`` ascending) into ``out_row``:
     every key above the rem-th largest, then the ties at it from the first; -1 after them."""
     if rem > 0:
-        kth = _kth_key(key, rem)
+        kth = _kth_key(key, rem, EARLY)
         above = key > kth
         need = rem - tl.sum(above.to(tl.int32), axis=0)
         eq = ((key == kth) & valid).to(tl.int32)
@@ -539,6 +555,7 @@ def select_resident_kernel(
     NP: tl.constexpr,
     KP: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
     ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
@@ -555,7 +572,7 @@ def select_resident_kernel(
     e = tl.arange(0, NP)
     key, valid = _row_keys(score_ptr + t * s_score_row, e, n_elem)
     rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    _write_selected(out_ptr + t * s_out_row, key, valid, e, rem, K, KP)
+    _write_selected(out_ptr + t * s_out_row, key, valid, e, rem, K, KP, EARLY)
 
 
 # -- the long-row select: segment bounds, then the candidates above them --------------------------
@@ -588,6 +605,7 @@ def select_bound_kernel(
     NP: tl.constexpr,
     SP: tl.constexpr,
     LC: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
     """Segment ``s`` of row ``t`` (``SEG <= NP`` elements): its own k-th key into ``ws[t, s]``,
     or ``NEG_INF_KEY`` where it holds fewer than ``K`` valid keys (no bound from it); the valid
@@ -607,7 +625,7 @@ def select_bound_kernel(
     have = tl.sum(valid.to(tl.int32), axis=0)
     kth = NEG_INF_KEY + tl.zeros((), dtype=tl.int32)
     if (have >= K) & (K > 0):
-        kth = _kth_key(key, K)
+        kth = _kth_key(key, K, EARLY)
     tl.store(ws_ptr + t * s_ws_row + sg, kth)
     cand = valid & (key >= kth)
     ci = cand.to(tl.int32)
@@ -651,6 +669,7 @@ def select_final_kernel(
     CHUNK: tl.constexpr,
     NPC: tl.constexpr,
     KP: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
     """Row ``t``'s top-``K`` ids from its segments' bounds and lists (``select_bound_kernel``):
     the keys at or above the largest bound, taken from the segments' lists (from the row where a
@@ -690,7 +709,7 @@ def select_final_kernel(
         valid = valid & held
         key = tl.where(valid, key, NEG_INF_KEY)
         rem = tl.minimum(count, K)
-        _write_selected(out_ptr + t * s_out_row, key, valid, pos, rem, K, KP)
+        _write_selected(out_ptr + t * s_out_row, key, valid, pos, rem, K, KP, EARLY)
     else:
         _digit_select(
             t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
