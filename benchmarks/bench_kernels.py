@@ -708,7 +708,8 @@ def select_sweep(n, ceil, kb, ref):
     forms = [{}, {"select_early_exit": True}, {"select_resident_max": 0}]  # the digit select last
     forms += [{"select_programs": p, "select_resident_max": 0} for p in (1, 4, 16)]
     forms += [{"select_programs": 1, "select_resident_max": m} for m in (16384, 32768)]
-    forms.append({"select_resident_max": 4096})  # long rows: segments of 4,096
+    # long rows: segments of 4,096; at 4,096 keys two or four segments of the long-row select
+    forms += [{"select_resident_max": m} for m in (4096, 2048, 1024)]
     out = []
     for attrs in forms:
         shipped = {a: getattr(kb, a) for a in attrs}
