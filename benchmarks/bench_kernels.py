@@ -693,6 +693,17 @@ def scorer_prefill_split(context, ceil, kb, ref):
     return out
 
 
+def _select_form(kb, rows: int, n: int) -> str:
+    """Which select ``kb._select`` launches for ``rows`` rows of ``n`` scores, in words."""
+    resident = kb.select_resident_max
+    if kb.select_programs == 0 and n > resident > 0:
+        return f"long-row, {-(-n // resident)} segments"
+    segments = kb.select_segments_for(rows, n, DEV)
+    if segments == 1 and 1 << (n - 1).bit_length() <= resident:  # next_pow2(n)
+        return "resident"
+    return f"digit, {segments} a row"
+
+
 def select_sweep(n, ceil, kb, ref):
     """The top-k select alone over ``n`` scores a row (decode rows): the default (the resident
     select up to ``select_resident_max``, the long-row select past it), the same with its early
@@ -720,7 +731,7 @@ def select_sweep(n, ceil, kb, ref):
             segments = kb.select_segments_for(rows, n, score.device)
             r = _row(
                 "topk_ids",
-                f"T={rows} N={n} k={K} sweep {tag} ({segments} a row)",
+                f"T={rows} N={n} k={K} sweep {tag} ({_select_form(kb, rows, n)})",
                 _bench(lambda: kb.topk_ids(score, K)),
                 score.numel() * 4 + rows * K * 8,
                 0,
