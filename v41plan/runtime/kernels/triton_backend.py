@@ -308,8 +308,8 @@ class TritonBackend(TorchBackend):
 
     # -- scorer -------------------------------------------------------------------------------
     score_chunk = 512
-    """Keys one scorer program covers (a row's programs past its bound return at once), at
-    least (``score_row_programs``)."""
+    """Keys one scorer program covers at least (more where a row would take more than
+    ``score_row_programs`` programs); a row's programs past its bound return at once."""
     score_row_programs = 16
     """Most programs a row's scorer takes before the device is full: longer rows take longer
     chunks (H100, 64 decode rows, flash fp8 64K: 32,768 keys in 2,048-key chunks 149 us against
