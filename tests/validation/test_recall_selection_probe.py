@@ -38,9 +38,10 @@ def test_probe_reports_every_index_layer(tmp_path):
     assert {int(L) for L in layers} == {2, 8, 14, 20, 24, 28, 32, 36}
     for r in layers.values():
         assert 0.0 <= r["value_hit"] <= 1.0 and 0.0 <= r["key_hit"] <= 1.0
-        assert r["value_rank_median"] >= 0
+        assert r["value_rank_median"] >= 0 and r["target_rank_median"] >= 0
+        assert 0.0 <= r["target_mass_mean"] <= 1.0
     assert layers["24"]["role"] == "reindex" and layers["14"]["ratio"] == 2
     from v41plan.model import layers as model_layers
     from v41plan.model import train
 
-    assert train.topk_ids is model_layers.topk_ids  # the recording hook is gone
+    assert train.topk_ids is model_layers.topk_ids  # the recording hooks are gone
