@@ -75,6 +75,14 @@ def train_forward_lls(model: TrainModel, host: EngramHost, docs: list[dict], den
     return out
 
 
+def write_report(report: dict, out: str | None) -> None:
+    """Write ``report`` as JSON to ``out`` (its folders made; nothing without ``out``)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print a line a list length and write the report; returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "chance": 0.25,
         "rows": rows,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

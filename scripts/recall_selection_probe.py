@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recall_mc_probe import recall_docs
+from recall_mc_probe import recall_docs, write_report
 
 from v41plan.geometry.resolve import resolve_spec
 from v41plan.model import train as T
@@ -163,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "index_topk": cfg.index_topk,
         "rows": rows,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 
