@@ -542,8 +542,9 @@ def scorer_split(width, context, ceil, kb):
         ("topk_ids", " select of random scores", lambda: kb._select(noise, bound, K, ids)),
     ]
     for kernel, what, fn in timed:
-        nbytes = key_bytes if kernel != "topk_ids" else rows * n_comp * 4
-        out.append(_row(kernel, f"{shape}{what} split", _bench(fn), nbytes, flops, ceil))
+        # a select's floor: its scores' bytes (it does none of the scorer's products)
+        nbytes, nflops = (rows * n_comp * 4, 0) if kernel == "topk_ids" else (key_bytes, flops)
+        out.append(_row(kernel, f"{shape}{what} split", _bench(fn), nbytes, nflops, ceil))
     from torch.profiler import ProfilerActivity, profile
 
     if DEV != "cuda":  # --smoke
