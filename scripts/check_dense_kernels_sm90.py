@@ -384,38 +384,51 @@ def _scorer_variants(every: bool = False) -> list:
 
 def _select_variants(every: bool = False) -> list:
     """The resident top-k select (``select_resident_kernel``) at 4,096 elements a row, the
-    launcher's warps (an 8K decode's compressed rows); ``every``: also 8,192 and 16,384 (its
-    longest rows), 32,768 (a 64K context's, past it) and 4,096 with the early exit
-    (``select_early_exit``); the long-row select's two kernels at 32,768 elements."""
+    launcher's warps and early exit (an 8K decode's compressed rows); ``every``: also 8,192
+    and 16,384 (its longest rows), 32,768 (a 64K context's, past it), 4,096 with the 32-step
+    search and with 8 and 32 keys a thread (``select_thread_elems``); the long-row select's
+    two kernels at 32,768 elements, its segment bounds exact and loose."""
     from v41plan.runtime.kernels import triton_scorer as sc
     from v41plan.runtime.kernels.triton_backend import TritonBackend
 
+    kb = TritonBackend()
     out = []
-    forms = [(4096, False), (8192, False), (16384, False), (32768, False), (4096, True)]
-    for np_, early in forms if every else forms[:1]:
+    forms = [(4096, True, 16, False), (8192, True, 16, False), (16384, True, 16, False)]
+    forms += [(32768, True, 16, False), (4096, False, 16, False), (4096, True, 8, False)]
+    forms += [(4096, True, 32, False), (4096, True, 16, True), (8192, True, 16, True)]
+    for np_, early, elems, ternary in forms if every else forms[:1]:
         sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64"}
         sig.update({"out_ptr": "*i64", "s_out_row": "i32", "K": "i32", "N": "i32"})
         cx = {"HAS_BOUND": True, "NP": np_, "KP": 512, "PDL": False, "EARLY": early}
+        cx["TERNARY"] = ternary
         sig.update(dict.fromkeys(cx, "constexpr"))
-        warps = TritonBackend().resident_select_warps(np_)
-        name = f"select resident N={np_} warps={warps}" + (" early-exit" if early else "")
+        kb.select_thread_elems = elems
+        warps = kb.resident_select_warps(np_)
+        name = f"select resident N={np_} warps={warps}" + ("" if early else " 32-step")
+        name += " ternary" if ternary else ""
         out.append((name, sc.select_resident_kernel, sig, cx, warps))
+    kb.select_thread_elems = TritonBackend.select_thread_elems
     # the long-row select at 32,768 elements: four segments of 8,192 (lists of 1,024: top-512),
     # a final list of 4,096
-    sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
-    sig.update({"s_ws_row": "i32", "seg_ptr": "*i32", "s_seg_row": "i32"})
-    sig.update({"K": "i32", "N": "i32", "SEG": "i32"})
-    cx = {"HAS_BOUND": True, "NP": 8192, "SP": 4, "LC": 1024}
-    sig.update(dict.fromkeys(cx, "constexpr"))
-    warps = TritonBackend().resident_select_warps(8192)
-    out.append((f"select long bound N=8192 warps={warps}", sc.select_bound_kernel, sig, cx, warps))
+    for loose, ternary in ((False, False), (True, False), (True, True)):
+        sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
+        sig.update({"s_ws_row": "i32", "seg_ptr": "*i32", "s_seg_row": "i32"})
+        sig.update({"K": "i32", "N": "i32", "SEG": "i32"})
+        cx = {"HAS_BOUND": True, "NP": 8192, "SP": 4, "LC": 1024, "EARLY": True, "LOOSE": loose}
+        cx["TERNARY"] = ternary
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        warps = kb.resident_select_warps(8192)
+        name = f"select long bound N=8192 warps={warps}" + (" loose" if loose else "")
+        name += " ternary" if ternary else ""
+        out.append((name, sc.select_bound_kernel, sig, cx, warps))
     sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
     sig.update({"s_ws_row": "i32", "seg_ptr": "*i32", "s_seg_row": "i32", "list_ptr": "*i32"})
     sig.update({"s_list_row": "i32", "out_ptr": "*i64"})
     sig.update({"s_out_row": "i32", "K": "i32", "N": "i32", "S": "i32"})
     cx = {"HAS_BOUND": True, "SP": 4, "LC": 1024, "CHUNK": 2048, "NPC": 4096, "KP": 512}
+    cx["EARLY"] = True
     sig.update(dict.fromkeys(cx, "constexpr"))
-    warps = TritonBackend().resident_select_warps(4096)
+    warps = kb.resident_select_warps(4096)
     name = f"select long final NPC=4096 warps={warps}"
     out.append((name, sc.select_final_kernel, sig, cx, warps))
     return out

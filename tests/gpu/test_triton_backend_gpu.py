@@ -264,9 +264,14 @@ def test_segment_select_is_the_references_at_decode_sizes(programs):
         assert torch.equal(got, want), k
 
 
+@pytest.mark.parametrize(
+    "loose,ternary", [(False, False), (True, False), (True, True)],
+    ids=["kth-bounds", "loose-bounds", "loose-ternary"],
+)  # fmt: skip
 @pytest.mark.parametrize("n", [4096, 32768], ids=["resident", "long-row"])
-def test_early_exit_select_is_the_references_at_decode_sizes(n):
-    # select_early_exit: 64 rows, random and tied in steps, some bounded short or empty
+def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary):
+    # select_early_exit (and the long-row select's loose bounds, the ternary search): 64 rows,
+    # random and tied in steps, some bounded short or empty
     g = torch.Generator(device="cuda").manual_seed(14)
     s = torch.randn(64, n, generator=g, device="cuda")
     s[::3] = torch.round(s[::3] * 4) / 4  # many ties at the cut: the search runs to the end
@@ -275,6 +280,7 @@ def test_early_exit_select_is_the_references_at_decode_sizes(n):
     s = s.masked_fill(torch.arange(n, device="cuda") >= bound[:, None], NEG)
     ref, tri = _backends()
     tri.select_early_exit = True
+    tri.select_loose_bounds, tri.select_ternary = loose, ternary
     for k in (512, 2048):
         want = ref.topk_ids(s, k)
         assert torch.equal(tri.topk_ids(s, k), want), k

@@ -403,13 +403,16 @@ def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
     assert torch.equal(got, big.sort().values)
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["32-bits", "early-exit"])
-def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early):
+@pytest.mark.parametrize(
+    "early,ternary", [(False, False), (True, False), (True, True)],
+    ids=["32-bits", "early-exit", "ternary"],
+)  # fmt: skip
+def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early, ternary):
     """``select_resident_kernel``: the k-th key built a bit at a time over the held row, with
     keys of both signs and every magnitude (the sign step), ties at the k-th key taken from the
     smallest position, -0.0 tied with 0.0, -inf never taken, infinities, k of 0 and past the
     visible keys (-1 padded), and a row's bound (``score_topk``'s)."""
-    kb = _tk(select_resident_max=8192, select_early_exit=early)
+    kb = _tk(select_resident_max=8192, select_early_exit=early, select_ternary=ternary)
     g = torch.Generator().manual_seed(17)
     n = 300
     s = torch.randn(8, n, generator=g)
@@ -427,15 +430,23 @@ def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early):
     assert kb.topk_ids(s, 5).shape == (8, 5) and not kb.fallbacks
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["32-bits", "early-exit"])
+@pytest.mark.parametrize(
+    "early,loose,ternary",
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ids=["32-bits", "early-exit", "loose-bounds", "loose-ternary"],
+)  # fmt: skip
 @pytest.mark.parametrize("resident_max", [16, 64])
-def test_long_row_select_takes_the_keys_above_its_segments_bounds(resident_max, early):
-    """Rows longer than ``select_resident_max``: each segment's own k-th key bounds the row's
-    from below, and the keys at or above the largest bound are selected from a list (distinct
-    scores: at most k a segment); many ties at the bound overflow the list and take the digit
-    select. Both give the reference's ids: ties from the smallest position, -1 padding past the
-    visible keys, a row with no segment of k valid keys (no bound), rows of one segment."""
+def test_long_row_select_takes_the_keys_above_its_segments_bounds(
+    resident_max, early, loose, ternary
+):
+    """Rows longer than ``select_resident_max``: each segment's own k-th key (or, loose, a key
+    with k to 2k keys at or above it) bounds the row's from below, and the keys at or above the
+    largest bound are selected from a list (distinct scores: at most 2k a segment); many ties
+    at the bound overflow the list and take the digit select. Both give the reference's ids:
+    ties from the smallest position, -1 padding past the visible keys, a row with no segment of
+    k valid keys (no bound), rows of one segment."""
     kb = _tk(select_resident_max=resident_max, select_chunk=32, select_early_exit=early)
+    kb.select_loose_bounds, kb.select_ternary = loose, ternary
     g = torch.Generator().manual_seed(19)
     for n in (resident_max // 2, 200, 300):
         s = torch.randn(6, n, generator=g)  # distinct: the list
@@ -455,11 +466,13 @@ def test_long_row_select_takes_the_keys_above_its_segments_bounds(resident_max, 
     assert not kb.fallbacks
 
 
-def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound():
+@pytest.mark.parametrize("loose", [False, True], ids=["kth", "loose"])
+def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound(loose):
     """``select_bound_kernel``: each segment's k-th key (``NEG_INF_KEY`` with fewer than k
     valid keys), how many valid keys lie at or above it, and the first ``LC`` of them
     (positions ascending, their ordered keys): distinct scores, ties past the list (the count
-    says so), a segment with fewer than k valid keys, a short last segment."""
+    says so), a segment with fewer than k valid keys, a short last segment. ``LOOSE``: a bound
+    with k to ``LC`` valid keys at or above it, found no later than the k-th key."""
     from v41plan.runtime.kernels import triton_scorer as SC
 
     g = torch.Generator().manual_seed(23)
@@ -473,7 +486,7 @@ def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound():
     bound = torch.full((t,), n)
     SC.select_bound_kernel[(t, 3)](
         s, s.stride(0), bound, ws, ws.stride(0), lists, lists.stride(0), k, n, seg,
-        HAS_BOUND=True, NP=seg, SP=sp, LC=lc,
+        HAS_BOUND=True, NP=seg, SP=sp, LC=lc, EARLY=loose, LOOSE=loose,
     )  # fmt: skip
     bits = s.view(torch.int32)
     keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -484,6 +497,13 @@ def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound():
             kk = keys[r, pos]
             valid = kk > neg_key
             kth = kk[valid].sort(descending=True).values[k - 1] if valid.sum() >= k else neg_key
+            if loose and valid.sum() >= k:
+                # a valid key at or below the k-th, with at most LC keys above it unless tied
+                kth_loose = int(ws[r, sg])
+                assert kth_loose <= kth and kth_loose in kk[valid].tolist(), (r, sg)
+                above = int((kk[valid] >= kth_loose).sum())
+                assert above <= lc or kth_loose == kth, (r, sg)
+                kth = kth_loose
             assert ws[r, sg] == kth, (r, sg)
             at = pos[valid & (kk >= kth)]
             assert ws[r, sp + sg] == len(at), (r, sg)

@@ -348,11 +348,24 @@ class TritonBackend(TorchBackend):
     every row, as block mode always. 8,192 (16,384 spills in the sm_90 build): H100, 64 rows,
     4,096 keys 12.5 us against 20.5 for the digit select, 32,768 keys 65 us against 105 for
     its segments (reports/gpu/bench_kernels_scorer_select_h100_5a10653.json)."""
-    select_early_exit = False
+    select_early_exit = True
     """The resident and long-row selects stop their bit-at-a-time search at the first threshold
     with exactly k keys at or above it (``_kth_key``'s ``EARLY``: a loop of up to 32 steps in
-    place of 32 unrolled ones). Staged off, untimed: ``bench_kernels.py --only "select sweep"``
-    has its A/B."""
+    place of 32 unrolled ones). H100, 64 rows: 4,096 keys 11.5 us against 12.4, 32,768 keys
+    54.7 against 61.3; score + top-k flash 64K 197 against 211 us
+    (reports/gpu/bench_kernels_select_early_h100_52d304f.json)."""
+    select_loose_bounds = False
+    """With ``select_early_exit``, the long-row select's segment programs stop at a bound with
+    ``k`` to ``2k`` (their list's room) keys at or above it instead of their exact k-th key
+    (``select_bound_kernel``'s ``LOOSE``). Staged off, untimed: ``bench_kernels.py --only
+    "select sweep"`` has its A/B."""
+    select_ternary = False
+    """With ``select_early_exit``, the resident and long-row selects count two thresholds a
+    step (``_kth_key``'s ``TERNARY``: about 20 steps in place of 31, each a second compare an
+    element). Staged off, untimed: ``bench_kernels.py --only "select sweep"`` has its A/B."""
+    select_thread_elems = 16
+    """Keys a thread of a resident select holds (its warps: the padded row over this many a
+    thread, 4 to 16 warps)."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -504,6 +517,7 @@ class TritonBackend(TorchBackend):
                 NP=np_,
                 KP=next_pow2(k),
                 EARLY=self.select_early_exit,
+                TERNARY=self.select_ternary and np_ <= 16384,
                 num_warps=self.resident_select_warps(np_),
                 **pdl_launch(score.device, t),
             )
@@ -541,19 +555,21 @@ class TritonBackend(TorchBackend):
         SC.select_bound_kernel[(t, segments)](
             score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), k, n, seg_elems,
             HAS_BOUND=has, NP=np_seg, SP=sp, LC=lc, EARLY=self.select_early_exit,
+            TERNARY=self.select_ternary and np_seg <= 16384, LOOSE=self.select_loose_bounds,
             num_warps=self.resident_select_warps(np_seg),
         )  # fmt: skip
         SC.select_final_kernel[(t,)](
             score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), lists,
             lists.stride(0), out, out.stride(0), k, n, segments, HAS_BOUND=has, SP=sp, LC=lc,
             CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
-            EARLY=self.select_early_exit, num_warps=self.resident_select_warps(npc),
+            EARLY=self.select_early_exit, TERNARY=self.select_ternary and npc <= 16384,
+            num_warps=self.resident_select_warps(npc),
         )  # fmt: skip
 
     def resident_select_warps(self, padded_elems: int) -> int:
-        """Warps of a resident select over ``padded_elems`` (a power of two): 16 elements a
-        thread, 4 to 32 warps."""
-        return max(4, min(16, padded_elems // (16 * 32)))
+        """Warps of a resident select over ``padded_elems`` (a power of two):
+        ``select_thread_elems`` elements a thread, 4 to 16 warps."""
+        return max(4, min(16, padded_elems // (self.select_thread_elems * 32)))
 
     def select_segments_for(self, t: int, n: int, device) -> int:
         """Programs a row's top-k select takes (1: one, the whole row in up to five passes). With

@@ -497,20 +497,49 @@ def _row_keys(row_ptr, e, n_elem):
 
 
 @triton.jit
-def _kth_key(key, rem, EARLY: tl.constexpr = False):
+def _kth_key(key, rem, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.constexpr = False):
     """The largest key ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1; the
     rem-th largest), a bit at a time: the sign first (keys >= 0 enough?), then bits 30..0 set
     while enough keys lie at or above (OR-ing a bit into a negative threshold raises it as into
     a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them.
-    ``EARLY``: stop at the first threshold with exactly ``rem`` keys at or above it, whose
-    smallest is then the answer (distinct scores: after about 20 of the 32 bits)."""
-    if EARLY:
+    ``EARLY``: stop at the first threshold with at most ``max(rem, cap)`` keys at or above it
+    and return the smallest of them: with ``cap`` <= ``rem`` the rem-th largest (distinct
+    scores: after about 20 of the 32 bits); with a larger ``cap`` a key with between ``rem``
+    and ``cap`` keys at or above it (unless ties hold more), a bound the long-row select's
+    segments need no closer (about 10 bits). ``TERNARY`` (with ``EARLY``, rows of up to 16,384
+    keys): two thresholds a step, a third of the range apart, counted by one sum of both
+    counts packed into an int32 (16 bits each), so a step cuts the range to a third: about 20
+    steps for the 31 bits below the sign."""
+    if EARLY and TERNARY:
+        tl.static_assert(key.shape[0] <= 16384)  # two counts in one int32
+        cap = tl.maximum(cap, rem)
+        n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
+        n_all = tl.sum((key >= -2147483648).to(tl.int32), axis=0)
+        lo = tl.where(n_pos >= rem, 0, -2147483648)
+        n_lo = tl.where(n_pos >= rem, n_pos, n_all)
+        hi = tl.where(n_pos >= rem, 2147483647, -1)  # inclusive: the answer lies in [lo, hi]
+        while (lo < hi) & (n_lo > cap):
+            d = hi - lo  # below 2**31: [lo, hi] lies within one sign
+            third = d // 3 + 1
+            c1 = lo + tl.minimum(third, d)
+            c2 = lo + tl.minimum(2 * third, d)
+            both = (key >= c1).to(tl.int32) + (key >= c2).to(tl.int32) * 65536
+            packed = tl.sum(both, axis=0)
+            n1 = packed & 65535
+            n2 = packed >> 16
+            lo_next = tl.where(n2 >= rem, c2, tl.where(n1 >= rem, c1, lo))
+            n_lo = tl.where(n2 >= rem, n2, tl.where(n1 >= rem, n1, n_lo))
+            hi = tl.where(n2 >= rem, hi, tl.where(n1 >= rem, c2 - 1, c1 - 1))
+            lo = lo_next
+        return tl.min(tl.where(key >= lo, key, 2147483647), axis=0)
+    elif EARLY:
+        cap = tl.maximum(cap, rem)
         n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
         n_all = tl.sum((key >= -2147483648).to(tl.int32), axis=0)
         lo = tl.where(n_pos >= rem, 0, -2147483648)
         n_lo = tl.where(n_pos >= rem, n_pos, n_all)
         i = 0
-        while (i < 31) & (n_lo != rem):
+        while (i < 31) & (n_lo > cap):
             cand = lo | (1 << (30 - i))
             n_cand = tl.sum((key >= cand).to(tl.int32), axis=0)
             lo = tl.where(n_cand >= rem, cand, lo)
@@ -526,11 +555,13 @@ def _kth_key(key, rem, EARLY: tl.constexpr = False):
 
 
 @triton.jit
-def _write_selected(out_row, key, valid, pos, rem, K, KP: tl.constexpr, EARLY: tl.constexpr):
+def _write_selected(
+    out_row, key, valid, pos, rem, K, KP: tl.constexpr, EARLY: tl.constexpr, TERNARY: tl.constexpr
+):
     """The ``rem`` largest of ``key`` (in position order, ``pos`` ascending) into ``out_row``:
     every key above the rem-th largest, then the ties at it from the first; -1 after them."""
     if rem > 0:
-        kth = _kth_key(key, rem, EARLY)
+        kth = _kth_key(key, rem, EARLY, 0, TERNARY)
         above = key > kth
         need = rem - tl.sum(above.to(tl.int32), axis=0)
         eq = ((key == kth) & valid).to(tl.int32)
@@ -556,6 +587,7 @@ def select_resident_kernel(
     KP: tl.constexpr,
     PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    TERNARY: tl.constexpr = False,
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
     ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
@@ -572,7 +604,7 @@ def select_resident_kernel(
     e = tl.arange(0, NP)
     key, valid = _row_keys(score_ptr + t * s_score_row, e, n_elem)
     rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    _write_selected(out_ptr + t * s_out_row, key, valid, e, rem, K, KP, EARLY)
+    _write_selected(out_ptr + t * s_out_row, key, valid, e, rem, K, KP, EARLY, TERNARY)
 
 
 # -- the long-row select: segment bounds, then the candidates above them --------------------------
@@ -606,11 +638,16 @@ def select_bound_kernel(
     SP: tl.constexpr,
     LC: tl.constexpr,
     EARLY: tl.constexpr = False,
+    TERNARY: tl.constexpr = False,
+    LOOSE: tl.constexpr = False,
 ):
     """Segment ``s`` of row ``t`` (``SEG <= NP`` elements): its own k-th key into ``ws[t, s]``,
     or ``NEG_INF_KEY`` where it holds fewer than ``K`` valid keys (no bound from it); the valid
     keys at or above it, in position order, into its list (``seg[t, s * 2 * LC:]``: up to ``LC``
-    positions, then their keys) and how many there are into ``ws[t, SP + s]``."""
+    positions, then their keys) and how many there are into ``ws[t, SP + s]``. ``LOOSE`` (with
+    ``EARLY``): any key with ``K`` to ``LC`` keys at or above it in place of the k-th, as good
+    a bound for the row's select (every key at or above it still fits the list) for about half
+    the search."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     if HAS_BOUND:
@@ -625,7 +662,7 @@ def select_bound_kernel(
     have = tl.sum(valid.to(tl.int32), axis=0)
     kth = NEG_INF_KEY + tl.zeros((), dtype=tl.int32)
     if (have >= K) & (K > 0):
-        kth = _kth_key(key, K, EARLY)
+        kth = _kth_key(key, K, EARLY, LC if LOOSE else 0, TERNARY)
     tl.store(ws_ptr + t * s_ws_row + sg, kth)
     cand = valid & (key >= kth)
     ci = cand.to(tl.int32)
@@ -670,6 +707,7 @@ def select_final_kernel(
     NPC: tl.constexpr,
     KP: tl.constexpr,
     EARLY: tl.constexpr = False,
+    TERNARY: tl.constexpr = False,
 ):
     """Row ``t``'s top-``K`` ids from its segments' bounds and lists (``select_bound_kernel``):
     the keys at or above the largest bound, taken from the segments' lists (from the row where a
@@ -709,7 +747,7 @@ def select_final_kernel(
         valid = valid & held
         key = tl.where(valid, key, NEG_INF_KEY)
         rem = tl.minimum(count, K)
-        _write_selected(out_ptr + t * s_out_row, key, valid, pos, rem, K, KP, EARLY)
+        _write_selected(out_ptr + t * s_out_row, key, valid, pos, rem, K, KP, EARLY, TERNARY)
     else:
         _digit_select(
             t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
