@@ -434,8 +434,8 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     forms += [{"select_programs": 1, "topk": True}, {"select_programs": 0, "topk": True}]
     forms.append({"select_resident_max": 0, "topk": True})  # the digit select
     forms.append({"select_early_exit": False, "topk": True})  # the 32-step search
-    forms.append({"select_loose_bounds": True, "topk": True})  # staged off
-    forms.append({"select_loose_bounds": True, "select_ternary": True, "topk": True})
+    forms.append({"select_loose_bounds": False, "select_ternary": False, "topk": True})
+    forms.append({"select_lists_held": False, "topk": True})
     for form in forms:
         attrs = {k: v for k, v in form.items() if k != "topk"}
         shipped = {k: getattr(kb, k) for k in attrs}
@@ -710,21 +710,22 @@ def _select_form(kb, rows: int, n: int) -> str:
 def select_sweep(n, ceil, kb, ref):
     """The top-k select alone over ``n`` scores a row (decode rows): the default (the resident
     select up to ``select_resident_max``, the long-row select past it), the same without its
-    early exit (``select_early_exit``), with loose segment bounds (``select_loose_bounds``)
-    and the ternary search (``select_ternary``), both staged off, with 8 and 32 keys a thread
-    (``select_thread_elems``), the digit select (``select_resident_max`` 0) by the device and
-    in one program a row, and the long-row select over segments of 4,096."""
+    early exit (``select_early_exit``), without its loose segment bounds
+    (``select_loose_bounds``) or its ternary search (``select_ternary``), with 8 and 32 keys a
+    thread (``select_thread_elems``), with the long-row final's list written first
+    (``select_lists_held`` off), the digit select (``select_resident_max`` 0) by the
+    device and in one program a row, and the long-row select over segments of 4,096."""
     rows = SIZES["decode_rows"]
     g = torch.Generator(device=DEV).manual_seed(3)
     score = torch.randn(rows, n, generator=g, device=DEV)
     want = ref.topk_ids(score, K)
     # the default; the digit select (one program, then segments); the resident select past
     # its default length (one program a row, the row in registers: spills at 16,384 and more)
-    loose = {"select_loose_bounds": True}
-    forms = [{}, {"select_early_exit": False}, loose, {"select_ternary": True}]
-    forms.append({**loose, "select_ternary": True})
-    forms += [{**loose, "select_thread_elems": e} for e in (8, 32)]
-    forms.append({**loose, "select_ternary": True, "select_thread_elems": 8})
+    exact = {"select_loose_bounds": False}
+    forms = [{}, {"select_early_exit": False}, {"select_ternary": False}, exact]
+    forms.append({**exact, "select_ternary": False})
+    forms += [{"select_thread_elems": e} for e in (8, 32)]
+    forms.append({"select_lists_held": False})
     forms.append({"select_resident_max": 0})  # the digit select, by the device
     forms.append({"select_programs": 1, "select_resident_max": 0})  # in one program a row
     forms.append({"select_resident_max": 4096})  # long rows: segments of 4,096

@@ -393,9 +393,9 @@ def _select_variants(every: bool = False) -> list:
 
     kb = TritonBackend()
     out = []
-    forms = [(4096, True, 16, False), (8192, True, 16, False), (16384, True, 16, False)]
+    forms = [(4096, True, 16, True), (8192, True, 16, False), (16384, True, 16, False)]
     forms += [(32768, True, 16, False), (4096, False, 16, False), (4096, True, 8, False)]
-    forms += [(4096, True, 32, False), (4096, True, 16, True), (8192, True, 16, True)]
+    forms += [(4096, True, 32, False), (4096, True, 16, False), (8192, True, 16, True)]
     for np_, early, elems, ternary in forms if every else forms[:1]:
         sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64"}
         sig.update({"out_ptr": "*i64", "s_out_row": "i32", "K": "i32", "N": "i32"})
@@ -426,7 +426,7 @@ def _select_variants(every: bool = False) -> list:
     sig.update({"s_list_row": "i32", "out_ptr": "*i64"})
     sig.update({"s_out_row": "i32", "K": "i32", "N": "i32", "S": "i32"})
     cx = {"HAS_BOUND": True, "SP": 4, "LC": 1024, "CHUNK": 2048, "NPC": 4096, "KP": 512}
-    cx["EARLY"] = True
+    cx.update({"EARLY": True, "TERNARY": True, "HELD": True})
     sig.update(dict.fromkeys(cx, "constexpr"))
     warps = kb.resident_select_warps(4096)
     name = f"select long final NPC=4096 warps={warps}"

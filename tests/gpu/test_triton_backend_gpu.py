@@ -265,11 +265,12 @@ def test_segment_select_is_the_references_at_decode_sizes(programs):
 
 
 @pytest.mark.parametrize(
-    "loose,ternary", [(False, False), (True, False), (True, True)],
-    ids=["kth-bounds", "loose-bounds", "loose-ternary"],
+    "loose,ternary,held",
+    [(False, False, True), (True, False, True), (True, True, True), (True, True, False)],
+    ids=["kth-bounds", "loose-bounds", "loose-ternary", "lists-written"],
 )  # fmt: skip
 @pytest.mark.parametrize("n", [4096, 32768], ids=["resident", "long-row"])
-def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary):
+def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary, held):
     # select_early_exit (and the long-row select's loose bounds, the ternary search): 64 rows,
     # random and tied in steps, some bounded short or empty
     g = torch.Generator(device="cuda").manual_seed(14)
@@ -280,7 +281,7 @@ def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary):
     s = s.masked_fill(torch.arange(n, device="cuda") >= bound[:, None], NEG)
     ref, tri = _backends()
     tri.select_early_exit = True
-    tri.select_loose_bounds, tri.select_ternary = loose, ternary
+    tri.select_loose_bounds, tri.select_ternary, tri.select_lists_held = loose, ternary, held
     for k in (512, 2048):
         want = ref.topk_ids(s, k)
         assert torch.equal(tri.topk_ids(s, k), want), k

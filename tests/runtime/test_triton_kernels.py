@@ -431,22 +431,26 @@ def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early, ternary):
 
 
 @pytest.mark.parametrize(
-    "early,loose,ternary",
-    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
-    ids=["32-bits", "early-exit", "loose-bounds", "loose-ternary"],
+    "early,loose,ternary,held",
+    [
+        (False, False, False, True), (True, False, False, True), (True, True, False, True),
+        (True, True, True, True), (True, True, True, False),
+    ],
+    ids=["32-bits", "early-exit", "loose-bounds", "loose-ternary", "lists-written"],
 )  # fmt: skip
 @pytest.mark.parametrize("resident_max", [16, 64])
 def test_long_row_select_takes_the_keys_above_its_segments_bounds(
-    resident_max, early, loose, ternary
+    resident_max, early, loose, ternary, held
 ):
     """Rows longer than ``select_resident_max``: each segment's own k-th key (or, loose, a key
     with k to 2k keys at or above it) bounds the row's from below, and the keys at or above the
-    largest bound are selected from a list (distinct scores: at most 2k a segment); many ties
-    at the bound overflow the list and take the digit select. Both give the reference's ids:
+    largest bound are selected from the segments' lists (held at once, or written into the
+    row's list first; distinct scores: at most 2k a segment); many ties at the bound overflow
+    a list and take the row (then the digit select). Both give the reference's ids:
     ties from the smallest position, -1 padding past the visible keys, a row with no segment of
     k valid keys (no bound), rows of one segment."""
     kb = _tk(select_resident_max=resident_max, select_chunk=32, select_early_exit=early)
-    kb.select_loose_bounds, kb.select_ternary = loose, ternary
+    kb.select_loose_bounds, kb.select_ternary, kb.select_lists_held = loose, ternary, held
     g = torch.Generator().manual_seed(19)
     for n in (resident_max // 2, 200, 300):
         s = torch.randn(6, n, generator=g)  # distinct: the list
@@ -466,13 +470,16 @@ def test_long_row_select_takes_the_keys_above_its_segments_bounds(
     assert not kb.fallbacks
 
 
-@pytest.mark.parametrize("loose", [False, True], ids=["kth", "loose"])
-def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound(loose):
-    """``select_bound_kernel``: each segment's k-th key (``NEG_INF_KEY`` with fewer than k
-    valid keys), how many valid keys lie at or above it, and the first ``LC`` of them
-    (positions ascending, their ordered keys): distinct scores, ties past the list (the count
-    says so), a segment with fewer than k valid keys, a short last segment. ``LOOSE``: a bound
-    with k to ``LC`` valid keys at or above it, found no later than the k-th key."""
+@pytest.mark.parametrize(
+    "early,loose", [(False, False), (True, False), (True, True)], ids=["kth", "early", "loose"]
+)
+def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound(early, loose):
+    """``select_bound_kernel``: each segment's bound (``NEG_INF_KEY`` with fewer than k valid
+    keys), how many valid keys lie at or above it, and the first ``LC`` of them (positions
+    ascending, their ordered keys): distinct scores, ties past the list (the count says so), a
+    segment with fewer than k valid keys, a short last segment. The bound is the k-th key;
+    ``EARLY``: a threshold at or below it with the same keys at or above; ``LOOSE``: one with
+    k to ``LC`` valid keys at or above it (or, tied, those at or above the k-th)."""
     from v41plan.runtime.kernels import triton_scorer as SC
 
     g = torch.Generator().manual_seed(23)
@@ -486,7 +493,7 @@ def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound(loose):
     bound = torch.full((t,), n)
     SC.select_bound_kernel[(t, 3)](
         s, s.stride(0), bound, ws, ws.stride(0), lists, lists.stride(0), k, n, seg,
-        HAS_BOUND=True, NP=seg, SP=sp, LC=lc, EARLY=loose, LOOSE=loose,
+        HAS_BOUND=True, NP=seg, SP=sp, LC=lc, EARLY=early, LOOSE=loose,
     )  # fmt: skip
     bits = s.view(torch.int32)
     keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -497,13 +504,16 @@ def test_segment_lists_hold_each_segments_keys_at_or_above_its_bound(loose):
             kk = keys[r, pos]
             valid = kk > neg_key
             kth = kk[valid].sort(descending=True).values[k - 1] if valid.sum() >= k else neg_key
-            if loose and valid.sum() >= k:
-                # a valid key at or below the k-th, with at most LC keys above it unless tied
-                kth_loose = int(ws[r, sg])
-                assert kth_loose <= kth and kth_loose in kk[valid].tolist(), (r, sg)
-                above = int((kk[valid] >= kth_loose).sum())
-                assert above <= lc or kth_loose == kth, (r, sg)
-                kth = kth_loose
+            if early and valid.sum() >= k:
+                bound = int(ws[r, sg])
+                n_at = int((kk[valid] >= bound).sum())
+                n_kth = int((kk[valid] >= kth).sum())
+                assert bound <= kth and n_at >= k, (r, sg)
+                if loose:  # at most LC keys at or above it unless tied
+                    assert n_at <= lc or n_at == n_kth, (r, sg)
+                else:  # no key between it and the k-th
+                    assert n_at == n_kth, (r, sg)
+                kth = bound
             assert ws[r, sg] == kth, (r, sg)
             at = pos[valid & (kk >= kth)]
             assert ws[r, sp + sg] == len(at), (r, sg)

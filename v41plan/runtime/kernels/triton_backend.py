@@ -354,18 +354,25 @@ class TritonBackend(TorchBackend):
     place of 32 unrolled ones). H100, 64 rows: 4,096 keys 11.5 us against 12.4, 32,768 keys
     54.7 against 61.3; score + top-k flash 64K 197 against 211 us
     (reports/gpu/bench_kernels_select_early_h100_52d304f.json)."""
-    select_loose_bounds = False
+    select_loose_bounds = True
     """With ``select_early_exit``, the long-row select's segment programs stop at a bound with
     ``k`` to ``2k`` (their list's room) keys at or above it instead of their exact k-th key
-    (``select_bound_kernel``'s ``LOOSE``). Staged off, untimed: ``bench_kernels.py --only
-    "select sweep"`` has its A/B."""
-    select_ternary = False
+    (``select_bound_kernel``'s ``LOOSE``). H100, 64 rows of 32,768 keys: 45.5 us against 54.6
+    (reports/gpu/bench_kernels_select_ternary_h100_bf39bbe.json)."""
+    select_ternary = True
     """With ``select_early_exit``, the resident and long-row selects count two thresholds a
-    step (``_kth_key``'s ``TERNARY``: about 20 steps in place of 31, each a second compare an
-    element). Staged off, untimed: ``bench_kernels.py --only "select sweep"`` has its A/B."""
+    step (``_kth_key``'s ``TERNARY``: 16 steps where the bit search took 24 at 4,096 keys, each
+    a second compare an element). H100, 64 rows: 4,096 keys 10.1 us against 11.5; with loose
+    bounds 32,768 keys 43.7 against 45.5; score + top-k flash 64K 187 against 197 us
+    (reports/gpu/bench_kernels_select_ternary_h100_bf39bbe.json)."""
+    select_lists_held = True
+    """The long-row select's final program selects from its segments' lists loaded at once and
+    held in registers (up to 16,384 entries, where none overflowed), not from a list it writes,
+    reads back and gathers the scores of (``select_final_kernel``'s ``HELD``). Untimed."""
     select_thread_elems = 16
     """Keys a thread of a resident select holds (its warps: the padded row over this many a
-    thread, 4 to 16 warps)."""
+    thread, 4 to 16 warps). H100, 64 rows of 4,096 keys (loose bounds, bit search): 8 a thread
+    13.0 us, 16 11.5, 32 12.6 (reports/gpu/bench_kernels_select_ternary_h100_bf39bbe.json)."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
@@ -552,6 +559,7 @@ class TritonBackend(TorchBackend):
         lists = torch.empty(t, npc, dtype=torch.int32, device=score.device)
         b = _vec(bound) if bound is not None else score
         has = bound is not None
+        held = self.select_lists_held and sp * lc <= 16384
         SC.select_bound_kernel[(t, segments)](
             score, score.stride(0), b, ws, ws.stride(0), seg, seg.stride(0), k, n, seg_elems,
             HAS_BOUND=has, NP=np_seg, SP=sp, LC=lc, EARLY=self.select_early_exit,
@@ -563,7 +571,7 @@ class TritonBackend(TorchBackend):
             lists.stride(0), out, out.stride(0), k, n, segments, HAS_BOUND=has, SP=sp, LC=lc,
             CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
             EARLY=self.select_early_exit, TERNARY=self.select_ternary and npc <= 16384,
-            num_warps=self.resident_select_warps(npc),
+            HELD=held, num_warps=self.resident_select_warps(max(npc, sp * lc) if held else npc),
         )  # fmt: skip
 
     def resident_select_warps(self, padded_elems: int) -> int:

@@ -497,24 +497,36 @@ def _row_keys(row_ptr, e, n_elem):
 
 
 @triton.jit
-def _kth_key(key, rem, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.constexpr = False):
-    """The largest key ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1; the
-    rem-th largest), a bit at a time: the sign first (keys >= 0 enough?), then bits 30..0 set
-    while enough keys lie at or above (OR-ing a bit into a negative threshold raises it as into
-    a positive one). ``NEG_INF_KEY`` entries never count: every threshold lies above them.
-    ``EARLY``: stop at the first threshold with at most ``max(rem, cap)`` keys at or above it
-    and return the smallest of them: with ``cap`` <= ``rem`` the rem-th largest (distinct
-    scores: after about 20 of the 32 bits); with a larger ``cap`` a key with between ``rem``
-    and ``cap`` keys at or above it (unless ties hold more), a bound the long-row select's
-    segments need no closer (about 10 bits). ``TERNARY`` (with ``EARLY``, rows of up to 16,384
-    keys): two thresholds a step, a third of the range apart, counted by one sum of both
-    counts packed into an int32 (16 bits each), so a step cuts the range to a third: about 20
-    steps for the 31 bits below the sign."""
+def _counts_of(key, valid):
+    """How many of ``key`` are valid and how many lie at or above 0 (every such key is valid:
+    invalid ones hold ``NEG_INF_KEY``), by one sum of both packed into an int32 where a row
+    holds at most 16,384 keys."""
+    if key.shape[0] <= 16384:
+        both = tl.sum(valid.to(tl.int32) + (key >= 0).to(tl.int32) * 65536, axis=0)
+        return both & 65535, both >> 16
+    else:
+        return tl.sum(valid.to(tl.int32), axis=0), tl.sum((key >= 0).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _kth_key(key, rem, n_pos, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.constexpr = False):
+    """A threshold ``T`` with at least ``rem`` of ``key`` at or above it (``rem`` >= 1) and none
+    of them below the rem-th largest: the rem-th largest itself, or (``EARLY``) below it with
+    no key between. A bit at a time: the sign first (``n_pos`` keys at or above 0: enough?),
+    then bits 30..0 set while enough keys lie at or above (OR-ing a bit into a negative
+    threshold raises it as into a positive one). ``NEG_INF_KEY`` entries never count: every
+    threshold past the first lies above them. ``EARLY``: stop at the first threshold with at
+    most ``max(rem, cap)`` keys at or above it: with ``cap`` <= ``rem`` exactly the rem largest
+    (distinct scores: after about 20 of the 32 bits); with a larger ``cap`` between ``rem``
+    and ``cap`` keys (unless ties hold more), a bound the long-row select's segments need no
+    closer (about 10 bits). ``TERNARY`` (with ``EARLY``, rows of up to 16,384 keys): two
+    thresholds a step, a third of the range apart, counted by one sum of both counts packed
+    into an int32 (16 bits each), so a step cuts the range to a third: about 20 steps for the
+    31 bits below the sign."""
+    n_all = key.shape[0]  # every key lies at or above the lowest threshold
     if EARLY and TERNARY:
         tl.static_assert(key.shape[0] <= 16384)  # two counts in one int32
         cap = tl.maximum(cap, rem)
-        n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
-        n_all = tl.sum((key >= -2147483648).to(tl.int32), axis=0)
         lo = tl.where(n_pos >= rem, 0, -2147483648)
         n_lo = tl.where(n_pos >= rem, n_pos, n_all)
         hi = tl.where(n_pos >= rem, 2147483647, -1)  # inclusive: the answer lies in [lo, hi]
@@ -531,11 +543,9 @@ def _kth_key(key, rem, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.constexpr
             n_lo = tl.where(n2 >= rem, n2, tl.where(n1 >= rem, n1, n_lo))
             hi = tl.where(n2 >= rem, hi, tl.where(n1 >= rem, c2 - 1, c1 - 1))
             lo = lo_next
-        return tl.min(tl.where(key >= lo, key, 2147483647), axis=0)
+        return lo
     elif EARLY:
         cap = tl.maximum(cap, rem)
-        n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
-        n_all = tl.sum((key >= -2147483648).to(tl.int32), axis=0)
         lo = tl.where(n_pos >= rem, 0, -2147483648)
         n_lo = tl.where(n_pos >= rem, n_pos, n_all)
         i = 0
@@ -545,9 +555,9 @@ def _kth_key(key, rem, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.constexpr
             lo = tl.where(n_cand >= rem, cand, lo)
             n_lo = tl.where(n_cand >= rem, n_cand, n_lo)
             i += 1
-        return tl.min(tl.where(key >= lo, key, 2147483647), axis=0)
+        return lo
     else:
-        lo = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= rem, 0, -2147483648)
+        lo = tl.where(n_pos >= rem, 0, -2147483648)
         for i in tl.static_range(31):
             cand = lo | (1 << (30 - i))
             lo = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= rem, cand, lo)
@@ -556,18 +566,31 @@ def _kth_key(key, rem, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.constexpr
 
 @triton.jit
 def _write_selected(
-    out_row, key, valid, pos, rem, K, KP: tl.constexpr, EARLY: tl.constexpr, TERNARY: tl.constexpr
+    out_row, key, valid, pos, K, KP: tl.constexpr, EARLY: tl.constexpr, TERNARY: tl.constexpr
 ):
-    """The ``rem`` largest of ``key`` (in position order, ``pos`` ascending) into ``out_row``:
-    every key above the rem-th largest, then the ties at it from the first; -1 after them."""
+    """The ``K`` largest valid ``key`` (fewer if fewer are valid; in position order, ``pos``
+    ascending) into ``out_row``: every key above the threshold of ``_kth_key``, then the ties at
+    it from the first; -1 after them. Where a row holds at most 16,384 keys, the keys above and
+    the ties are counted and placed by one sum and one cumulative sum of both packed."""
+    n_valid, n_pos = _counts_of(key, valid)
+    rem = tl.minimum(n_valid, K)
     if rem > 0:
-        kth = _kth_key(key, rem, EARLY, 0, TERNARY)
-        above = key > kth
-        need = rem - tl.sum(above.to(tl.int32), axis=0)
-        eq = ((key == kth) & valid).to(tl.int32)
-        sel = above | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))
-        si = sel.to(tl.int32)
-        idx = tl.cumsum(si, axis=0) - si
+        kth = _kth_key(key, rem, n_pos, EARLY, 0, TERNARY)
+        above = (key > kth) & valid
+        eq = (key == kth) & valid
+        if key.shape[0] <= 16384:
+            both = above.to(tl.int32) + eq.to(tl.int32) * 65536
+            need = rem - (tl.sum(both, axis=0) & 65535)
+            before = tl.cumsum(both, axis=0) - both
+            ties_before = before >> 16
+            sel = above | (eq & (ties_before < need))
+            idx = (before & 65535) + tl.minimum(ties_before, need)
+        else:
+            need = rem - tl.sum(above.to(tl.int32), axis=0)
+            ei = eq.to(tl.int32)
+            sel = above | (eq & (tl.cumsum(ei, axis=0) - ei < need))
+            si = sel.to(tl.int32)
+            idx = tl.cumsum(si, axis=0) - si
         tl.store(out_row + idx, pos.to(tl.int64), mask=sel)
     j = tl.arange(0, KP)
     tl.store(out_row + j, tl.full((KP,), -1, tl.int64), mask=(j >= rem) & (j < K))
@@ -603,8 +626,7 @@ def select_resident_kernel(
         n_elem = N + tl.zeros((), dtype=tl.int64)
     e = tl.arange(0, NP)
     key, valid = _row_keys(score_ptr + t * s_score_row, e, n_elem)
-    rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)
-    _write_selected(out_ptr + t * s_out_row, key, valid, e, rem, K, KP, EARLY, TERNARY)
+    _write_selected(out_ptr + t * s_out_row, key, valid, e, K, KP, EARLY, TERNARY)
 
 
 # -- the long-row select: segment bounds, then the candidates above them --------------------------
@@ -641,13 +663,13 @@ def select_bound_kernel(
     TERNARY: tl.constexpr = False,
     LOOSE: tl.constexpr = False,
 ):
-    """Segment ``s`` of row ``t`` (``SEG <= NP`` elements): its own k-th key into ``ws[t, s]``,
-    or ``NEG_INF_KEY`` where it holds fewer than ``K`` valid keys (no bound from it); the valid
-    keys at or above it, in position order, into its list (``seg[t, s * 2 * LC:]``: up to ``LC``
-    positions, then their keys) and how many there are into ``ws[t, SP + s]``. ``LOOSE`` (with
-    ``EARLY``): any key with ``K`` to ``LC`` keys at or above it in place of the k-th, as good
-    a bound for the row's select (every key at or above it still fits the list) for about half
-    the search."""
+    """Segment ``s`` of row ``t`` (``SEG <= NP`` elements): its bound into ``ws[t, s]`` (its own
+    k-th key, or with ``EARLY`` a threshold below it with no key between), or ``NEG_INF_KEY``
+    where it holds fewer than ``K`` valid keys (no bound from it); the valid keys at or above
+    it, in position order, into its list (``seg[t, s * 2 * LC:]``: up to ``LC`` positions, then
+    their keys) and how many there are into ``ws[t, SP + s]``. ``LOOSE`` (with ``EARLY``): a
+    threshold with ``K`` to ``LC`` keys at or above it, as good a bound for the row's select
+    (every key at or above it still fits the list) for about half the search."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     if HAS_BOUND:
@@ -659,10 +681,10 @@ def select_bound_kernel(
     key, valid = _row_keys(score_ptr + t * s_score_row, e, tl.where(i < SEG, n_elem, 0))
     valid = valid & (i < SEG)
     key = tl.where(valid, key, NEG_INF_KEY)
-    have = tl.sum(valid.to(tl.int32), axis=0)
+    have, n_pos = _counts_of(key, valid)
     kth = NEG_INF_KEY + tl.zeros((), dtype=tl.int32)
     if (have >= K) & (K > 0):
-        kth = _kth_key(key, K, EARLY, LC if LOOSE else 0, TERNARY)
+        kth = _kth_key(key, K, n_pos, EARLY, LC if LOOSE else 0, TERNARY)
     tl.store(ws_ptr + t * s_ws_row + sg, kth)
     cand = valid & (key >= kth)
     ci = cand.to(tl.int32)
@@ -708,12 +730,15 @@ def select_final_kernel(
     KP: tl.constexpr,
     EARLY: tl.constexpr = False,
     TERNARY: tl.constexpr = False,
+    HELD: tl.constexpr = False,
 ):
     """Row ``t``'s top-``K`` ids from its segments' bounds and lists (``select_bound_kernel``):
-    the keys at or above the largest bound, taken from the segments' lists (from the row where a
-    segment's list overflowed) in position order into ``list [T, NPC]`` (their positions), then
-    selected from the list held in registers; past ``NPC`` of them, the digit select over the
-    row."""
+    the keys at or above the largest bound. ``HELD`` (the lists fit one program, ``SP * LC``
+    entries) and no list overflowed: selected from the lists themselves, loaded at once and
+    held in registers (positions and keys in position order, segment after segment). Else taken
+    from the lists (from the row where a segment's list overflowed) in position order into
+    ``list [T, NPC]`` (their positions), then selected from the list held in registers; past
+    ``NPC`` of them, the digit select over the row."""
     t = tl.program_id(0)
     row_ptr = score_ptr + t * s_score_row
     if HAS_BOUND:
@@ -726,33 +751,45 @@ def select_final_kernel(
     count = tl.zeros((), dtype=tl.int32)
     ws_counts = ws_ptr + t * s_ws_row + SP
     overflow = tl.max(tl.load(ws_counts + sj, mask=sj < S, other=0), axis=0) > LC
-    if overflow:
-        for e0 in range(0, n_elem, CHUNK):
-            e = e0 + tl.arange(0, CHUNK)
-            key, valid = _row_keys(row_ptr, e, n_elem)
-            count = _append_positions(lst, count, e, valid & (key >= floor), NPC)
-    else:
-        j = tl.arange(0, LC)
-        for sg in range(S):
-            held = j < tl.load(ws_counts + sg)
-            seg = seg_ptr + t * s_seg_row + sg * (2 * LC)
-            pos = tl.load(seg + j, mask=held, other=0)
-            key = tl.load(seg + LC + j, mask=held, other=NEG_INF_KEY)
-            count = _append_positions(lst, count, pos, held & (key >= floor), NPC)
-    if count <= NPC:
-        i = tl.arange(0, NPC)
-        held = i < count
-        pos = tl.load(lst + i, mask=held, other=0)
-        key, valid = _row_keys(row_ptr, pos, tl.where(held, n_elem, 0))
-        valid = valid & held
+    if HELD and not overflow:
+        # every list at once: no list written and read back, no scores gathered from the row
+        i = tl.arange(0, SP * LC)
+        sg = i // LC
+        j = i % LC
+        held = (sg < S) & (j < tl.load(ws_counts + sg, mask=sg < S, other=0))
+        entry = seg_ptr + t * s_seg_row + sg * (2 * LC) + j
+        pos = tl.load(entry, mask=held, other=0)
+        key = tl.load(entry + LC, mask=held, other=NEG_INF_KEY)
+        valid = held & (key >= floor)
         key = tl.where(valid, key, NEG_INF_KEY)
-        rem = tl.minimum(count, K)
-        _write_selected(out_ptr + t * s_out_row, key, valid, pos, rem, K, KP, EARLY, TERNARY)
+        _write_selected(out_ptr + t * s_out_row, key, valid, pos, K, KP, EARLY, TERNARY)
     else:
-        _digit_select(
-            t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
-            HAS_BOUND, 1, False, CHUNK, KP,
-        )  # fmt: skip
+        if overflow:
+            for e0 in range(0, n_elem, CHUNK):
+                e = e0 + tl.arange(0, CHUNK)
+                key, valid = _row_keys(row_ptr, e, n_elem)
+                count = _append_positions(lst, count, e, valid & (key >= floor), NPC)
+        else:
+            j = tl.arange(0, LC)
+            for sg in range(S):
+                held = j < tl.load(ws_counts + sg)
+                seg = seg_ptr + t * s_seg_row + sg * (2 * LC)
+                pos = tl.load(seg + j, mask=held, other=0)
+                key = tl.load(seg + LC + j, mask=held, other=NEG_INF_KEY)
+                count = _append_positions(lst, count, pos, held & (key >= floor), NPC)
+        if count <= NPC:
+            i = tl.arange(0, NPC)
+            held = i < count
+            pos = tl.load(lst + i, mask=held, other=0)
+            key, valid = _row_keys(row_ptr, pos, tl.where(held, n_elem, 0))
+            valid = valid & held
+            key = tl.where(valid, key, NEG_INF_KEY)
+            _write_selected(out_ptr + t * s_out_row, key, valid, pos, K, KP, EARLY, TERNARY)
+        else:
+            _digit_select(
+                t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
+                HAS_BOUND, 1, False, CHUNK, KP,
+            )  # fmt: skip
 
 
 # -- the select over segments: a row's elements split among programs (few rows, long rows) --------
