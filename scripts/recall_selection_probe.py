@@ -79,11 +79,10 @@ def _record_selections(model: T.TrainModel):
 
 def answer_marks(doc: dict) -> tuple[int, int, int]:
     """(the row predicting the answer's lead digit, the asked key's byte, the lead digit's byte)
-    of a recall document: the context ends ``answer: K=`` and the answer is the value, the pair
-    ``K=1234;``."""
+    of a recall document: the answer is a space and the value, the pair ``K=1234;``."""
     key = doc["context"].split("question: what is ")[1][0]
     start = doc["context"].index(f"{key}=")  # the pair's first byte
-    return len(doc["context"].encode()) - 1, start, start + 2
+    return len(doc["context"].encode()), start, start + 2
 
 
 def probe(model, host, docs: list[dict]) -> dict:

@@ -22,10 +22,9 @@ def test_answer_marks_point_at_the_asked_pair():
         query_row, key_byte, lead_byte = rsp.answer_marks(d)
         ctx = d["context"].encode()
         answer = d["choices"][d["label"]]
-        assert query_row == len(ctx) - 1  # the prompt's last "=" predicts the lead digit
-        assert chr(ctx[query_row]) == "=" and chr(ctx[query_row - 1]) == chr(ctx[key_byte])
+        assert query_row == len(ctx)  # the row of the answer's space predicts its lead digit
         assert chr(ctx[key_byte]) == d["context"].split("what is ")[1][0]
-        assert chr(ctx[key_byte + 1]) == "=" and chr(ctx[lead_byte]) == answer[0]
+        assert chr(ctx[key_byte + 1]) == "=" and chr(ctx[lead_byte]) == answer[1]
         assert key_byte % 8 == 0  # pairs of 8 bytes: key and lead digit in different rows
 
 

@@ -7,9 +7,9 @@ byte under the byte tokenizer, so lengths in characters are lengths in tokens):
 
 - ``v41plan_kv_recall_mc`` (multiple choice, ``acc`` by log-likelihood): 48 ``K=value;``
   pairs (one-letter keys, four-digit values) over 383 characters, then a question on a key
-  from the first third, 280 to 410 rows back, whose answer begins as the pair does
-  (``answer: K=``); the choices are the true value and three others from the same context.
-  The answer is outside the window: only the compressed KV and the index top-k reach it.
+  from the first third, 280 to 410 rows back; the choices are the true value and three others
+  from the same context. The answer is outside the window:
+  only the compressed KV and the index top-k reach it.
 - ``v41plan_copy_gen`` (generation, ``exact_match``): a code, filler text past the window, then
   a request to repeat the code.
 - ``v41plan_arith_gen`` (generation, ``exact_match``): two- and three-digit sums.
@@ -38,20 +38,11 @@ task measures what it is for, the lookup past the window (``checkpoints/quality4
 _FILLER = "the river runs past the old mill and the fields beyond it turn gold in the autumn sun. "
 
 
-RECALL_ANSWER = "answer: {key}="
-"""How a recall question's answer begins: the asked key and ``=``, as in its pair, so the
-lookup is the pair's own two tokens found past the window, then the digits after them. With
-``answer: `` alone (the task's second version) the key must also be carried from the question
-across the tokens after it, which the quality model did not learn in any run
-(``checkpoints/quality40_recall/README.md``)."""
-
-
 def kv_recall_doc(rng: random.Random, pairs: int = 48) -> dict:
     """One multiple-choice recall item: ``{"context", "choices", "label"}``: ``pairs`` (at
     most 52) ``K=value;`` pairs of one-letter keys and four-digit values, then a question on
-    a key from the first third (outside the window of the question), its answer begun as the
-    pair (``RECALL_ANSWER``); the choices are the true value and three other values of the
-    list."""
+    a key from the first third (outside the window of the question); the choices are the
+    true value and three other values of the list."""
     if not 4 <= pairs <= len(RECALL_KEYS):
         raise ValueError(f"pairs {pairs}: want 4 to {len(RECALL_KEYS)}")
     keys = rng.sample(RECALL_KEYS, k=pairs)
@@ -62,8 +53,8 @@ def kv_recall_doc(rng: random.Random, pairs: int = 48) -> dict:
     choices = [values[q], *rng.sample(others, k=3)]
     rng.shuffle(choices)
     return {
-        "context": f"{lines}\nquestion: what is {keys[q]}? {RECALL_ANSWER.format(key=keys[q])}",
-        "choices": [f"{c}" for c in choices],
+        "context": f"{lines}\nquestion: what is {keys[q]}? answer:",
+        "choices": [f" {c}" for c in choices],
         "label": choices.index(values[q]),
     }
 

@@ -40,7 +40,6 @@ from v41plan.validation.quality_tasks import (
     COPY_CODE_LETTERS,
     EVAL_SEED,
     GENERATORS,
-    RECALL_ANSWER,
     RECALL_KEYS,
     documents,
 )
@@ -57,21 +56,22 @@ key from the list's first third); ``recall_more`` the further questions of a mul
 
 LOGGED_KINDS = (*ANSWER_KINDS, "recall_lead")
 """The accuracies training logs: each answer kind, then ``recall_lead``, the first digit of
-every recall answer (``recall`` and ``recall_more``). A recall answer's other tokens are
-digits that follow once the first is forced, so a lookup that lands on the wrong pair of the
-list still scores most of them; the first digit is the lookup."""
+every recall answer (``recall`` and ``recall_more``). A recall answer's other tokens are the
+leading space and digits that follow once the first is forced, so a lookup that lands on the
+wrong pair of the list still scores most of them; the first digit is the lookup."""
 
 
 def recall_lead_mask(answer: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` marks (``ANSWER_KINDS``) -> bool: the first digit of each recall answer, its
-    first token (``answer: K=`` ends the prompt, ``RECALL_ANSWER``)."""
+    """``[B, S]`` marks (``ANSWER_KINDS``) -> bool: the first digit of each recall answer, the
+    second token of a ``recall`` answer (the task's ``" 1234"``) and the first of a
+    ``recall_more`` one (``"answer: "`` ends in the space)."""
 
     def after(x: torch.Tensor, k: int) -> torch.Tensor:  # x shifted k tokens later
         return torch.cat((torch.zeros_like(x[:, :k]), x[:, : x.shape[1] - k]), 1)[:, : x.shape[1]]
 
     first = answer == ANSWER_KINDS.index("recall") + 1
     more = answer == ANSWER_KINDS.index("recall_more") + 1
-    return (first & ~after(first, 1)) | (more & ~after(more, 1))
+    return (first & after(first, 1) & ~after(first, 2)) | (more & ~after(more, 1))
 
 
 @dataclass
@@ -254,7 +254,7 @@ class Corpus:
         others = [(k, v) for k, v in pairs if k != asked]
         code = ANSWER_KINDS.index("recall_more") + 1
         for k, v in self.rng.sample(others, k=min(self.recall_questions - 1, len(others))):
-            ask = f"\nquestion: what is {k}? {RECALL_ANSWER.format(key=k)}".encode()
+            ask = f"\nquestion: what is {k}? answer: ".encode()
             ids = ids[:-1] + [*ask, *v.encode(), self.eos]
             marks = marks[:-1] + [0] * len(ask) + [code] * len(v) + [0]
         return ids, marks
