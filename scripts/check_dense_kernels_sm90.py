@@ -400,7 +400,7 @@ def _select_variants(every: bool = False) -> list:
         sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64"}
         sig.update({"out_ptr": "*i64", "s_out_row": "i32", "K": "i32", "N": "i32"})
         cx = {"HAS_BOUND": True, "NP": np_, "KP": 512, "PDL": False, "EARLY": early}
-        cx["TERNARY"] = ternary
+        cx.update({"TERNARY": ternary, "PACK_MAX": kb.select_packed_scan_max})
         sig.update(dict.fromkeys(cx, "constexpr"))
         kb.select_thread_elems = elems
         warps = kb.resident_select_warps(np_)
@@ -426,7 +426,7 @@ def _select_variants(every: bool = False) -> list:
     sig.update({"s_list_row": "i32", "out_ptr": "*i64"})
     sig.update({"s_out_row": "i32", "K": "i32", "N": "i32", "S": "i32"})
     cx = {"HAS_BOUND": True, "SP": 4, "LC": 1024, "CHUNK": 2048, "NPC": 4096, "KP": 512}
-    cx.update({"EARLY": True, "TERNARY": True, "HELD": True})
+    cx.update({"EARLY": True, "TERNARY": True, "HELD": True, "PACK_MAX": 4096})
     sig.update(dict.fromkeys(cx, "constexpr"))
     warps = kb.resident_select_warps(4096)
     name = f"select long final NPC=4096 warps={warps}"

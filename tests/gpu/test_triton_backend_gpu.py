@@ -265,12 +265,13 @@ def test_segment_select_is_the_references_at_decode_sizes(programs):
 
 
 @pytest.mark.parametrize(
-    "loose,ternary,held",
-    [(False, False, True), (True, False, True), (True, True, True), (True, True, False)],
-    ids=["kth-bounds", "loose-bounds", "loose-ternary", "lists-written"],
+    "loose,ternary,held,pack_max",
+    [(False, False, True, 4096), (True, False, True, 4096), (True, True, True, 4096),
+     (True, True, False, 4096), (True, True, True, 0)],
+    ids=["kth-bounds", "loose-bounds", "loose-ternary", "lists-written", "two-scans"],
 )  # fmt: skip
 @pytest.mark.parametrize("n", [4096, 32768], ids=["resident", "long-row"])
-def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary, held):
+def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary, held, pack_max):
     # select_early_exit (and the long-row select's loose bounds, the ternary search): 64 rows,
     # random and tied in steps, some bounded short or empty
     g = torch.Generator(device="cuda").manual_seed(14)
@@ -282,6 +283,7 @@ def test_early_exit_select_is_the_references_at_decode_sizes(n, loose, ternary, 
     ref, tri = _backends()
     tri.select_early_exit = True
     tri.select_loose_bounds, tri.select_ternary, tri.select_lists_held = loose, ternary, held
+    tri.select_packed_scan_max = pack_max
     for k in (512, 2048):
         want = ref.topk_ids(s, k)
         assert torch.equal(tri.topk_ids(s, k), want), k

@@ -404,15 +404,17 @@ def test_select_ends_where_a_bin_holds_the_elements_still_wanted(chunk, warps):
 
 
 @pytest.mark.parametrize(
-    "early,ternary", [(False, False), (True, False), (True, True)],
-    ids=["32-bits", "early-exit", "ternary"],
+    "early,ternary,pack_max", [(False, False, 4096), (True, False, 4096), (True, True, 4096),
+                               (True, True, 0)],
+    ids=["32-bits", "early-exit", "ternary", "ternary-two-scans"],
 )  # fmt: skip
-def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early, ternary):
+def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early, ternary, pack_max):
     """``select_resident_kernel``: the k-th key built a bit at a time over the held row, with
     keys of both signs and every magnitude (the sign step), ties at the k-th key taken from the
     smallest position, -0.0 tied with 0.0, -inf never taken, infinities, k of 0 and past the
     visible keys (-1 padded), and a row's bound (``score_topk``'s)."""
     kb = _tk(select_resident_max=8192, select_early_exit=early, select_ternary=ternary)
+    kb.select_packed_scan_max = pack_max  # 0: the ids placed by two scans, as past 4,096 keys
     g = torch.Generator().manual_seed(17)
     n = 300
     s = torch.randn(8, n, generator=g)

@@ -368,7 +368,15 @@ class TritonBackend(TorchBackend):
     select_lists_held = True
     """The long-row select's final program selects from its segments' lists loaded at once and
     held in registers (up to 16,384 entries, where none overflowed), not from a list it writes,
-    reads back and gathers the scores of (``select_final_kernel``'s ``HELD``). Untimed."""
+    reads back and gathers the scores of (``select_final_kernel``'s ``HELD``). H100, 64 rows of
+    32,768 keys: 35.9 us against 40.5; the final launch 9.9 us eager, 23.2 before the packed
+    counts and the held lists (reports/gpu/bench_kernels_select_held_h100_c911cef.json)."""
+    select_packed_scan_max = 4096
+    """Longest row (padded keys) whose select places its ids by one cumulative sum of the keys
+    above its threshold and the ties at it packed in one int32 (else two scans). 4,096: at
+    8,192 keys the packed form holds 128 registers and spills 16 bytes in the sm_90 build (110
+    and none without it); H100, 64 rows of 4,096 keys: 8.9 us with the packed counts, the
+    ternary search's 10.1 before them (reports/gpu/bench_kernels_select_held_h100_c911cef.json)."""
     select_thread_elems = 16
     """Keys a thread of a resident select holds (its warps: the padded row over this many a
     thread, 4 to 16 warps). H100, 64 rows of 4,096 keys (loose bounds, bit search): 8 a thread
@@ -525,6 +533,7 @@ class TritonBackend(TorchBackend):
                 KP=next_pow2(k),
                 EARLY=self.select_early_exit,
                 TERNARY=self.select_ternary and np_ <= 16384,
+                PACK_MAX=min(self.select_packed_scan_max, 16384),
                 num_warps=self.resident_select_warps(np_),
                 **pdl_launch(score.device, t),
             )
@@ -571,7 +580,8 @@ class TritonBackend(TorchBackend):
             lists.stride(0), out, out.stride(0), k, n, segments, HAS_BOUND=has, SP=sp, LC=lc,
             CHUNK=min(self.select_chunk, next_pow2(n)), NPC=npc, KP=next_pow2(k),
             EARLY=self.select_early_exit, TERNARY=self.select_ternary and npc <= 16384,
-            HELD=held, num_warps=self.resident_select_warps(max(npc, sp * lc) if held else npc),
+            HELD=held, PACK_MAX=min(self.select_packed_scan_max, 16384),
+            num_warps=self.resident_select_warps(max(npc, sp * lc) if held else npc),
         )  # fmt: skip
 
     def resident_select_warps(self, padded_elems: int) -> int:

@@ -566,19 +566,29 @@ def _kth_key(key, rem, n_pos, EARLY: tl.constexpr = False, cap=0, TERNARY: tl.co
 
 @triton.jit
 def _write_selected(
-    out_row, key, valid, pos, K, KP: tl.constexpr, EARLY: tl.constexpr, TERNARY: tl.constexpr
+    out_row,
+    key,
+    valid,
+    pos,
+    K,
+    KP: tl.constexpr,
+    EARLY: tl.constexpr,
+    TERNARY: tl.constexpr,
+    PACK_MAX: tl.constexpr,
 ):
     """The ``K`` largest valid ``key`` (fewer if fewer are valid; in position order, ``pos``
     ascending) into ``out_row``: every key above the threshold of ``_kth_key``, then the ties at
-    it from the first; -1 after them. Where a row holds at most 16,384 keys, the keys above and
-    the ties are counted and placed by one sum and one cumulative sum of both packed."""
+    it from the first; -1 after them. Where a row holds at most ``PACK_MAX`` keys (16,384 at
+    most), the keys above and the ties are counted and placed by one sum and one cumulative sum
+    of both packed; else by a sum and two cumulative sums."""
     n_valid, n_pos = _counts_of(key, valid)
     rem = tl.minimum(n_valid, K)
     if rem > 0:
         kth = _kth_key(key, rem, n_pos, EARLY, 0, TERNARY)
         above = (key > kth) & valid
         eq = (key == kth) & valid
-        if key.shape[0] <= 16384:
+        if key.shape[0] <= PACK_MAX:
+            tl.static_assert(key.shape[0] <= 16384)  # two counts in one int32
             both = above.to(tl.int32) + eq.to(tl.int32) * 65536
             need = rem - (tl.sum(both, axis=0) & 65535)
             before = tl.cumsum(both, axis=0) - both
@@ -611,6 +621,7 @@ def select_resident_kernel(
     PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     TERNARY: tl.constexpr = False,
+    PACK_MAX: tl.constexpr = 4096,
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
     ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
@@ -626,7 +637,7 @@ def select_resident_kernel(
         n_elem = N + tl.zeros((), dtype=tl.int64)
     e = tl.arange(0, NP)
     key, valid = _row_keys(score_ptr + t * s_score_row, e, n_elem)
-    _write_selected(out_ptr + t * s_out_row, key, valid, e, K, KP, EARLY, TERNARY)
+    _write_selected(out_ptr + t * s_out_row, key, valid, e, K, KP, EARLY, TERNARY, PACK_MAX)
 
 
 # -- the long-row select: segment bounds, then the candidates above them --------------------------
@@ -731,6 +742,7 @@ def select_final_kernel(
     EARLY: tl.constexpr = False,
     TERNARY: tl.constexpr = False,
     HELD: tl.constexpr = False,
+    PACK_MAX: tl.constexpr = 4096,
 ):
     """Row ``t``'s top-``K`` ids from its segments' bounds and lists (``select_bound_kernel``):
     the keys at or above the largest bound. ``HELD`` (the lists fit one program, ``SP * LC``
@@ -762,7 +774,7 @@ def select_final_kernel(
         key = tl.load(entry + LC, mask=held, other=NEG_INF_KEY)
         valid = held & (key >= floor)
         key = tl.where(valid, key, NEG_INF_KEY)
-        _write_selected(out_ptr + t * s_out_row, key, valid, pos, K, KP, EARLY, TERNARY)
+        _write_selected(out_ptr + t * s_out_row, key, valid, pos, K, KP, EARLY, TERNARY, PACK_MAX)
     else:
         if overflow:
             for e0 in range(0, n_elem, CHUNK):
@@ -784,7 +796,9 @@ def select_final_kernel(
             key, valid = _row_keys(row_ptr, pos, tl.where(held, n_elem, 0))
             valid = valid & held
             key = tl.where(valid, key, NEG_INF_KEY)
-            _write_selected(out_ptr + t * s_out_row, key, valid, pos, K, KP, EARLY, TERNARY)
+            _write_selected(
+                out_ptr + t * s_out_row, key, valid, pos, K, KP, EARLY, TERNARY, PACK_MAX
+            )
         else:
             _digit_select(
                 t, score_ptr, s_score_row, bound_ptr, out_ptr, s_out_row, K, N,
