@@ -379,8 +379,9 @@ class TritonBackend(TorchBackend):
     ternary search's 10.1 before them (reports/gpu/bench_kernels_select_held_h100_c911cef.json)."""
     select_thread_elems = 16
     """Keys a thread of a resident select holds (its warps: the padded row over this many a
-    thread, 4 to 16 warps). H100, 64 rows of 4,096 keys (loose bounds, bit search): 8 a thread
-    13.0 us, 16 11.5, 32 12.6 (reports/gpu/bench_kernels_select_ternary_h100_bf39bbe.json)."""
+    thread, 4 to 16 warps). H100, 64 rows of 4,096 keys: 8 a thread 9.7 us, 16 8.9, 32 9.9;
+    of 32,768 keys (the segment bounds' warps) 36.0, 35.9, 34.8
+    (reports/gpu/bench_kernels_select_held_h100_c911cef.json)."""
     select_segment_min = 1024
     """Fewest elements of a segment when ``select_programs`` is 0."""
     select_segment_from = 16384
