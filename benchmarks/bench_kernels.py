@@ -436,12 +436,21 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     forms.append({"select_early_exit": False, "topk": True})  # the 32-step search
     forms.append({"select_loose_bounds": False, "select_ternary": False, "topk": True})
     forms.append({"select_lists_held": False, "topk": True})
+    # the scorer and its select as dependent launches at every row count (triton_common.PDL on,
+    # PDL_MAX_ROWS lifted): the select's launch overlaps the scorer's tail. Staged, untimed.
+    forms.append({"pdl": True, "topk": True})
+    from v41plan.runtime.kernels import triton_common as TC
+
+    pdl_shipped = (TC.PDL, TC.PDL_MAX_ROWS)
     for form in forms:
-        attrs = {k: v for k, v in form.items() if k != "topk"}
+        attrs = {k: v for k, v in form.items() if k not in ("topk", "pdl")}
         shipped = {k: getattr(kb, k) for k in attrs}
         try:
             for k, v in attrs.items():
                 setattr(kb, k, v)
+            if form.get("pdl"):
+                TC.PDL, TC.PDL_MAX_ROWS = "on", 1 << 30
+                attrs = {"pdl": True}
             if form.get("topk"):
                 ms = _bench(lambda: kb.score_topk(planes, q, w, bound, pages, K, None))
                 name = f"{shape} top-{K} sweep {attrs}"
@@ -458,6 +467,7 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
         finally:
             for k, v in shipped.items():
                 setattr(kb, k, v)
+            TC.PDL, TC.PDL_MAX_ROWS = pdl_shipped
     del pools
     return out
 
