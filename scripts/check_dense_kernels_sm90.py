@@ -387,7 +387,8 @@ def _select_variants(every: bool = False) -> list:
     launcher's warps and early exit (an 8K decode's compressed rows); ``every``: also 8,192
     and 16,384 (its longest rows), 32,768 (a 64K context's, past it), 4,096 with the 32-step
     search and with 8 and 32 keys a thread (``select_thread_elems``); the long-row select's
-    two kernels at 32,768 elements, its segment bounds exact and loose."""
+    two kernels at 32,768 elements (``every``: the segment bounds exact and loose by bits too,
+    besides the default loose ternary ones)."""
     from v41plan.runtime.kernels import triton_scorer as sc
     from v41plan.runtime.kernels.triton_backend import TritonBackend
 
@@ -410,7 +411,8 @@ def _select_variants(every: bool = False) -> list:
     kb.select_thread_elems = TritonBackend.select_thread_elems
     # the long-row select at 32,768 elements: four segments of 8,192 (lists of 1,024: top-512),
     # a final list of 4,096
-    for loose, ternary in ((False, False), (True, False), (True, True)):
+    bounds = ((True, True), (False, False), (True, False))  # the default first
+    for loose, ternary in bounds if every else bounds[:1]:
         sig = {"score_ptr": "*fp32", "s_score_row": "i32", "bound_ptr": "*i64", "ws_ptr": "*i32"}
         sig.update({"s_ws_row": "i32", "seg_ptr": "*i32", "s_seg_row": "i32"})
         sig.update({"K": "i32", "N": "i32", "SEG": "i32"})
