@@ -432,15 +432,21 @@ def test_resident_select_finds_the_kth_key_a_bit_at_a_time(early, ternary, pack_
     assert kb.topk_ids(s, 5).shape == (8, 5) and not kb.fallbacks
 
 
+_LONG_ROW_FORMS = {  # (early, loose, ternary, held)
+    "32-bits": (False, False, False, True),
+    "early-exit": (True, False, False, True),
+    "loose-bounds": (True, True, False, True),
+    "loose-ternary": (True, True, True, True),  # the default
+    "lists-written": (True, True, True, False),
+}
+
+
 @pytest.mark.parametrize(
-    "early,loose,ternary,held",
-    [
-        (False, False, False, True), (True, False, False, True), (True, True, False, True),
-        (True, True, True, True), (True, True, True, False),
-    ],
-    ids=["32-bits", "early-exit", "loose-bounds", "loose-ternary", "lists-written"],
-)  # fmt: skip
-@pytest.mark.parametrize("resident_max", [16, 64])
+    "resident_max,early,loose,ternary,held",
+    [pytest.param(16, *f, id=f"16-{name}") for name, f in _LONG_ROW_FORMS.items()]
+    # at 64 (fewer, longer segments) the default and the exact 32-step search (CPU time)
+    + [pytest.param(64, *_LONG_ROW_FORMS[n], id=f"64-{n}") for n in ("32-bits", "loose-ternary")],
+)
 def test_long_row_select_takes_the_keys_above_its_segments_bounds(
     resident_max, early, loose, ternary, held
 ):
