@@ -10,7 +10,8 @@ the sums fp32.
 
 ``select_resident_kernel`` (rows up to ``select_resident_max``) and the long-row select
 (``select_bound_kernel`` then ``select_final_kernel``): the default top-k, the row held in
-registers, the k-th key found a bit at a time.
+registers, the k-th key's threshold found by counts over the held keys (``_kth_key``: two
+thresholds a step, stopping once exactly k keys lie at or above one).
 
 ``select_kernel`` (block mode, and every row with ``select_resident_max`` 0): per row, a most-
 significant-digit radix select (up to four 8-bit passes of histograms over order-preserving uint32
@@ -624,11 +625,13 @@ def select_resident_kernel(
     PACK_MAX: tl.constexpr = 4096,
 ):
     """Top-``K`` ids of row ``t`` (``N <= NP`` elements, ties to the smaller position, ids
-    ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: the
-    k-th largest key found a bit at a time (``_kth_key``: 32 counts over the held keys), then
-    one cumulative sum in position order places the keys above it and the first ties at it.
-    The digit passes of ``select_kernel`` read the row up to five times with a 256-bin
-    histogram each; here a bit costs a compare and a sum."""
+    ascending into ``out [T, K]``, -1 padded), the row read once and held in registers: a
+    threshold at the k-th largest key found by counts over the held keys (``_kth_key``: 31 bit
+    steps, or with ``EARLY`` and ``TERNARY`` about 16 steps of two counts), then a cumulative
+    sum in position order places the keys above it and the first ties at it (``PACK_MAX``:
+    the two counted in one int32 scan up to that many keys). The digit passes of
+    ``select_kernel`` read the row up to five times with a 256-bin histogram each; here a step
+    costs a compare or two and a sum."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     if HAS_BOUND:
