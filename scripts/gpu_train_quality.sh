@@ -12,6 +12,7 @@
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
+NAME=${NAME:-$(basename "$SPEC" .yaml)}  # the checkpoint folder under OUT (SPEC may be a file)
 BUDGET_S=${BUDGET_S:-420}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-640}
@@ -57,10 +58,10 @@ extra=()
 [ -n "${MAX_CODE:-}" ] && extra+=(--max-code-letters "$MAX_CODE")
 [ -n "${FILL_LONG:-}" ] && extra+=(--fill-long)
 echo "== v41plan train --spec $SPEC --steps $STEPS --dense-steps $dense --batch-seqs $BATCH --seq-tokens $SEQ ${extra[*]}" | tee -a "$OUT/train.log"
-python3 -m v41plan train --spec "$SPEC" --out "$OUT/$SPEC" --steps "$STEPS" --dense-steps "$dense" \
+python3 -m v41plan train --spec "$SPEC" --out "$OUT/$NAME" --steps "$STEPS" --dense-steps "$dense" \
     --batch-seqs "$BATCH" --seq-tokens "$SEQ" "${extra[@]}" 2>&1 | tee -a "$OUT/train.log"
 if [ "$EVAL_S" -gt 0 ]; then
     echo "== quality table (cuda, up to $EVAL_S s)" | tee -a "$OUT/train.log"
-    timeout "$EVAL_S" python3 -m v41plan.validation.quality_table --checkpoint "$OUT/$SPEC" \
+    timeout "$EVAL_S" python3 -m v41plan.validation.quality_table --checkpoint "$OUT/$NAME" \
         --spec "$SPEC" --device cuda --out "$OUT/quality_table.json" 2>&1 | tee -a "$OUT/train.log" || true
 fi
