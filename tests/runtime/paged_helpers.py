@@ -22,8 +22,10 @@ DTYPE = torch.float64
 
 @cache
 def model(spec_name: str, seed: int = 0):
-    """(cache spec, config, processed float64 weights, Engram host) of a random checkpoint."""
-    spec = load_cache_spec_unchecked(str(SPECS / f"{spec_name}.yaml"))
+    """(cache spec, config, processed float64 weights, Engram host) of a random checkpoint;
+    ``spec_name`` names a shipped spec or is a spec file's path."""
+    path = spec_name if spec_name.endswith(".yaml") else str(SPECS / f"{spec_name}.yaml")
+    spec = load_cache_spec_unchecked(path)
     cfg = config_from_cache_spec(spec)
     ckpt = LoadedCheckpoint.from_state(cfg, random_state(cfg, seed))
     return spec, cfg, ckpt.process(DTYPE), ckpt.engram_host()

@@ -200,7 +200,7 @@ from v41plan.runtime.kernels import triton_common
 triton_common.patch_interpreter()
 from v41plan.runtime.kernels.triton_backend import TritonBackend
 from runtime import paged_helpers as H
-spec, cfg, w64, eng = H.model("tiny")
+spec, cfg, w64, eng = H.model(sys.argv[1] + "/data/tiny7.yaml")
 w = {k: v.to(torch.float32) for k, v in w64.items()}
 ids = H.token_ids(9, 1)
 n = 8
@@ -226,7 +226,7 @@ print("fallbacks", out["fast"][2])
 def test_fast_path_under_the_interpreter_matches_reference():
     """float32: Triton backend + fused dense kernels + grouped MoE (interpreted, fp32 operands)
     give the torch reference path's logits within 2e-6 relative, same argmax, and no backend op
-    fell back to torch."""
+    fell back to torch (``tests/data/tiny7.yaml``: every role in 7 layers)."""
     lines = _interpreted(_INTERPRETED_RUN).strip().splitlines()
     rels = [ln.split() for ln in lines if ln.startswith("rel ")]
     assert len(rels) == 2
@@ -255,7 +255,7 @@ def counted(x):
     launches.append(x.shape)
     return quantizer(x)
 triton_quant.act_quant_fp8 = triton_gemm.act_quant_fp8 = counted
-spec, cfg, _, eng = H.model("tiny")
+spec, cfg, _, eng = H.model(sys.argv[1] + "/data/tiny7.yaml")
 w = LoadedCheckpoint.from_state(cfg, random_state(cfg, 0)).process(torch.bfloat16, resident=True)
 ids = H.token_ids(9, 1)
 for codes in (False, True):
@@ -276,7 +276,8 @@ def test_sites_quantize_for_the_products_that_read_codes():
     """``SITE_CODES``: with the Triton dense kernels and resident weights on their Triton path
     (the interpreter, bf16), each layer's two sites hand their output's FP8 codes and E8M0
     scales to the joint ``wq_a``/``wkv`` product and the grouped MoE: two quantizer launches
-    fewer a layer and the same logits, bit for bit (about 55 s)."""
+    fewer a layer and the same logits, bit for bit (``tests/data/tiny7.yaml``, every role in
+    7 layers; about 30 s)."""
     out = _interpreted(_SITE_CODES_RUN)
     runs = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("run ")]
     assert [r[0] for r in runs] == ["False", "True"], out
