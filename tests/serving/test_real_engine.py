@@ -17,6 +17,9 @@ from v41plan.serving.sampling import SamplingParams
 
 pytest.importorskip("v41plan.runtime.paged_model")
 
+CUT_SPEC = str(ROOT / "tests" / "data" / "tiny7.yaml")
+"""tiny cut to 7 layers, every role kept: validate_runtime runs on it in half tiny's time."""
+
 P = TINY.replay.hash_block_tokens
 OPTS = {
     "max_num_seqs": 4,
@@ -56,7 +59,7 @@ def test_validate_runtime_world_size_1(tmp_path):
     from v41plan.validation import validate_runtime
 
     out = tmp_path / "report.json"
-    rc = validate_runtime.main(["--spec", str(ROOT / "specs" / "tiny.yaml"), "--output", str(out)])
+    rc = validate_runtime.main(["--spec", CUT_SPEC, "--output", str(out)])
     report = json.loads(out.read_text())
     failed = {
         t: {k: c.get("error") for k, c in v["cases"].items() if not c["passed"]}
@@ -223,7 +226,7 @@ def test_validate_runtime_gloo_world_size_2(tmp_path):
             "-m",
             "v41plan.validation.validate_runtime",
             "--spec",
-            str(ROOT / "specs" / "tiny.yaml"),
+            CUT_SPEC,
             "--output",
             str(out),
             "--transfer",
