@@ -437,7 +437,9 @@ def scorer_sweep(width, ix, context, ceil, kb, ref):
     forms.append({"select_loose_bounds": False, "select_ternary": False, "topk": True})
     forms.append({"select_lists_held": False, "topk": True})
     # the scorer and its select as dependent launches at every row count (triton_common.PDL on,
-    # PDL_MAX_ROWS lifted): the select's launch overlaps the scorer's tail. Staged, untimed.
+    # PDL_MAX_ROWS lifted): the select's launch overlaps the scorer's tail. Lost on an H100:
+    # 0.0330 against 0.0253 ms at medium 8K
+    # (reports/gpu/bench_kernels_pdl_scorer_h100_6cd5df9.json).
     forms.append({"pdl": True, "topk": True})
     from v41plan.runtime.kernels import triton_common as TC
 
