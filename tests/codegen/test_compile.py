@@ -21,7 +21,8 @@ from v41plan.geometry.spec import compile_spec
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = ROOT / "specs"
 SHIPPED = (
-    "deepseek_v41_flash", "flash_slice", "medium", "quality40", "tiny", "tiny40", "tiny40_dspark",
+    "deepseek_v41_flash", "flash_slice", "medium", "quality40", "quality40w", "tiny", "tiny40",
+    "tiny40_dspark",
 )  # fmt: skip
 
 
