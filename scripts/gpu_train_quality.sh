@@ -5,8 +5,10 @@
 # (a quarter of them dense). The real run's command is printed and recorded in its
 # train_log.json: rerunning it reproduces the schedule.
 #   OUT=/tmp/q STEPS=560 EVAL_S=170 scripts/gpu_train_quality.sh
-# Optional: DENSE (dense-attention steps; default a quarter of STEPS), INIT (a checkpoint to go
-# on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has), COPY_SHARE,
+# Optional: SPEC (a compiled spec's name, default quality40: the GPU image has no compiler, so a
+# spec file must be compiled into v41plan/generated first), NAME (the checkpoint folder under OUT,
+# default the spec's name), DENSE (dense-attention steps; default a quarter of STEPS), INIT (a
+# checkpoint to go on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has), COPY_SHARE,
 # SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE, FILL_LONG (set: long
 # documents to each sequence's end instead of sums) (the corpus mixture, `v41plan train --help`).
 set -euo pipefail
