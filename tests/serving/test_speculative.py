@@ -1,4 +1,4 @@
-"""DSpark speculative decoding through the engine (``tiny40_dspark``, float64, CPU).
+"""DSpark speculative decoding through the engine (``tests/data/tiny8_dspark.yaml``, float64, CPU).
 
 Greedy tokens with speculation equal greedy tokens without it, whatever the draft proposes:
 the random draft (nothing accepted), an oracle draft with one wrong token per block (every
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,11 @@ from v41plan.model.config import ConfigError
 from v41plan.serving.engine import LLM
 from v41plan.serving.sampling import SamplingParams
 
-SPEC = "tiny40_dspark"
+SPEC = str(Path(__file__).resolve().parents[1] / "data" / "tiny8_dspark.yaml")
+"""tiny40_dspark's draft on tiny cut to 8 layers (every role kept, the taps on decoder layers
+5-7 as tiny40_dspark's 37-39 are): these scenarios in about a quarter of tiny40's time.
+tiny40_dspark itself still serves speculatively in ``tests/serving/test_server.py`` and has its
+layout checked in ``tests/spec/test_dspark_layout.py``."""
 DSPARK = {"method": "dspark", "num_speculative_tokens": 5}
 PROMPTS = [[40 + (7 * i + j) % 200 for i in range(n)] for j, n in enumerate((20, 45, 9))]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -364,7 +369,7 @@ def test_validate_runtime_speculative_matches_plain(tmp_path):
     """``validate_runtime --speculative`` (replay transfer) over the scenarios where the
     scheduler moves a speculating request (a prefix fork, a preemption mid-prefill, decode rows
     beside a prefill): each passes, and its tokens equal the same scenario run without
-    speculation. About 40 s of CPU; both transfers over every scenario are the README's command
+    speculation. About 18 s of CPU; both transfers over every scenario are the README's command
     (``reports/cpu/validate_runtime_speculative.json``), and the copy transfer's images after a
     verify step are ``test_an_image_stored_after_a_verify_step_resumes_exactly``."""
     import json
