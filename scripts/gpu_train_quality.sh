@@ -8,13 +8,13 @@
 # Optional: SPEC (a compiled spec's name, default quality40: the GPU image has no compiler, so a
 # spec file must be compiled into v41plan/generated first), NAME (the checkpoint folder under OUT,
 # default the spec's name), DENSE (dense-attention steps; default a quarter of STEPS), INIT (a
-# checkpoint to go on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has), COPY_SHARE,
-# SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE, FILL_LONG (set: long
+# checkpoint to go on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has),
+# COPY_SHARE, SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE, FILL_LONG (set: long
 # documents to each sequence's end instead of sums) (the corpus mixture, `v41plan train --help`).
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
-NAME=${NAME:-$(basename "$SPEC" .yaml)}  # the checkpoint folder under OUT (SPEC may be a file)
+NAME=${NAME:-$(basename "$SPEC" .yaml)}  # SPEC may be a file where the compiler is installed
 BUDGET_S=${BUDGET_S:-420}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-640}
