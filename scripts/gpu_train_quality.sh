@@ -9,8 +9,9 @@
 # spec file must be compiled into v41plan/generated first), NAME (the checkpoint folder under OUT,
 # default the spec's name), DENSE (dense-attention steps; default a quarter of STEPS), INIT (a
 # checkpoint to go on from), LR, SEED, TIME_LIMIT (seconds of training, then write what it has),
-# COPY_SHARE, SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE, FILL_LONG (set: long
-# documents to each sequence's end instead of sums) (the corpus mixture, `v41plan train --help`).
+# COPY_SHARE, SHORT_COPY_SHARE, MAX_FILLER, MAX_PAIRS, RECALL_Q, MIN_CODE, MAX_CODE, FILL_LONG
+# (set: long documents to each sequence's end instead of sums) (the corpus mixture, `v41plan
+# train --help`).
 set -euo pipefail
 OUT=${OUT:-/tmp/v41plan_quality}
 SPEC=${SPEC:-quality40}
