@@ -522,6 +522,10 @@ def train(
         "compiled_hc": model.compiled_hc is not None and model.compiled_hc.error is None,
         "capture_error": stepper.capture_error,
         "s_per_step": train_s / max(1, done),
+        # the headroom a larger --batch-seqs has (one step's activations dominate it)
+        "peak_memory_gib": (
+            torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+        ),
         "corpus_skipped_held_out": corpus.skipped,
         "step_end_s": step_end_s,
         "loss": losses,
@@ -538,7 +542,9 @@ def train(
     write_loss_png(out / "loss.png", losses, log["index_kl"])
     progress(
         f"wrote {out}: checkpoint, train_log.json, loss.png "
-        f"({train_s:.0f} s training, final loss {log['final_loss']:.4f})"
+        f"({train_s:.0f} s training, final loss {log['final_loss']:.4f}"
+        + (f", peak {log['peak_memory_gib']:.1f} GiB" if log["peak_memory_gib"] else "")
+        + ")"
     )
     return log
 
