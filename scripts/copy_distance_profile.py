@@ -1,10 +1,10 @@
 """How far back can a checkpoint copy? Copy documents by filler length, through the engine.
 
     python scripts/copy_distance_profile.py --checkpoint DIR [--spec quality40] \
-        [--fillers 0,4,8,16,32,64,100,120,200,420] [--docs 12] [--out FILE.json]
+        [--fillers 0,4,8,16,32,64,100,120,200,420] [--docs 12] [--device cpu] [--out FILE.json]
 
 For each filler length, ``--docs`` copy documents (``quality_tasks.copy_doc``, their own seed)
-are scored letter by letter by ``V41PlanLM.loglikelihood`` on the CPU (one request a letter,
+are scored letter by letter by ``V41PlanLM.loglikelihood`` (one request a letter,
 the code's earlier letters given): the answer's log-likelihood a letter (a uniform guess over
 the 24 letters is log(1/24) = -3.18), the share of documents whose every letter is the greedy
 choice, the share greedy at each of the 8 places of the code, and the rows from the code's
@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="quality40")
     ap.add_argument("--fillers", default="0,4,8,16,32,64,100,120,200,420")
     ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--device", default="cpu", help="the engine's device: cpu or cuda")
     ap.add_argument("--out", default="reports/cpu/copy_distance_profile.json")
     args = ap.parse_args(argv)
-    lm = V41PlanLM(args.spec, args.checkpoint, progress=False, device="cpu", max_num_seqs=16)
+    lm = V41PlanLM(args.spec, args.checkpoint, progress=False, device=args.device, max_num_seqs=16)
     rows = []
     print(
         f"{'filler':>6} {'rows back':>9} {'ll/letter':>9} {'all greedy':>10} "
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "checkpoint": args.checkpoint,
         "spec": args.spec,
+        "device": args.device,
         "uniform_guess_loglik": math.log(1 / 24),
         "provenance": provenance(),
         "rows": rows,

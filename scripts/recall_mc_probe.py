@@ -4,7 +4,7 @@ index top-k (what sparse training steps run), and the engine (``V41PlanLM``, as 
 table scores).
 
     python scripts/recall_mc_probe.py --checkpoint DIR [--pairs 8,16,48] [--docs 20] \
-        [--no-engine] [--out reports/cpu/recall_mc_probe.json]
+        [--no-engine] [--device cpu] [--out reports/cpu/recall_mc_probe.json]
 
 Documents come from the task's own generator (``quality_tasks.kv_recall_doc``) with a seed of
 their own, one question on a key of the list's first third. Training accuracy on answer digits
@@ -60,14 +60,15 @@ def train_forward_lls(model: TrainModel, host: EngramHost, docs: list[dict], den
     tok = np.full((len(rows), s + 1), eos, dtype=np.int64)
     for i, r in enumerate(rows):
         tok[i, : len(r)] = r
+    dev = model.device
     batch = Batch(
-        torch.from_numpy(tok[:, :s]),
-        torch.from_numpy(tok[:, 1:]),
-        torch.from_numpy(engram_rows(host, tok[:, :s])),
+        torch.from_numpy(tok[:, :s]).to(dev),
+        torch.from_numpy(tok[:, 1:]).to(dev),
+        torch.from_numpy(engram_rows(host, tok[:, :s])).to(dev),
     )
     with torch.no_grad():
         logits, _ = model.forward(batch, dense=dense)
-    lp = F.log_softmax(logits.float(), -1).reshape(len(rows), s, -1)
+    lp = F.log_softmax(logits.float(), -1).reshape(len(rows), s, -1).cpu()
     out = []
     for i, (a, n) in enumerate(spans):
         t = torch.tensor(rows[i][a : a + n])
@@ -91,17 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", default="8,16,48", help="comma-separated list lengths")
     ap.add_argument("--docs", type=int, default=20, help="documents a list length")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine's scores")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (training forward and engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = config_from_cache_spec(resolve_spec(args.spec))
     host = EngramHost(cfg, engram_token_map(cfg))
-    model = TrainModel(cfg, 0, "cpu", init_state=read_state(args.checkpoint))
+    model = TrainModel(cfg, 0, args.device, init_state=read_state(args.checkpoint))
     lm = None
     if not args.no_engine:
         from v41plan.validation.lm_eval_model import V41PlanLM
 
         lm = V41PlanLM(
-            args.spec, args.checkpoint, progress=False, device="cpu",
+            args.spec, args.checkpoint, progress=False, device=args.device,
             max_num_seqs=64, max_num_batched_tokens=8192,
         )  # fmt: skip
     rows = []
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec": args.spec,
         "index_topk": cfg.index_topk,
         "chance": 0.25,
+        "device": args.device,
         "rows": rows,
     }
     write_report(report, args.out)
