@@ -139,16 +139,23 @@ def patch_interpreter():
         scope.set_attr(tl.core.tensor, "__index__", index)
         return scope
 
+    # id(fn.__globals__) -> (those globals, the language modules in them); the globals are
+    # held, so an id is never reused while its entry lives
+    lang_mods: dict[int, tuple[dict, set[int]]] = {}
+
     def patch_lang(fn):
-        mods = {
-            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
-        }
+        g = fn.__globals__
+        have = lang_mods.get(id(g))
+        if have is None or have[0] is not g:
+            mods = {id(v) for v in g.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+            have = lang_mods[id(g)] = (g, mods)
+        mods = have[1]
         if patched and mods <= patched[0]:
             return interpreter._LangPatchScope()
         if patched:
             patched[0] |= mods
             return patch(fn)
-        patched.append(mods)
+        patched.append(set(mods))  # grown in place by nested calls: not the cached set
         return LaunchScope(patch(fn))
 
     interpreter._patch_lang = patch_lang
