@@ -277,7 +277,7 @@ def test_sites_quantize_for_the_products_that_read_codes():
     (the interpreter, bf16), each layer's two sites hand their output's FP8 codes and E8M0
     scales to the joint ``wq_a``/``wkv`` product and the grouped MoE: two quantizer launches
     fewer a layer and the same logits, bit for bit (``tests/data/tiny7.yaml``, every role in
-    7 layers; about 30 s)."""
+    7 layers; about 80 s)."""
     out = _interpreted(_SITE_CODES_RUN)
     runs = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("run ")]
     assert [r[0] for r in runs] == ["False", "True"], out

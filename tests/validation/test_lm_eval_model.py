@@ -118,7 +118,7 @@ def test_lm_eval_runs_the_shipped_tasks_end_to_end(tmp_path):
 def test_lm_eval_under_torchrun_tp2_scores_as_one_process_and_reports_once(tmp_path):
     """``torchrun`` with two ranks (gloo, tensor parallel 2, float64): every rank runs every
     request in lockstep, one process writes the results, and the log-likelihoods it logged
-    equal one process's (about 25 s on two cores)."""
+    equal one process's (about 50 s on two cores, 67 s beside another test worker)."""
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install '.[eval]')")
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
                OMP_NUM_THREADS="1")  # fmt: skip
