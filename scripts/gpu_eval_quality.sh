@@ -8,7 +8,8 @@
 #   CKPT=/tmp/S5b/quality40w SPEC=quality40w OUT=$OUT scripts/gpu_eval_quality.sh
 # Optional: DOCS (documents a recall list length and a copy filler, default 20), LIMIT (the
 # table's documents a task, default 20), ROWS (the table's rows, default "default,random
-# weights"; "all" for every row), EACH_S (seconds each part may take, default 150).
+# weights"; "all" for every row), EACH_S (seconds each part may take, default 150), DEVICE
+# (default cuda; cpu runs the same parts here, slowly).
 set -uo pipefail
 CKPT=${CKPT:?CKPT: the checkpoint folder}
 SPEC=${SPEC:-quality40w}
@@ -17,6 +18,7 @@ DOCS=${DOCS:-20}
 LIMIT=${LIMIT:-20}
 ROWS=${ROWS:-default,random weights}
 EACH_S=${EACH_S:-150}
+DEVICE=${DEVICE:-cuda}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 log="$OUT/eval.log"
@@ -32,9 +34,9 @@ run() {  # name, then the command: its output to the log, its status said, never
     echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 run recall_mc python3 scripts/recall_mc_probe.py --checkpoint "$CKPT" --spec "$SPEC" \
-    --pairs 16,48 --docs "$DOCS" --device cuda --out "$OUT/recall_mc.json"
+    --pairs 16,48 --docs "$DOCS" --device "$DEVICE" --out "$OUT/recall_mc.json"
 run copy_profile python3 scripts/copy_distance_profile.py --checkpoint "$CKPT" --spec "$SPEC" \
-    --fillers 16,64,120,200,420 --docs "$DOCS" --device cuda --out "$OUT/copy_profile.json"
+    --fillers 16,64,120,200,420 --docs "$DOCS" --device "$DEVICE" --out "$OUT/copy_profile.json"
 run quality_table python3 -m v41plan.validation.quality_table --checkpoint "$CKPT" \
-    --spec "$SPEC" --limit "$LIMIT" --device cuda "${rows[@]}" --out "$OUT/quality_table.json"
+    --spec "$SPEC" --limit "$LIMIT" --device "$DEVICE" "${rows[@]}" --out "$OUT/quality_table.json"
 exit 0
