@@ -107,15 +107,15 @@ def patch_interpreter():
     """Make the kernels run under ``TRITON_INTERPRET=1`` (the CPU tests, ``bench_kernels.py
     --smoke``); returns the interpreter function to put back (``interpreter._patch_lang``).
 
-    Two changes to triton 3.6's interpreter:
+    Three changes to triton 3.6's interpreter:
 
     - A tensor used as an int (a loop bound read on the device) converts through
       ``int(ndarray)``, which numpy >= 2.3 refuses for its one-element arrays: take the element.
     - It re-patches every builtin (``inspect.getmembers`` over the language modules) at each
       call of a device function, ``tl.sum`` and ``tl.max`` included, which is most of the
       interpreted run time. Within a launch the modules stay patched, so a nested call only
-      needs the language modules the launch has not patched yet.
-    - Its ``_get_np_dtype`` builds its 19-entry type table at every call (every operand of
+      needs the language modules the launch has not patched yet (found once a module).
+    - Its ``_get_np_dtype`` builds its 18-entry type table at every call (every operand of
       every interpreted operation, about 8% of a select's run): the same table, built once.
     """
     import inspect
