@@ -74,3 +74,32 @@ def test_copy_places_scores_each_place_of_codes_past_the_window():
 
     got = score_copy_places(TwoPlacesWrong(), 12)
     assert got["value"] == pytest.approx(0.75) and got["docs"] == 12 and got["stderr"] == 0.0
+
+
+def test_a_row_scored_in_a_worker_process_equals_the_row_scored_in_this_one(tmp_path):
+    """``--jobs 2`` scores each row in its own spawned process (spec tiny's random weights,
+    one document a column): the same scores as the row scored in this process."""
+    import json
+
+    from v41plan.validation.quality_table import main
+
+    reports = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}.json"
+        args = ["--checkpoint", "unused", "--spec", "tiny", "--limit", "1"]
+        assert (
+            main([*args, "--rows", "random weights", "--jobs", str(jobs), "--out", str(out)]) == 0
+        )
+        reports[jobs] = json.loads(out.read_text())
+    one, two = (reports[j]["rows"] for j in (1, 2))
+    assert [r["row"] for r in two] == ["random weights"]
+    assert one[0]["scores"] == two[0]["scores"]
+
+
+def test_an_unknown_row_is_refused_with_the_row_names(capsys):
+    from v41plan.validation.quality_table import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", "unused", "--rows", "defualt"])
+    assert exc.value.code == 2
+    assert "unknown rows ['defualt']" in capsys.readouterr().err

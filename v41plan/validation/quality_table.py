@@ -1,7 +1,8 @@
 """The README's quality table: the shipped tasks scored under each engine setting.
 
     python -m v41plan.validation.quality_table --checkpoint checkpoints/quality40 \\
-        [--spec quality40] [--limit 100] [--device cpu] [--out reports/cpu/quality_table.json]
+        [--spec quality40] [--limit 100] [--device cpu] [--jobs 2] \\
+        [--out reports/cpu/quality_table.json]
 
 Rows (the trained model unless said; the default engine is bf16 main KV, fp8 index, both
 replays on):
@@ -35,9 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +153,17 @@ def score(spec: str, checkpoint: str | None, options: dict, limit: int | None, d
     return scores, dict(lm.resumed)
 
 
+def _score_row(spec, checkpoint, options, limit, device, threads):
+    """One row in a worker process: its scores, resumption stats and seconds."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    scores, resumed = score(spec, checkpoint, options, limit, device)
+    return scores, resumed, round(time.perf_counter() - t0, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Score every row, print the table, write the JSON report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -157,11 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", default=None, help="comma-separated row names (default every row)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="rows scored at once, each in its own process with cores/jobs threads (default 1)",
+    )
     ap.add_argument("--out", default="reports/cpu/quality_table.json")
     args = ap.parse_args(argv)
     from v41plan.validation.provenance import provenance
 
-    wanted = None if args.rows is None else {r.strip() for r in args.rows.split(",")}
+    wanted = None if args.rows is None else [r.strip() for r in args.rows.split(",")]
+    known = [name for name, _, _ in ROWS]
+    unknown = [r for r in wanted or () if r not in known]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; the rows are {known}")
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, got {args.jobs}")
+    todo = [row for row in ROWS if wanted is None or row[0] in wanted]
     rows: list[dict] = []
     report = {
         "spec": args.spec,
@@ -174,22 +202,34 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m v41plan.validation.quality_table " + " ".join(argv or sys.argv[1:]),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for name, options, trained in ROWS:
-        if wanted is not None and name not in wanted:
-            continue
-        t0 = time.perf_counter()
-        scores, resumed = score(
-            args.spec, args.checkpoint if trained else None, options, args.limit, args.device
-        )
+
+    def record(name, options, trained, scores, resumed, seconds):
         row = {"row": name, "options": options, "trained": trained, "scores": scores}
         if options.get("prefix_hit"):
             row["resumed"] = resumed
-        row["seconds"] = round(time.perf_counter() - t0, 1)
+        row["seconds"] = seconds
         rows.append(row)
         cells = "  ".join(f"{t.removeprefix('v41plan_')} {scores[t]['value']:.3f}" for t in COLUMNS)
-        print(f"{name:28s} {cells}  ({row['seconds']:.0f} s)", flush=True)
-        report["rows"] = rows
+        print(f"{name:28s} {cells}  ({seconds:.0f} s)", flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")  # after every row
+
+    def job(options, trained, threads):
+        ck = args.checkpoint if trained else None
+        return (args.spec, ck, options, args.limit, args.device, threads)
+
+    if args.jobs == 1:
+        for name, options, trained in todo:
+            record(name, options, trained, *_score_row(*job(options, trained, 0)))
+    else:
+        # spawn: a forked child would inherit the parent's torch thread pool state
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+            futures = [
+                (name, options, trained, pool.submit(_score_row, *job(options, trained, threads)))
+                for name, options, trained in todo
+            ]
+            for name, options, trained, fut in futures:
+                record(name, options, trained, *fut.result())
     print(markdown(report))
     return 0
 
