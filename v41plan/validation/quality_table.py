@@ -1,7 +1,7 @@
 """The README's quality table: the shipped tasks scored under each engine setting.
 
-    python -m v41plan.validation.quality_table --checkpoint checkpoints/quality40 \\
-        [--spec quality40] [--limit 100] [--device cpu] [--jobs 2] \\
+    python -m v41plan.validation.quality_table --checkpoint checkpoints/quality40w \\
+        [--spec quality40w] [--limit 100] [--device cpu] [--jobs 2] \\
         [--out reports/cpu/quality_table.json]
 
 Rows (the trained model unless said; the default engine is bf16 main KV, fp8 index, both
@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     """Score every row, print the table, write the JSON report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="the trained checkpoint directory")
-    ap.add_argument("--spec", default="quality40")
+    ap.add_argument(
+        "--spec", default="quality40w", help="the checkpoint's spec (default quality40w)"
+    )
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", default=None, help="comma-separated row names (default every row)")
