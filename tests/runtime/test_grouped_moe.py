@@ -33,6 +33,8 @@ from v41plan.runtime.kernels.triton_gemm import load_a_tile
 from v41plan.runtime.kernels.triton_moe import e2m1_pair_bytes, fp4_pairs, fp4_raw, load_fp4_tile
 from v41plan.runtime.resident import GroupedMoE
 
+from .interpreted import patched_interpreter  # noqa: F401 (an autouse fixture)
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER = "layers.3"
 REL = 1e-12

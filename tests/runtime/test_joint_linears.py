@@ -25,6 +25,7 @@ from v41plan.model.quant import QuantWeight, dequant_fp8_weight, fake_fp8, quant
 from v41plan.runtime import resident
 from v41plan.runtime.paged_model import RuntimeModel
 
+from .interpreted import patched_interpreter  # noqa: F401 (an autouse fixture)
 from .paged_helpers import model, step, token_ids
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -31,6 +31,8 @@ from v41plan.model.layers import HcParams
 from v41plan.runtime.kernels import dense_ref as ref
 from v41plan.runtime.kernels import triton_dense as td
 
+from .interpreted import patched_interpreter  # noqa: F401 (an autouse fixture)
+
 U = 2.0**-24
 HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
 

@@ -37,6 +37,8 @@ from v41plan.runtime.kernels.triton_gemm import (
 )
 from v41plan.runtime.kernels.triton_quant import act_quant_fp8
 
+from .interpreted import patched_interpreter  # noqa: F401 (an autouse fixture)
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DOTS = ("fp32", "bf16", "fp8") if DEV == "cuda" else ("fp32",)
 U_ACC = {"fp32": 2.0**-24, "bf16": 2.0**-24, "fp8": 2.0**-13, "mm": 2.0**-24}

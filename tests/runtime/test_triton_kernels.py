@@ -912,3 +912,19 @@ def test_scorer_loads_a_chunk_s_pages_first_where_its_tiles_lie_in_one_page():
     assert (
         _tk(score_block=32, score_chunk_pages=True, score_prefetch=1).chunk_pages_for(512, 64) == 0
     )
+
+
+def test_interpreter_block_types_are_one_object_per_value():
+    """``patch_interpreter``'s shared block types: one object per (element type, shape), the
+    shape given as ints or constexprs, distinct where element type or shape differ (the
+    kernels' bits against the reference, every test of this module, run with them)."""
+    import triton.language as tl
+
+    a = tl.block_type(tl.float32, [4, 8])
+    assert tl.block_type(tl.float32, (4, 8)) is a
+    assert tl.block_type(tl.float32, [tl.constexpr(4), tl.constexpr(8)]) is a
+    assert a.shape == (4, 8) and a.numel == 32 and a.element_ty == tl.float32
+    for other in (tl.block_type(tl.float32, [8, 4]), tl.block_type(tl.int32, [4, 8])):
+        assert other is not a and other != a
+    assert a.with_element_ty(tl.int32) is tl.block_type(tl.int32, [4, 8])
+    assert a.with_element_ty(tl.int32).scalar == tl.int32 and a.scalar == tl.float32

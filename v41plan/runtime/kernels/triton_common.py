@@ -107,7 +107,7 @@ def patch_interpreter():
     """Make the kernels run under ``TRITON_INTERPRET=1`` (the CPU tests, ``bench_kernels.py
     --smoke``); returns the interpreter function to put back (``interpreter._patch_lang``).
 
-    Three changes to triton 3.6's interpreter:
+    Four changes to triton 3.6's interpreter:
 
     - A tensor used as an int (a loop bound read on the device) converts through
       ``int(ndarray)``, which numpy >= 2.3 refuses for its one-element arrays: take the element.
@@ -117,6 +117,10 @@ def patch_interpreter():
       needs the language modules the launch has not patched yet (found once a module).
     - Its ``_get_np_dtype`` builds its 18-entry type table at every call (every operand of
       every interpreted operation, about 8% of a select's run): the same table, built once.
+    - Every interpreted operation builds its result's ``block_type`` afresh (its shape as a
+      ``tl.tuple`` of constexpr types, validated), a fifth of a select's run: a block type is a
+      value (element type and shape), so one object per value serves them all
+      (``_memo_block_types``).
     """
     import inspect
 
@@ -126,6 +130,7 @@ def patch_interpreter():
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
     if np_dtype is not None and not hasattr(np_dtype, "table"):
         interpreter._get_np_dtype = _np_dtype_once(np_dtype)
+    _memo_block_types()
     patched: list[set[int]] = []
 
     class LaunchScope:
@@ -165,6 +170,41 @@ def patch_interpreter():
 
     interpreter._patch_lang = patch_lang
     return real
+
+
+def _memo_block_types():
+    """``tl.block_type(element_ty, shape)`` returns one object per (element type, shape of ints):
+    the first one built, initialised once. Idempotent. Types are values (``block_type.__eq__``
+    compares exactly those two), never changed after construction, so sharing them changes no
+    result; a shape that is not all integers builds a fresh object as before."""
+    bt = tl.core.block_type
+    if getattr(bt, "_v41plan_memo", False):
+        return
+    init = bt.__init__
+    cache: dict = {}
+
+    def new(cls, element_ty, shape):
+        if cls is not bt:
+            return object.__new__(cls)
+        try:
+            key = (element_ty, *(int(getattr(s, "value", s)) for s in shape))
+            hit = cache.get(key)
+        except TypeError:  # an unhashable element type or a shape that is not integers
+            return object.__new__(cls)
+        if hit is None:
+            hit = object.__new__(cls)
+            init(hit, element_ty, shape)
+            hit.__dict__["_v41plan_built"] = True
+            cache[key] = hit
+        return hit
+
+    def init_once(self, element_ty, shape):
+        if not self.__dict__.get("_v41plan_built", False):
+            init(self, element_ty, shape)
+
+    bt.__new__ = new
+    bt.__init__ = init_once
+    bt._v41plan_memo = True
 
 
 def _np_dtype_once(real):
