@@ -107,7 +107,7 @@ def patch_interpreter():
     """Make the kernels run under ``TRITON_INTERPRET=1`` (the CPU tests, ``bench_kernels.py
     --smoke``); returns the interpreter function to put back (``interpreter._patch_lang``).
 
-    Four changes to triton 3.6's interpreter:
+    Five changes to triton 3.6's interpreter:
 
     - A tensor used as an int (a loop bound read on the device) converts through
       ``int(ndarray)``, which numpy >= 2.3 refuses for its one-element arrays: take the element.
@@ -121,6 +121,10 @@ def patch_interpreter():
       ``tl.tuple`` of constexpr types, validated), a fifth of a select's run: a block type is a
       value (element type and shape), so one object per value serves them all
       (``_memo_block_types``).
+    - Every integer ``+``, ``-`` and ``*`` evaluates its overflow check (both operands widened
+      to int64, the operation again, two comparisons), whose ``device_assert`` then does nothing:
+      it asserts only under ``options.debug``, which the interpreter's options never set. The
+      check is skipped where its assert would be, about a third of an interpreted select's run.
     """
     import inspect
 
@@ -131,6 +135,7 @@ def patch_interpreter():
     if np_dtype is not None and not hasattr(np_dtype, "table"):
         interpreter._get_np_dtype = _np_dtype_once(np_dtype)
     _memo_block_types()
+    _skip_unasserted_overflow_checks(interpreter.TritonSemantic, interpreter.InterpreterBuilder)
     patched: list[set[int]] = []
 
     class LaunchScope:
@@ -170,6 +175,25 @@ def patch_interpreter():
 
     interpreter._patch_lang = patch_lang
     return real
+
+
+def _skip_unasserted_overflow_checks(semantic_cls, builder_cls) -> None:
+    """``binary_op_sanitize_overflow_impl`` of ``semantic_cls`` returning at once for a builder
+    of ``builder_cls`` (the interpreter's; every patched builtin holds its own semantic object)
+    whose options ask for no debug asserts: its ``device_assert`` would return without
+    asserting, and the check's operations have no other effect. Compiled kernels keep the
+    method as it is. Idempotent."""
+    real = semantic_cls.binary_op_sanitize_overflow_impl
+    if getattr(real, "_v41plan", False):
+        return
+
+    def check(self, lhs, rhs, binary_op):
+        if isinstance(self.builder, builder_cls) and not self.builder.options.debug:
+            return None
+        return real(self, lhs, rhs, binary_op)
+
+    check._v41plan = True
+    semantic_cls.binary_op_sanitize_overflow_impl = check
 
 
 def _memo_block_types():
