@@ -928,3 +928,32 @@ def test_interpreter_block_types_are_one_object_per_value():
         assert other is not a and other != a
     assert a.with_element_ty(tl.int32) is tl.block_type(tl.int32, [4, 8])
     assert a.with_element_ty(tl.int32).scalar == tl.int32 and a.scalar == tl.float32
+
+
+def test_interpreter_overflow_checks_run_where_they_can_assert():
+    """``patch_interpreter`` skips the integer overflow check only where its assert is off: an
+    int32 product that overflows passes with the interpreter's options as they are (the check's
+    ``device_assert`` returns without asserting) and still fails with ``debug`` on."""
+    import dataclasses
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def square(x_ptr, out_ptr):
+        x = tl.load(x_ptr + tl.arange(0, 4))
+        tl.store(out_ptr + tl.arange(0, 4), x * x)
+
+    x = torch.tensor([1, 2, 3, 1 << 20], dtype=torch.int32)
+    out = torch.empty_like(x)
+    square[(1,)](x, out)
+    assert out[:3].tolist() == [1, 4, 9]  # the last one wraps, unchecked, as compiled code does
+    builder = interpreter.interpreter_builder
+    opts = builder.options
+    try:
+        builder.options = dataclasses.replace(opts, debug=True)
+        with pytest.raises(Exception, match="overflow"):
+            square[(1,)](x, out)
+    finally:
+        builder.options = opts
