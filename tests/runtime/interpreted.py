@@ -1,6 +1,6 @@
 """A module fixture for tests that run Triton kernels under the CPU interpreter
 (``TRITON_INTERPRET=1``): the runtime's interpreter patches (``triton_common.patch_interpreter``:
-loop bounds read on the device, and three of the interpreter's per-operation costs) while the
+loop bounds read on the device, and four of the interpreter's per-operation costs) while the
 module's tests run. Without the interpreter (a CUDA machine) it does nothing."""
 
 from __future__ import annotations

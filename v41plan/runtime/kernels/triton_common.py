@@ -200,7 +200,8 @@ def _memo_block_types():
     """``tl.block_type(element_ty, shape)`` returns one object per (element type, shape of ints):
     the first one built, initialised once. Idempotent. Types are values (``block_type.__eq__``
     compares exactly those two), never changed after construction, so sharing them changes no
-    result; a shape that is not all integers builds a fresh object as before."""
+    result; a shape that is not all Python ints builds a fresh object (and meets the
+    interpreter's own checks) as before."""
     bt = tl.core.block_type
     if getattr(bt, "_v41plan_memo", False):
         return
@@ -210,10 +211,13 @@ def _memo_block_types():
     def new(cls, element_ty, shape):
         if cls is not bt:
             return object.__new__(cls)
+        dims = tuple(getattr(s, "value", s) for s in shape)
+        if not all(type(d) is int for d in dims):  # built, and refused, as before
+            return object.__new__(cls)
         try:
-            key = (element_ty, *(int(getattr(s, "value", s)) for s in shape))
+            key = (element_ty, *dims)
             hit = cache.get(key)
-        except TypeError:  # an unhashable element type or a shape that is not integers
+        except TypeError:  # an unhashable element type
             return object.__new__(cls)
         if hit is None:
             hit = object.__new__(cls)
